@@ -1,0 +1,158 @@
+#include "core/mechanism.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/charts.hpp"
+
+namespace relpos {
+
+bool JordanSegment::exact() const {
+  if (shear == ShearMode::None || order == 1) return true;
+  if (shear == ShearMode::Gates) return false;  // g_k != g_1^k in general: no group law
+  return chart_is_linear(chart);
+}
+
+int Mechanism::total_blocks() const {
+  int n = 0;
+  for (const auto& s : segments) n = std::max(n, s.first_block + s.blocks);
+  return n;
+}
+
+int Mechanism::gate_rows() const {
+  int r = 0;
+  for (const auto& s : segments)
+    if (s.shear == ShearMode::Gates) r = std::max(r, s.order - 1);
+  return r;
+}
+
+bool Mechanism::transform_exact() const {
+  return std::all_of(segments.begin(), segments.end(), [](const auto& s) { return s.exact(); });
+}
+
+std::string Mechanism::exactness() const {
+  const bool tex = transform_exact();
+  if (!has_transform()) return alibi ? "augmented exact" : "exact";
+  if (alibi) return tex ? "exact + augmented bias" : "approximate + augmented bias";
+  return tex ? "exact" : "approximate";
+}
+
+double Mechanism::resolve_center(double pmin, double pmax) const {
+  switch (center) {
+    case CenterMode::None:
+      return 0.0;
+    case CenterMode::Mid:
+      return std::floor(0.5 * (pmin + pmax));  // an integer centre keeps integer lags exact
+    case CenterMode::Fixed:
+      return center_value;
+  }
+  return 0.0;
+}
+
+ParamValues default_params(const Mechanism& m) {
+  ParamValues p;
+  p.heads = m.heads;
+  p.blocks = m.total_blocks();
+  p.gate_rows = m.gate_rows();
+  const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
+  p.gamma.assign(hb, 0.0);
+  p.eta.assign(hb, 0.0);
+  p.alpha0.assign(hb, 1.0);
+  p.gates.assign(static_cast<size_t>(p.gate_rows) * hb, 0.0);
+  for (const auto& s : m.segments)
+    for (int h = 0; h < p.heads; ++h)
+      for (int b = 0; b < s.blocks; ++b) {
+        const size_t i = static_cast<size_t>(h) * p.blocks + s.first_block + b;
+        p.gamma[i] = s.damped ? s.gamma_init : 0.0;
+        p.eta[i] = s.shear == ShearMode::Exponential ? s.eta_init : 0.0;
+        p.alpha0[i] = s.shear == ShearMode::Gates ? s.alpha0_init : 1.0;
+        if (s.shear == ShearMode::Gates)
+          for (int k = 1; k < s.order; ++k) p.gates[(k - 1) * hb + i] = s.gate_init[k - 1];
+      }
+  return p;
+}
+
+ParamValues random_params(const Mechanism& m, std::mt19937_64& rng) {
+  ParamValues p = default_params(m);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
+  for (const auto& s : m.segments)
+    for (int h = 0; h < p.heads; ++h)
+      for (int b = 0; b < s.blocks; ++b) {
+        const size_t i = static_cast<size_t>(h) * p.blocks + s.first_block + b;
+        if (s.damped && s.learn_gamma)
+          p.gamma[i] = s.gamma_min + (s.gamma_random_max - s.gamma_min) * u01(rng);
+        if (s.shear == ShearMode::Exponential && s.learn_eta)
+          p.eta[i] = s.eta_max * (2.0 * u01(rng) - 1.0);
+        if (s.shear != ShearMode::Gates) continue;
+        if (s.spectrum_softmax || !s.learn_gates) {
+          // a point of the simplex (the learned spectrum's range); fixed spectra keep their value
+          if (!s.spectrum_softmax) continue;
+          std::vector<double> a(s.order);
+          double sum = 0;
+          for (auto& v : a) sum += (v = -std::log(1.0 - u01(rng)));
+          p.alpha0[i] = a[0] / sum;
+          for (int k = 1; k < s.order; ++k) p.gates[(k - 1) * hb + i] = a[k] / sum;
+        } else {
+          for (int k = 1; k < s.order; ++k)
+            p.gates[(k - 1) * hb + i] = s.gate_max * (2.0 * u01(rng) - 1.0);
+          if (s.learn_alpha0) p.alpha0[i] = 0.25 + (s.gate_max - 0.25) * u01(rng);
+        }
+      }
+  return p;
+}
+
+void shear_coefficients(ShearMode mode, int order, double eta, const double* gates,
+                        size_t gate_stride, double alpha0, double u, double* c) {
+  if (mode == ShearMode::Gates) {
+    c[0] = alpha0;
+    double pw = 1.0;
+    for (int k = 1; k < order; ++k) {
+      pw *= u / k;
+      c[k] = gates[(k - 1) * gate_stride] * pw;
+    }
+    return;
+  }
+  c[0] = 1.0;
+  const double x = mode == ShearMode::Exponential ? eta * u : 0.0;
+  for (int k = 1; k < order; ++k) c[k] = c[k - 1] * x / k;
+}
+
+void inverse_series(int order, const double* c, double* ic) {
+  ic[0] = 1.0 / c[0];
+  for (int k = 1; k < order; ++k) {
+    double acc = 0.0;
+    for (int j = 1; j <= k; ++j) acc += c[j] * ic[k - j];
+    ic[k] = -acc / c[0];
+  }
+}
+
+std::vector<LagFeature> lag_features(const Mechanism& m, const ParamValues& p, int head, double d) {
+  std::vector<LagFeature> out;
+  const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
+  for (size_t si = 0; si < m.segments.size(); ++si) {
+    const auto& s = m.segments[si];
+    for (int b = 0; b < s.blocks; ++b) {
+      const size_t i = static_cast<size_t>(head) * p.blocks + s.first_block + b;
+      const double u = s.shear_scale * chart_value(s.chart, d, s.L);
+      std::vector<double> c(s.order);
+      shear_coefficients(s.shear, s.order, p.eta[i], p.gates.data() + i, hb, p.alpha0[i], u,
+                         c.data());
+      // U(-i)^{-1} U(-j) for gates is alpha0-normalised: the score sees c_r / alpha_0.
+      const double damp = std::exp(-p.gamma[i] * d);
+      const double ang = s.omega[b] * d;
+      for (int r = 0; r < s.order; ++r) {
+        const double a = damp * c[r] / c[0];
+        const std::string base = fmt::format("s{}_b{}_r{}", si, b, r);
+        out.push_back({base + "_cos", a * std::cos(ang)});
+        out.push_back({base + "_sin", a * std::sin(ang)});
+      }
+    }
+  }
+  if (m.alibi) out.push_back({"alibi", -m.alibi->slopes[head] * d});
+  return out;
+}
+
+}  // namespace relpos

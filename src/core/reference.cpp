@@ -1,0 +1,133 @@
+#include "core/reference.hpp"
+
+#include <unsupported/Eigen/MatrixFunctions>
+
+#include "core/charts.hpp"
+
+namespace relpos::reference {
+
+namespace {
+
+// Visits every block of every segment with its parameter index.
+template <class F>
+void for_each_block(const Mechanism& m, const ParamValues& p, int head, F&& f) {
+  for (const auto& s : m.segments)
+    for (int b = 0; b < s.blocks; ++b)
+      f(s, b, static_cast<size_t>(head) * p.blocks + s.first_block + b);
+}
+
+}  // namespace
+
+Eigen::MatrixXd key_map(const Mechanism& m, const ParamValues& p, int head, double pos,
+                        Layout layout) {
+  const int D = m.head_dim;
+  Eigen::MatrixXd A = Eigen::MatrixXd::Identity(D, D);
+  const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
+  for_each_block(m, p, head, [&](const JordanSegment& s, int b, size_t i) {
+    const int n = 2 * s.order;
+    const double t = -pos;
+    const double u = s.shear_scale * chart_value(s.chart, t, s.L);
+    Eigen::MatrixXd rot = Eigen::MatrixXd::Zero(n, n), nil = Eigen::MatrixXd::Zero(n, n);
+    for (int r = 0; r < s.order; ++r) {
+      rot(2 * r, 2 * r) = rot(2 * r + 1, 2 * r + 1) = -p.gamma[i] * t;
+      rot(2 * r, 2 * r + 1) = -s.omega[b] * t;
+      rot(2 * r + 1, 2 * r) = s.omega[b] * t;
+      if (r + 1 < s.order) nil(2 * r, 2 * r + 2) = nil(2 * r + 1, 2 * r + 3) = 1.0;
+    }
+    Eigen::MatrixXd blk;
+    if (s.shear == ShearMode::Gates) {
+      Eigen::MatrixXd U = p.alpha0[i] * Eigen::MatrixXd::Identity(n, n);
+      Eigen::MatrixXd Nk = Eigen::MatrixXd::Identity(n, n);
+      double pw = 1.0;
+      for (int k = 1; k < s.order; ++k) {
+        Nk = Nk * nil;
+        pw *= u / k;
+        U += p.gates[(k - 1) * hb + i] * pw * Nk;
+      }
+      blk = rot.exp() * U;
+    } else {
+      const double eta = s.shear == ShearMode::Exponential ? p.eta[i] : 0.0;
+      Eigen::MatrixXd gen = rot + eta * u * nil;
+      blk = gen.exp();
+    }
+    for (int r = 0; r < n; ++r)
+      for (int c = 0; c < n; ++c) {
+        const int jr = s.first_pair + b * s.order + r / 2, jc = s.first_pair + b * s.order + c / 2;
+        A(real_index(layout, D, jr, r % 2), real_index(layout, D, jc, c % 2)) = blk(r, c);
+      }
+  });
+  return A;
+}
+
+Eigen::MatrixXd query_map(const Mechanism& m, const ParamValues& p, int head, double pos,
+                          Layout layout) {
+  return key_map(m, p, head, pos, layout).inverse().transpose();
+}
+
+namespace {
+// Entries of the closed-form G(d): for each block, slot pair (r, col) with col >= r carries
+// e^{-gamma d} (c_{col-r}/c_0) R(omega d). Calls f(row_pair, col_pair, a, cos, sin).
+template <class F>
+void for_each_relative_entry(const Mechanism& m, const ParamValues& p, int head, double d, F&& f) {
+  const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
+  for_each_block(m, p, head, [&](const JordanSegment& s, int b, size_t i) {
+    double c[16];
+    const double u = s.shear_scale * chart_value(s.chart, d, s.L);
+    shear_coefficients(s.shear, s.order, p.eta[i], p.gates.data() + i, hb, p.alpha0[i], u, c);
+    const double damp = std::exp(-p.gamma[i] * d);
+    double sn, cs;
+    accurate_sincos(s.omega[b], d, &sn, &cs);
+    for (int r = 0; r < s.order; ++r)
+      for (int col = r; col < s.order; ++col)
+        f(s.first_pair + b * s.order + r, s.first_pair + b * s.order + col,
+          damp * c[col - r] / c[0], cs, sn);
+  });
+}
+
+int covered_pairs(const Mechanism& m) {
+  int n = 0;
+  for (const auto& s : m.segments) n = std::max(n, s.first_pair + s.pairs());
+  return n;
+}
+}  // namespace
+
+Eigen::MatrixXd relative_operator(const Mechanism& m, const ParamValues& p, int head, double d,
+                                  Layout layout) {
+  const int D = m.head_dim;
+  Eigen::MatrixXd G = Eigen::MatrixXd::Identity(D, D);
+  for_each_relative_entry(m, p, head, d, [&](int jr, int jc, double a, double cs, double sn) {
+    const int r0 = real_index(layout, D, jr, 0), r1 = real_index(layout, D, jr, 1);
+    const int c0 = real_index(layout, D, jc, 0), c1 = real_index(layout, D, jc, 1);
+    G(r0, c0) = a * cs;
+    G(r0, c1) = -a * sn;
+    G(r1, c0) = a * sn;
+    G(r1, c1) = a * cs;
+  });
+  return G;
+}
+
+double relative_score(const Mechanism& m, const ParamValues& p, int head, double d,
+                      const double* q, const double* k, Layout layout) {
+  const int D = m.head_dim;
+  double s = 0;
+  for_each_relative_entry(m, p, head, d, [&](int jr, int jc, double a, double cs, double sn) {
+    const double qr = q[real_index(layout, D, jr, 0)], qi = q[real_index(layout, D, jr, 1)];
+    const double kr = k[real_index(layout, D, jc, 0)], ki = k[real_index(layout, D, jc, 1)];
+    s += a * (qr * (cs * kr - sn * ki) + qi * (sn * kr + cs * ki));
+  });
+  for (int j = covered_pairs(m); j < D / 2; ++j)
+    for (int c = 0; c < 2; ++c) s += q[real_index(layout, D, j, c)] * k[real_index(layout, D, j, c)];
+  return s;
+}
+
+LiftedPair alibi_lift(double slope, double i, double j) {
+  const auto U = [](double t) {
+    Eigen::Matrix2d u;
+    u << 1.0, t, 0.0, 1.0;
+    return u;
+  };
+  const Eigen::Matrix2d Ai = U(-i), Aj = U(-j);
+  return {Ai.inverse().transpose() * Eigen::Vector2d(-slope, 0.0), Aj * Eigen::Vector2d(0.0, 1.0)};
+}
+
+}  // namespace relpos::reference

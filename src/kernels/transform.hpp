@@ -1,0 +1,86 @@
+// Fast CPU kernels for the position-wise transforms of every Jordan-block mechanism (RoPE and
+// damped RoPE are order 1): keys get the primal map A(p) = G(-p), queries the contragredient
+// A(p)^{-T} (Jordan-RoPE Prop. 1). Forward and backward (inputs and every parameter) on contiguous
+// [B, H, T, D] buffers, float and double, interleaved and half-split layouts, arbitrary real
+// position ids, OpenMP threads. No LibTorch: an inference engine can take this file alone.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/mechanism.hpp"
+
+namespace relpos::kernels {
+
+struct SegmentDesc {
+  int first_pair, first_block, blocks, order;
+  Chart chart;
+  double L, shear_scale, max_exponent;
+  ShearMode shear;
+  bool damped;
+};
+
+// Everything a kernel needs to know about a mechanism's transform, fixed at construction.
+struct TransformPlan {
+  int head_dim = 0;
+  Layout layout = Layout::Interleaved;
+  std::vector<SegmentDesc> segments;
+  std::vector<double> omega;  // per global block
+  int total_blocks = 0;
+  int gate_rows = 0;
+  static TransformPlan from(const Mechanism& m, Layout layout);
+};
+
+struct Dims {
+  int64_t B = 1, H = 1, T = 1;
+};
+
+// Position ids, float64: [T] shared by the batch, or [B, T]. `center` is c0 (already resolved).
+struct Positions {
+  const double* data = nullptr;
+  bool per_batch = false;
+  double center = 0.0;
+  double at(int64_t b, int64_t t, int64_t T) const { return data[per_batch ? b * T + t : t] - center; }
+};
+
+// Per-head, per-block parameters (see ParamValues for the layout); unused ones may be null.
+template <class T>
+struct Params {
+  const T* gamma = nullptr;
+  const T* eta = nullptr;
+  const T* gates = nullptr;  // [gate_rows, H, NB]
+  const T* alpha0 = nullptr;
+};
+// Gradient outputs, accumulated (+=) in place; null entries are not computed.
+template <class T>
+struct ParamGrads {
+  T* gamma = nullptr;
+  T* eta = nullptr;
+  T* gates = nullptr;
+  T* alpha0 = nullptr;
+  bool any() const { return gamma || eta || gates || alpha0; }
+};
+
+// cos/sin of the angle -omega_b (p - c0) for every (row of positions, block): computed once per
+// call in float64 with a compensated product (so long positions keep their phase), stored as T.
+template <class T>
+struct TrigTable {
+  std::vector<T> cos, sin;  // [P rows][T][NB], P = B if positions are per batch else 1
+};
+template <class T>
+TrigTable<T> build_trig_table(const TransformPlan& plan, Dims dims, const Positions& pos);
+
+// y = A x on keys and y = A^{-T} x on queries; either of q / k may be null. In-place allowed.
+template <class T>
+void transform_forward(const TransformPlan& plan, Dims dims, const Positions& pos,
+                       const Params<T>& params, const TrigTable<T>& trig, const T* q, const T* k,
+                       T* q_out, T* k_out);
+
+// Gradients: gq = A^{-1} gq_out (queries), gk = A^T gk_out (keys); parameter gradients need the
+// forward inputs q, k. Any of q/k (with their gradients) may be null.
+template <class T>
+void transform_backward(const TransformPlan& plan, Dims dims, const Positions& pos,
+                        const Params<T>& params, const TrigTable<T>& trig, const T* q, const T* k,
+                        const T* gq_out, const T* gk_out, T* gq, T* gk, const ParamGrads<T>& grads);
+
+}  // namespace relpos::kernels
