@@ -49,12 +49,12 @@ Applied<T> apply(const Mechanism& m, const ParamValues& pv, Layout layout,
   out.q.resize(q.size());
   out.k.resize(k.size());
   if (wrong_query) {
-    kernels::transform_forward<T>(plan, dims, P, par, trig, nullptr, qi.data(), nullptr,
+    kernels::transform_forward<T>(plan, dims, P, par, trig.view(), nullptr, qi.data(), nullptr,
                                   out.q.data());
-    kernels::transform_forward<T>(plan, dims, P, par, trig, nullptr, ki.data(), nullptr,
+    kernels::transform_forward<T>(plan, dims, P, par, trig.view(), nullptr, ki.data(), nullptr,
                                   out.k.data());
   } else {
-    kernels::transform_forward<T>(plan, dims, P, par, trig, qi.data(), ki.data(), out.q.data(),
+    kernels::transform_forward<T>(plan, dims, P, par, trig.view(), qi.data(), ki.data(), out.q.data(),
                                   out.k.data());
   }
   return out;

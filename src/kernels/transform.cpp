@@ -275,15 +275,15 @@ void check_plan(const TransformPlan& plan) {
 
 template <class T, Layout LY>
 void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
-                  const TrigTable<T>& trig, const T* q, const T* k, T* qo, T* ko) {
+                  TrigView<T> trig, const T* q, const T* k, T* qo, T* ko) {
   const int64_t D = plan.head_dim, NB = plan.total_blocks, rows = dims.B * dims.H * dims.T;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = row % dims.T, h = (row / dims.T) % dims.H, b = row / (dims.T * dims.H);
     const double p = pos.at(b, t, dims.T);
     const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t) * NB;
-    const T* cs = trig.cos.data() + trow;
-    const T* sn = trig.sin.data() + trow;
+    const T* cs = trig.cos + trow;
+    const T* sn = trig.sin + trow;
     if (q) forward_row<T, LY, false>(plan, h, dims.H, p, cs, sn, P, q + row * D, qo + row * D);
     if (k) forward_row<T, LY, true>(plan, h, dims.H, p, cs, sn, P, k + row * D, ko + row * D);
   }
@@ -291,7 +291,7 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
 
 template <class T, Layout LY>
 void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
-                   const TrigTable<T>& trig, const T* q, const T* k, const T* gqo, const T* gko,
+                   TrigView<T> trig, const T* q, const T* k, const T* gqo, const T* gko,
                    T* gq, T* gk, const ParamGrads<T>& G) {
   const int64_t D = plan.head_dim, NB = plan.total_blocks, rows = dims.B * dims.H * dims.T;
   const GradSlots slot{static_cast<size_t>(dims.H * NB)};
@@ -308,8 +308,8 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
       const int64_t t = row % dims.T, h = (row / dims.T) % dims.H, b = row / (dims.T * dims.H);
       const double p = pos.at(b, t, dims.T);
       const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t) * NB;
-      const T* cs = trig.cos.data() + trow;
-      const T* sn = trig.sin.data() + trow;
+      const T* cs = trig.cos + trow;
+      const T* sn = trig.sin + trow;
       if (gqo)
         backward_row<T, LY, false>(plan, h, dims.H, p, cs, sn, P, q ? q + row * D : nullptr,
                                    gqo + row * D, gq ? gq + row * D : nullptr, q ? a : nullptr,
@@ -339,28 +339,38 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
 
 }  // namespace
 
+int64_t trig_table_size(const TransformPlan& plan, Dims dims, const Positions& pos) {
+  return (pos.per_batch ? dims.B : 1) * dims.T * plan.total_blocks;
+}
+
 template <class T>
-TrigTable<T> build_trig_table(const TransformPlan& plan, Dims dims, const Positions& pos) {
+void fill_trig_table(const TransformPlan& plan, Dims dims, const Positions& pos, T* cos, T* sin) {
   const int64_t NB = plan.total_blocks, P = pos.per_batch ? dims.B : 1;
-  TrigTable<T> tab;
-  tab.cos.resize(P * dims.T * NB);
-  tab.sin.resize(P * dims.T * NB);
 #pragma omp parallel for schedule(static)
   for (int64_t pt = 0; pt < P * dims.T; ++pt) {
     const double p = pos.at(pt / dims.T, pt % dims.T, dims.T);
     for (int64_t b = 0; b < NB; ++b) {
       double sn, c;
       accurate_sincos(plan.omega[b], p, &sn, &c);
-      tab.cos[pt * NB + b] = static_cast<T>(c);
-      tab.sin[pt * NB + b] = static_cast<T>(-sn);  // the maps rotate by -omega p
+      cos[pt * NB + b] = static_cast<T>(c);
+      sin[pt * NB + b] = static_cast<T>(-sn);  // the maps rotate by -omega p
     }
   }
+}
+
+template <class T>
+TrigTable<T> build_trig_table(const TransformPlan& plan, Dims dims, const Positions& pos) {
+  TrigTable<T> tab;
+  const auto n = static_cast<size_t>(trig_table_size(plan, dims, pos));
+  tab.cos.resize(n);
+  tab.sin.resize(n);
+  fill_trig_table<T>(plan, dims, pos, tab.cos.data(), tab.sin.data());
   return tab;
 }
 
 template <class T>
 void transform_forward(const TransformPlan& plan, Dims dims, const Positions& pos,
-                       const Params<T>& params, const TrigTable<T>& trig, const T* q, const T* k,
+                       const Params<T>& params, TrigView<T> trig, const T* q, const T* k,
                        T* q_out, T* k_out) {
   check_plan(plan);
   if (plan.layout == Layout::Interleaved)
@@ -371,7 +381,7 @@ void transform_forward(const TransformPlan& plan, Dims dims, const Positions& po
 
 template <class T>
 void transform_backward(const TransformPlan& plan, Dims dims, const Positions& pos,
-                        const Params<T>& params, const TrigTable<T>& trig, const T* q, const T* k,
+                        const Params<T>& params, TrigView<T> trig, const T* q, const T* k,
                         const T* gq_out, const T* gk_out, T* gq, T* gk,
                         const ParamGrads<T>& grads) {
   check_plan(plan);
@@ -385,11 +395,12 @@ void transform_backward(const TransformPlan& plan, Dims dims, const Positions& p
 
 #define RELPOS_INSTANTIATE(T)                                                                    \
   template TrigTable<T> build_trig_table<T>(const TransformPlan&, Dims, const Positions&);       \
+  template void fill_trig_table<T>(const TransformPlan&, Dims, const Positions&, T*, T*);        \
   template void transform_forward<T>(const TransformPlan&, Dims, const Positions&,               \
-                                     const Params<T>&, const TrigTable<T>&, const T*, const T*, \
+                                     const Params<T>&, TrigView<T>, const T*, const T*, \
                                      T*, T*);                                                    \
   template void transform_backward<T>(const TransformPlan&, Dims, const Positions&,              \
-                                      const Params<T>&, const TrigTable<T>&, const T*, const T*, \
+                                      const Params<T>&, TrigView<T>, const T*, const T*, \
                                       const T*, const T*, T*, T*, const ParamGrads<T>&);
 RELPOS_INSTANTIATE(float)
 RELPOS_INSTANTIATE(double)

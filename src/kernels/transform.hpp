@@ -63,9 +63,20 @@ struct ParamGrads {
 
 // cos/sin of the angle -omega_b (p - c0) for every (row of positions, block): computed once per
 // call in float64 with a compensated product (so long positions keep their phase), stored as T.
+// Layout [P rows][T][NB], P = B if positions are per batch else 1.
+template <class T>
+struct TrigView {
+  const T* cos = nullptr;
+  const T* sin = nullptr;
+};
+int64_t trig_table_size(const TransformPlan& plan, Dims dims, const Positions& pos);
+template <class T>
+void fill_trig_table(const TransformPlan& plan, Dims dims, const Positions& pos, T* cos, T* sin);
+// Owning convenience for callers without their own buffers.
 template <class T>
 struct TrigTable {
-  std::vector<T> cos, sin;  // [P rows][T][NB], P = B if positions are per batch else 1
+  std::vector<T> cos, sin;
+  TrigView<T> view() const { return {cos.data(), sin.data()}; }
 };
 template <class T>
 TrigTable<T> build_trig_table(const TransformPlan& plan, Dims dims, const Positions& pos);
@@ -73,14 +84,14 @@ TrigTable<T> build_trig_table(const TransformPlan& plan, Dims dims, const Positi
 // y = A x on keys and y = A^{-T} x on queries; either of q / k may be null. In-place allowed.
 template <class T>
 void transform_forward(const TransformPlan& plan, Dims dims, const Positions& pos,
-                       const Params<T>& params, const TrigTable<T>& trig, const T* q, const T* k,
+                       const Params<T>& params, TrigView<T> trig, const T* q, const T* k,
                        T* q_out, T* k_out);
 
 // Gradients: gq = A^{-1} gq_out (queries), gk = A^T gk_out (keys); parameter gradients need the
 // forward inputs q, k. Any of q/k (with their gradients) may be null.
 template <class T>
 void transform_backward(const TransformPlan& plan, Dims dims, const Positions& pos,
-                        const Params<T>& params, const TrigTable<T>& trig, const T* q, const T* k,
+                        const Params<T>& params, TrigView<T> trig, const T* q, const T* k,
                         const T* gq_out, const T* gk_out, T* gq, T* gk, const ParamGrads<T>& grads);
 
 }  // namespace relpos::kernels
