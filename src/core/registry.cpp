@@ -145,8 +145,8 @@ std::vector<OptionInfo> jordan_common_options(const std::string& regime_default)
        "tau(d)=d/(1+d/L), s=1 (approximate)"},
       {"L", "1024", "chart scale / training context (> 0)"},
       {"c", "1", "scaled regime: damping gamma0 = c/L"},
-      {"gamma0", "auto", "initial damping (auto: 1e-4, or c/L when scaled)"},
-      {"gamma_min", "auto", "gamma = softplus(a) + gamma_min (auto: 1e-4, or 0 when scaled)"},
+      {"gamma0", "auto", "initial damping (auto: 1e-4, or c/L when scaled and for jet gates)"},
+      {"gamma_min", "auto", "gamma = softplus(a) + gamma_min (auto: 1e-4, or 0 when gamma0 = c/L)"},
       {"learn_gamma", "true", "gamma is a learnable parameter per head and block"},
       {"zero_gamma", "false", "force gamma = 0 (no damping)"},
       {"max_exp", "30", "clamp |gamma p| before exp (reference: 30); verify reports when it binds"},
@@ -156,7 +156,7 @@ std::vector<OptionInfo> jordan_common_options(const std::string& regime_default)
 }
 
 // Damping, chart and clamp common to every Jordan-block term.
-JordanSegment jordan_base(const Args& a, int order) {
+JordanSegment jordan_base(const Args& a, int order, bool scaled_damping = false) {
   JordanSegment s;
   s.order = order;
   // damped_rope has no regime / c: it is always the raw exponential damping
@@ -168,13 +168,15 @@ JordanSegment jordan_base(const Args& a, int order) {
   s.shear_scale = regime == "scaled" ? 1.0 / s.L : 1.0;
   s.damped = !a.flag("zero_gamma");
   s.learn_gamma = s.damped && a.flag("learn_gamma");
-  s.gamma_min = a.is_auto("gamma_min") ? (regime == "scaled" ? 0.0 : 1e-4) : a.nonneg("gamma_min");
-  s.gamma_init = a.is_auto("gamma0") ? (regime == "scaled" ? c / s.L : 1e-4) : a.nonneg("gamma0");
+  // scaled regime and jet gates (which are always 1/L-scaled): gamma0 = c/L, gamma_min = 0
+  const bool per_L = regime == "scaled" || scaled_damping;
+  s.gamma_min = a.is_auto("gamma_min") ? (per_L ? 0.0 : 1e-4) : a.nonneg("gamma_min");
+  s.gamma_init = a.is_auto("gamma0") ? (per_L ? c / s.L : 1e-4) : a.nonneg("gamma0");
   if (s.gamma_init < s.gamma_min)
     throw InputError(fmt::format("{}: gamma0 {} is below gamma_min {}", a.term(), s.gamma_init,
                                  s.gamma_min));
-  s.gamma_random_max =
-      regime == "scaled" ? std::max(1.5, c) / s.L : std::max(1e-3, s.gamma_init);
+  // verify's random range; kept so that |gamma p| < 30 over centred windows of 32768
+  s.gamma_random_max = per_L ? std::max(1.5, c) / s.L : std::max(5e-4, s.gamma_init);
   s.max_exponent = a.positive("max_exp");
   return s;
 }
@@ -324,7 +326,7 @@ const std::vector<TermDef>& term_defs() {
       require_divisible(a, D, 2 * m, fmt::format("order {} blocks of {} coordinates", m, 2 * m));
       if (a.str("regime") == "raw")
         throw InputError(fmt::format("{}: regime must be stabilized or scaled", a.term()));
-      JordanSegment s = jordan_base(a, m);
+      JordanSegment s = jordan_base(a, m, /*scaled_damping=*/true);
       s.shear = ShearMode::Gates;
       s.shear_scale = 1.0 / s.L;
       s.blocks = D / (2 * m);

@@ -1,0 +1,66 @@
+// PositionEncoding: a mechanism (spec string) as a torch module with learnable parameters.
+// forward(q, k, positions) returns the transformed q and k; additive biases (ALiBi) are exposed
+// as descriptors (slopes) and, for reference attention only, as a materialised logit bias.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "core/mechanism.hpp"
+#include "kernels/transform.hpp"
+
+namespace relpos::nn {
+
+struct EncodingOptions {
+  Layout layout = Layout::Interleaved;
+  bool check_finite = true;  // reject NaN / Inf inputs with an error (one extra pass over q, k)
+};
+
+// Parameters as the kernels see them (differentiable functions of the raw parameters):
+// gamma, eta, alpha0 [H, NB]; gates [gate_rows, H, NB]; empty where the mechanism has none.
+struct KernelParams {
+  torch::Tensor gamma, eta, gates, alpha0;
+};
+
+class PositionEncodingImpl : public torch::nn::Module {
+ public:
+  PositionEncodingImpl(const std::string& spec, int64_t head_dim, int64_t heads,
+                       EncodingOptions options = {});
+
+  struct Output {
+    torch::Tensor q, k;
+  };
+  // q, k: [B, H, T, D]; positions: [T] or [B, T] (any real values), default 0..T-1.
+  Output forward(const torch::Tensor& q, const torch::Tensor& k,
+                 const torch::Tensor& positions = {});
+
+  KernelParams kernel_params() const;
+  ParamValues param_values() const;  // float64 snapshot of kernel_params()
+  // ALiBi slopes [H] (undefined tensor when the mechanism has no ALiBi term).
+  torch::Tensor alibi_slopes() const;
+  // Materialised additive bias [H, Tq, Tk] = -slope_h (i - j) (reference attention only).
+  torch::Tensor logit_bias(const torch::Tensor& q_positions, const torch::Tensor& k_positions) const;
+
+  const Mechanism& mechanism() const { return mech_; }
+  const kernels::TransformPlan& plan() const { return plan_; }
+  double center_for(const torch::Tensor& positions) const;
+
+ private:
+  torch::Tensor make(const std::string& name, torch::Tensor value, bool learnable);
+
+  Mechanism mech_;
+  kernels::TransformPlan plan_;
+  EncodingOptions options_;
+  // raw parameters (or fixed buffers) and per-block constants
+  torch::Tensor raw_gamma_, gamma_min_, gamma_learn_, gamma_fixed_, damped_;
+  torch::Tensor raw_eta_, eta_max_, eta_learn_, eta_fixed_;
+  torch::Tensor raw_gates_, raw_alpha0_, spectrum_logits_, gate_max_, gates_fixed_, alpha0_fixed_;
+  bool gates_learn_ = false, alpha0_learn_ = false, spectrum_ = false;
+};
+TORCH_MODULE(PositionEncoding);
+
+// Validates q/k/positions for a mechanism (shape, dtype, head dim, finiteness) with errors that
+// name the tensor and the problem. Returns the positions as float64 (default 0..T-1).
+torch::Tensor checked_positions(const Mechanism& m, const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& positions, bool check_finite);
+
+}  // namespace relpos::nn

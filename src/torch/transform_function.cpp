@@ -1,0 +1,131 @@
+#include "torch/transform_function.hpp"
+
+namespace relpos::nn {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The plan travels through the autograd context as a flat list of doubles (saved_data holds
+// IValues only), which also keeps the backward independent of the module's lifetime.
+std::vector<double> encode(const kernels::TransformPlan& p) {
+  std::vector<double> v = {double(p.head_dim), double(p.layout == Layout::HalfSplit),
+                           double(p.total_blocks), double(p.gate_rows), double(p.segments.size())};
+  for (const auto& s : p.segments)
+    v.insert(v.end(), {double(s.first_pair), double(s.first_block), double(s.blocks),
+                       double(s.order), double(static_cast<int>(s.chart)), s.L, s.shear_scale,
+                       s.max_exponent, double(static_cast<int>(s.shear)), double(s.damped)});
+  v.insert(v.end(), p.omega.begin(), p.omega.end());
+  return v;
+}
+
+kernels::TransformPlan decode(const std::vector<double>& v) {
+  kernels::TransformPlan p;
+  size_t i = 0;
+  p.head_dim = static_cast<int>(v[i++]);
+  p.layout = v[i++] != 0 ? Layout::HalfSplit : Layout::Interleaved;
+  p.total_blocks = static_cast<int>(v[i++]);
+  p.gate_rows = static_cast<int>(v[i++]);
+  const auto nseg = static_cast<size_t>(v[i++]);
+  for (size_t s = 0; s < nseg; ++s, i += 10)
+    p.segments.push_back({static_cast<int>(v[i]), static_cast<int>(v[i + 1]),
+                          static_cast<int>(v[i + 2]), static_cast<int>(v[i + 3]),
+                          static_cast<Chart>(static_cast<int>(v[i + 4])), v[i + 5], v[i + 6],
+                          v[i + 7], static_cast<ShearMode>(static_cast<int>(v[i + 8])),
+                          v[i + 9] != 0});
+  p.omega.assign(v.begin() + static_cast<std::ptrdiff_t>(i), v.end());
+  return p;
+}
+
+template <class T>
+const T* ptr(const torch::Tensor& t) {
+  return t.defined() && t.numel() ? t.data_ptr<T>() : nullptr;
+}
+template <class T>
+T* mptr(torch::Tensor& t) {
+  return t.defined() && t.numel() ? t.data_ptr<T>() : nullptr;
+}
+
+struct Geometry {
+  kernels::Dims dims;
+  kernels::Positions pos;
+};
+Geometry geometry(const torch::Tensor& q, const torch::Tensor& positions, double center) {
+  Geometry g;
+  g.dims = {q.size(0), q.size(1), q.size(2)};
+  g.pos = {positions.data_ptr<double>(), positions.dim() == 2, center};
+  return g;
+}
+
+class TransformQK : public torch::autograd::Function<TransformQK> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& q,
+                               const torch::Tensor& k, const torch::Tensor& gamma,
+                               const torch::Tensor& eta, const torch::Tensor& gates,
+                               const torch::Tensor& alpha0, const torch::Tensor& positions,
+                               std::vector<double> plan_code, double center) {
+    const auto plan = decode(plan_code);
+    const auto g = geometry(q, positions, center);
+    const int64_t n = kernels::trig_table_size(plan, g.dims, g.pos);
+    auto cos = torch::empty({n}, q.options()), sin = torch::empty({n}, q.options());
+    auto qo = torch::empty_like(q), ko = torch::empty_like(k);
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_transform_forward", [&] {
+      kernels::fill_trig_table<scalar_t>(plan, g.dims, g.pos, cos.data_ptr<scalar_t>(),
+                                         sin.data_ptr<scalar_t>());
+      kernels::transform_forward<scalar_t>(
+          plan, g.dims, g.pos,
+          {ptr<scalar_t>(gamma), ptr<scalar_t>(eta), ptr<scalar_t>(gates), ptr<scalar_t>(alpha0)},
+          {cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>()}, q.data_ptr<scalar_t>(),
+          k.data_ptr<scalar_t>(), qo.data_ptr<scalar_t>(), ko.data_ptr<scalar_t>());
+    });
+    ctx->save_for_backward({q, k, gamma, eta, gates, alpha0, positions, cos, sin});
+    ctx->saved_data["plan"] = plan_code;
+    ctx->saved_data["center"] = center;
+    return {qo, ko};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &gamma = saved[2], &eta = saved[3],
+               &gates = saved[4], &alpha0 = saved[5], &positions = saved[6], &cos = saved[7],
+               &sin = saved[8];
+    const auto plan = decode(ctx->saved_data["plan"].toDoubleVector());
+    const auto g = geometry(q, positions, ctx->saved_data["center"].toDouble());
+    const auto gqo = grad_out[0].defined() ? grad_out[0].contiguous() : torch::zeros_like(q);
+    const auto gko = grad_out[1].defined() ? grad_out[1].contiguous() : torch::zeros_like(k);
+    torch::Tensor gq, gk, ggamma, geta, ggates, galpha0;
+    if (ctx->needs_input_grad(0)) gq = torch::empty_like(q);
+    if (ctx->needs_input_grad(1)) gk = torch::empty_like(k);
+    if (ctx->needs_input_grad(2)) ggamma = torch::zeros_like(gamma);
+    if (ctx->needs_input_grad(3)) geta = torch::zeros_like(eta);
+    if (ctx->needs_input_grad(4)) ggates = torch::zeros_like(gates);
+    if (ctx->needs_input_grad(5)) galpha0 = torch::zeros_like(alpha0);
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_transform_backward", [&] {
+      kernels::transform_backward<scalar_t>(
+          plan, g.dims, g.pos,
+          {ptr<scalar_t>(gamma), ptr<scalar_t>(eta), ptr<scalar_t>(gates), ptr<scalar_t>(alpha0)},
+          {cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>()}, q.data_ptr<scalar_t>(),
+          k.data_ptr<scalar_t>(), gqo.data_ptr<scalar_t>(), gko.data_ptr<scalar_t>(),
+          mptr<scalar_t>(gq), mptr<scalar_t>(gk),
+          {mptr<scalar_t>(ggamma), mptr<scalar_t>(geta), mptr<scalar_t>(ggates),
+           mptr<scalar_t>(galpha0)});
+    });
+    return {gq, gk, ggamma, geta, ggates, galpha0, torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+std::vector<torch::Tensor> transform_qk(const kernels::TransformPlan& plan, const torch::Tensor& q,
+                                        const torch::Tensor& k, const torch::Tensor& gamma,
+                                        const torch::Tensor& eta, const torch::Tensor& gates,
+                                        const torch::Tensor& alpha0,
+                                        const torch::Tensor& positions, double center) {
+  return TransformQK::apply(q.contiguous(), k.contiguous(), gamma.contiguous(), eta.contiguous(),
+                            gates.contiguous(), alpha0.contiguous(),
+                            positions.to(torch::kDouble).contiguous(), encode(plan), center);
+}
+
+}  // namespace relpos::nn

@@ -1,0 +1,157 @@
+// The torch layer: kernels == plain-LibTorch composition (forward and backward), gradients of the
+// raw parameters against finite differences in float64, and bad input rejected with named errors.
+#include <gtest/gtest.h>
+
+#include "core/registry.hpp"
+#include "torch/composed.hpp"
+#include "torch/encoding.hpp"
+
+using namespace relpos;
+
+namespace {
+
+const std::vector<std::string> kSpecs = {
+    "rope", "damped_rope", "damped_rope(m=1)", "direct_sum", "real_jordan(regime=raw)",
+    "jordan(m=2, regime=stabilized, eta0=0.05)", "jordan(m=2, regime=raw, eta0=0.03)",
+    "jordan(m=3, regime=scaled, c=0.5, eta0=0.5, eta_max=1)", "jordan(m=4, regime=scaled, eta0=0.05)",
+    "jetmix(m=3, gates=0.1/0.05)", "jetmixfull(m=4, alpha=1/0.5/0.3/0.2)",
+    "jetspec(m=3, alpha=0.7/0.2/0.1, learn=true)", "jordan(m=2, regime=raw) + alibi"};
+
+int head_dim_for(const std::string& spec) {
+  for (int D : {24, 48, 96, 120})
+    try {
+      build_mechanism(spec, D, 2);
+      return D;
+    } catch (const InputError&) {
+    }
+  return 0;
+}
+
+// Perturb the raw parameters so every code path (nonzero eta, gates) is exercised.
+void jitter(nn::PositionEncodingImpl& enc, double scale) {
+  torch::NoGradGuard ng;
+  for (auto& p : enc.parameters()) p.add_(scale * torch::randn_like(p));
+}
+
+}  // namespace
+
+TEST(Encoding, KernelMatchesComposedForwardAndBackward) {
+  torch::manual_seed(0);
+  for (const auto& spec : kSpecs)
+    for (auto layout : {Layout::Interleaved, Layout::HalfSplit})
+      for (auto dtype : {torch::kFloat, torch::kDouble}) {
+        SCOPED_TRACE(spec + " " + to_string(layout) + (dtype == torch::kFloat ? " f32" : " f64"));
+        const int D = head_dim_for(spec);
+        ASSERT_GT(D, 0);
+        nn::PositionEncoding enc(spec, D, 2, nn::EncodingOptions{layout, true});
+        enc->to(dtype);
+        jitter(*enc, 0.3);
+        const auto opts = torch::TensorOptions().dtype(dtype);
+        auto q = torch::randn({2, 2, 7, D}, opts).requires_grad_(true);
+        auto k = torch::randn({2, 2, 7, D}, opts).requires_grad_(true);
+        const auto pos = torch::tensor({3.0, 4.0, 9.0, 10.5, 200.0, 201.0, 900.0}, torch::kDouble);
+        auto out = enc->forward(q, k, pos);
+        const auto wq = torch::randn_like(out.q), wk = torch::randn_like(out.k);
+        auto grads = torch::autograd::grad({(out.q * wq).sum() + (out.k * wk).sum()},
+                                           {q, k}, {}, true);
+        std::vector<torch::Tensor> pgrads;
+        for (auto& p : enc->parameters())
+          pgrads.push_back(torch::autograd::grad({(out.q * wq).sum() + (out.k * wk).sum()}, {p},
+                                                 {}, true, false, true)[0]);
+        const auto kp = enc->kernel_params();
+        auto ref = nn::composed_transform_qk(enc->mechanism(), layout, kp, q, k, pos,
+                                             enc->center_for(pos));
+        const double tol = dtype == torch::kFloat ? 2e-4 : 1e-10;
+        EXPECT_TRUE(torch::allclose(out.q, ref[0], tol, tol));
+        EXPECT_TRUE(torch::allclose(out.k, ref[1], tol, tol));
+        const auto loss_ref = (ref[0] * wq).sum() + (ref[1] * wk).sum();
+        auto rgrads = torch::autograd::grad({loss_ref}, {q, k}, {}, true);
+        EXPECT_TRUE(torch::allclose(grads[0], rgrads[0], tol, tol));
+        EXPECT_TRUE(torch::allclose(grads[1], rgrads[1], tol, tol));
+        size_t i = 0;
+        for (auto& p : enc->parameters()) {
+          auto rg = torch::autograd::grad({loss_ref}, {p}, {}, true, false, true)[0];
+          if (!rg.defined()) rg = torch::zeros_like(p);
+          auto g = pgrads[i++];
+          if (!g.defined()) g = torch::zeros_like(p);
+          const double scale = std::max(1.0, rg.abs().max().item<double>());
+          EXPECT_TRUE(torch::allclose(g, rg, tol * 10, tol * 10 * scale))
+              << "parameter " << i << " max diff " << (g - rg).abs().max().item<double>();
+        }
+      }
+}
+
+TEST(Encoding, RawParameterGradientsMatchFiniteDifferences) {
+  torch::manual_seed(1);
+  for (const auto& spec : kSpecs) {
+    SCOPED_TRACE(spec);
+    const int D = head_dim_for(spec);
+    nn::PositionEncoding enc(spec, D, 2);
+    enc->to(torch::kDouble);
+    jitter(*enc, 0.3);
+    const auto q = torch::randn({1, 2, 5, D}, torch::kDouble);
+    const auto k = torch::randn({1, 2, 5, D}, torch::kDouble);
+    const auto pos = torch::tensor({0.0, 1.0, 17.0, 300.0, 301.0}, torch::kDouble);
+    const auto wq = torch::randn_like(q), wk = torch::randn_like(k);
+    const auto loss = [&] {
+      auto o = enc->forward(q, k, pos);
+      return (o.q * wq).sum() + (o.k * wk).sum();
+    };
+    for (auto& p : enc->parameters()) {
+      auto g = torch::autograd::grad({loss()}, {p}, {}, false, false, true)[0];
+      if (!g.defined()) g = torch::zeros_like(p);
+      torch::NoGradGuard ng;
+      auto flat = p.view(-1);
+      for (int64_t i = 0; i < flat.numel(); i += std::max<int64_t>(1, flat.numel() / 7)) {
+        const double h = 1e-6, x0 = flat[i].item<double>();
+        flat[i].fill_(x0 + h);
+        const double lp = loss().item<double>();
+        flat[i].fill_(x0 - h);
+        const double lm = loss().item<double>();
+        flat[i].fill_(x0);
+        const double fd = (lp - lm) / (2 * h), an = g.view(-1)[i].item<double>();
+        EXPECT_NEAR(an, fd, 1e-6 * std::max(1.0, std::abs(fd))) << "entry " << i;
+      }
+    }
+  }
+}
+
+TEST(Encoding, BadInputGivesNamedErrors) {
+  nn::PositionEncoding enc("jordan(m=2)", 64, 4);
+  const auto ok = torch::randn({1, 4, 8, 64});
+  auto nanq = ok.clone();
+  nanq[0][1][3][5] = std::numeric_limits<float>::quiet_NaN();
+  const auto msg = [&](auto&& f) {
+    try {
+      f();
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(msg([&] { enc->forward(nanq, ok); }).find("q contains NaN"), std::string::npos);
+  EXPECT_NE(msg([&] { enc->forward(ok, torch::randn({1, 4, 8, 32})); }).find("head dim"),
+            std::string::npos);
+  EXPECT_NE(msg([&] { enc->forward(ok, ok, torch::arange(7)); }).find("positions"),
+            std::string::npos);
+  EXPECT_NE(msg([&] { enc->forward(torch::randn({4, 8, 64}), ok); }).find("[B, H, T, D]"),
+            std::string::npos);
+  EXPECT_NE(msg([] { nn::PositionEncoding("jordan(m=3)", 64, 4); }).find("divisible by 6"),
+            std::string::npos);
+  EXPECT_NE(msg([] { nn::PositionEncoding("jordan(L=-1)", 64, 4); }).find("L must be > 0"),
+            std::string::npos);
+  EXPECT_NE(msg([] { nn::PositionEncoding("jordn", 64, 4); }).find("unknown mechanism 'jordn'"),
+            std::string::npos);
+}
+
+TEST(Encoding, ReferenceInitialisation) {
+  nn::PositionEncoding enc("jordan_rope", 64, 4);
+  const auto kp = enc->kernel_params();
+  // gamma = softplus(log(expm1(1e-8))) + 1e-4, eta = 0 (Jordan-RoPE spec 1.3)
+  EXPECT_NEAR(kp.gamma[0][0].item<double>(), 1e-4 + 1e-8, 1e-9);
+  EXPECT_EQ(kp.eta.abs().max().item<double>(), 0.0);
+  nn::PositionEncoding alibi("rope_alibi", 64, 6);
+  const auto s = alibi->alibi_slopes();
+  EXPECT_NEAR(s[4].item<double>(), 0.5, 1e-7);
+  EXPECT_NEAR(s[5].item<double>(), 0.125, 1e-7);
+}
