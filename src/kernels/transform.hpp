@@ -12,6 +12,9 @@
 
 namespace relpos::kernels {
 
+// Instruction set the kernels dispatch to on this CPU ("avx2+fma" or "baseline").
+const char* kernel_isa();
+
 struct SegmentDesc {
   int first_pair, first_block, blocks, order;
   Chart chart;
