@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/charts.hpp"
+#include "core/jet_features.hpp"
 
 namespace relpos {
 
@@ -136,18 +137,17 @@ std::vector<LagFeature> lag_features(const Mechanism& m, const ParamValues& p, i
     const auto& s = m.segments[si];
     for (int b = 0; b < s.blocks; ++b) {
       const size_t i = static_cast<size_t>(head) * p.blocks + s.first_block + b;
-      const double u = s.shear_scale * chart_value(s.chart, d, s.L);
-      std::vector<double> c(s.order);
-      shear_coefficients(s.shear, s.order, p.eta[i], p.gates.data() + i, hb, p.alpha0[i], u,
-                         c.data());
-      // U(-i)^{-1} U(-j) for gates is alpha0-normalised: the score sees c_r / alpha_0.
-      const double damp = std::exp(-p.gamma[i] * d);
-      const double ang = s.omega[b] * d;
+      const JetChart chart{s.chart, s.L, s.shear_scale, p.gamma[i], Chart::Raw, true};
       for (int r = 0; r < s.order; ++r) {
-        const double a = damp * c[r] / c[0];
+        // coefficient of the unit jet J_r in U(d): eta^r (exponential shear) or g_r / alpha_0
+        double coef = 1.0;
+        if (r > 0 && s.shear == ShearMode::Exponential) coef = std::pow(p.eta[i], r);
+        if (r > 0 && s.shear == ShearMode::Gates) coef = p.gates[(r - 1) * hb + i] / p.alpha0[i];
+        if (r > 0 && s.shear == ShearMode::None) coef = 0.0;
+        const JetValue j = jet_feature(chart, s.omega[b], r, d);
         const std::string base = fmt::format("s{}_b{}_r{}", si, b, r);
-        out.push_back({base + "_cos", a * std::cos(ang)});
-        out.push_back({base + "_sin", a * std::sin(ang)});
+        out.push_back({base + "_cos", coef * j.re});
+        out.push_back({base + "_sin", coef * j.im});
       }
     }
   }

@@ -104,6 +104,9 @@ std::optional<std::string> token_digits(const std::vector<std::string>& toks,
 }  // namespace
 
 std::string expand_reference_alias(const std::string& name_in) {
+  // only a bare method name is an alias: "jordan_exact_c010 + alibi" is a composed spec whose
+  // terms are expanded one by one
+  if (!is_ident(name_in)) return "";
   std::string name = name_in;
   std::string suffix;
   if (name != "alibi" && name.size() > 6 && name.ends_with("_alibi")) {

@@ -374,7 +374,7 @@ void add_mse_table(SuiteResult& r, const JordanRun& run, const std::string& tabl
 std::string best_of(const JordanRun& run, const std::string& t, const std::vector<std::string>& methods) {
   std::string best;
   for (const auto& m : methods)
-    if (best.empty() || run.at(t, m).s.mse < run.at(best, m).s.mse * 0 + run.at(t, best).s.mse) best = m;
+    if (best.empty() || run.at(t, m).s.mse < run.at(t, best).s.mse) best = m;
   return best;
 }
 

@@ -13,5 +13,7 @@ struct ExitStatus {
 void add_list_command(CLI::App& app);
 void add_verify_command(CLI::App& app);
 void add_kernel_command(CLI::App& app);
+void add_probe_command(CLI::App&);
+void add_reproduce_command(CLI::App&);
 
 }  // namespace relpos::app

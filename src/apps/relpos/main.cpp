@@ -12,6 +12,8 @@ int main(int argc, char** argv) {
   relpos::app::add_list_command(app);
   relpos::app::add_verify_command(app);
   relpos::app::add_kernel_command(app);
+  relpos::app::add_probe_command(app);
+  relpos::app::add_reproduce_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
