@@ -4,4 +4,5 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/install-deps.sh"
 bash "$root/scripts/build.sh" "$root/build"
-"$root/build/relpos" verify "$@"
+# Jordan-RoPE basis-level tables 3, 4, 6, 11, 16 next to the paper's values, with plots
+"$root/build/relpos" reproduce jordan-basis --out "$root/runs/jordan-basis" "$@"
