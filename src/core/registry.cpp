@@ -197,7 +197,10 @@ const std::vector<TermDef>& term_defs() {
            JordanSegment s;
            s.order = 1;
            s.blocks = D / 2;
+           // RoFormer / reference convention: q and k rotate by +omega p, i.e. G(d) = R(-omega d);
+           // as a segment (maps rotate by -omega p) that is a negated frequency
            s.omega = rope_frequencies(a.positive("theta"), D, s.blocks);
+           for (auto& w : s.omega) w = -w;
            b.add(s);
          }});
     d.push_back({{"alibi", "bias", "additive recency bias -slope_h (i-j), reference slopes",
@@ -268,6 +271,7 @@ const std::vector<TermDef>& term_defs() {
                      r.order = 1;
                      r.blocks = D / 4;
                      r.omega = rope_frequencies(a.positive("theta"), D / 2, r.blocks);
+                     for (auto& w : r.omega) w = -w;  // RoPE half: +omega p, as `rope`
                      b.add(r);
                      JordanSegment s = jordan_base(a, 2);
                      set_shear(a, s);

@@ -2,9 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cctype>
 #include <optional>
-#include <regex>
 
 #include "core/types.hpp"
 
@@ -90,6 +90,13 @@ namespace {
 
 std::string fixed(double v) { return fmt::format("{:g}", v); }
 
+// name == prefix followed by one or more digits
+bool prefixed_digits(const std::string& name, const std::string& prefix) {
+  return name.size() > prefix.size() && name.starts_with(prefix) &&
+         std::all_of(name.begin() + static_cast<std::ptrdiff_t>(prefix.size()), name.end(),
+                     [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+}
+
 // First "<prefix><digits>" token (exact match of the whole token) or nullopt.
 std::optional<std::string> token_digits(const std::vector<std::string>& toks,
                                         const std::string& prefix, size_t min_digits = 1) {
@@ -140,9 +147,9 @@ std::string expand_reference_alias(const std::string& name_in) {
     out = "jordan(m=2, regime=stabilized, zero_gamma=true)";
   } else if (name == "jordan_raw_tau") {
     out = "jordan(m=2, regime=raw)";
-  } else if (std::regex_match(name, std::regex("jordan_m[0-9]+"))) {
+  } else if (prefixed_digits(name, "jordan_m")) {
     out = fmt::format("jordan(m={}, regime=stabilized)", order(2));
-  } else if (std::regex_match(name, std::regex("jordan_eta[0-9]+"))) {
+  } else if (prefixed_digits(name, "jordan_eta")) {
     out = fmt::format("jordan(m=2, regime=stabilized, eta0={})",
                       fixed(std::stod(name.substr(10)) / 1000.0));
   } else if (name.starts_with("jordan_exact")) {

@@ -1,0 +1,547 @@
+// The fast transform kernels (kernels/transform.hpp) against the float64 references, row by row,
+// on random shapes, layouts, positions and centres; backward against central finite differences.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/reference.hpp"
+#include "core/registry.hpp"
+#include "kernels/transform.hpp"
+#include "test_util.hpp"
+
+using namespace relpos;
+using test::Problem;
+
+namespace {
+
+std::vector<std::string> kernel_specs() {
+  auto s = verify_default_specs();
+  s.push_back("jordan(m=6, regime=raw)");
+  s.push_back("jordan(m=7, regime=scaled, L=64, eta0=0.5, eta_max=1)");
+  s.push_back("jordan(m=8, regime=stabilized, L=64)");
+  s.push_back("jetmix(m=6, L=64, gates=0.5/0.4/0.3/0.2/0.1)");
+  s.push_back("jordan(m=2, regime=raw, zero_gamma=true)");
+  return s;
+}
+
+// Positions [rows][T]: an offset, then positive gaps (integer and fractional).
+std::vector<double> make_positions(std::mt19937_64& rng, int64_t rows, int64_t T) {
+  const double gaps[] = {1.0, 1.0, 2.0, 0.5, 1.75, 3.0};
+  std::vector<double> p;
+  for (int64_t r = 0; r < rows; ++r) {
+    double x = std::round(test::uniform(rng, -10.0, 25.0));
+    for (int64_t t = 0; t < T; ++t) {
+      p.push_back(x);
+      x += gaps[std::uniform_int_distribution<int>(0, 5)(rng)];
+    }
+  }
+  return p;
+}
+
+Problem make_problem(const std::string& spec, int D, int64_t B, int64_t H, int64_t T, Layout layout,
+                     bool per_batch, std::mt19937_64& rng) {
+  Problem pr{build_mechanism(spec, D, static_cast<int>(H)), {}, layout, {B, H, T}, {}, per_batch, 0.0};
+  pr.params = random_params(pr.mech, rng);
+  pr.pos = make_positions(rng, per_batch ? B : 1, T);
+  pr.center = std::round(test::uniform(rng, 0.0, 20.0)) + 0.5;
+  return pr;
+}
+
+// Parameters as the float kernel sees them.
+ParamValues rounded_to_float(ParamValues p) {
+  for (auto* v : {&p.gamma, &p.eta, &p.gates, &p.alpha0})
+    for (auto& x : *v) x = static_cast<double>(static_cast<float>(x));
+  return p;
+}
+
+struct RowErrors {
+  double q = 0, k = 0;
+};
+
+// max over rows of ||kernel - reference|| / ||reference|| for queries and keys.
+template <class T>
+RowErrors compare_with_reference(const Problem& pr, const std::vector<T>& q, const std::vector<T>& k,
+                                 const test::Outputs<T>& out) {
+  const ParamValues pv = sizeof(T) == 4 ? rounded_to_float(pr.params) : pr.params;
+  const int D = pr.D();
+  RowErrors e;
+  for (int64_t row = 0; row < pr.rows(); ++row) {
+    const double p = pr.row_pos(row);
+    const int h = pr.row_head(row);
+    Eigen::VectorXd qx(D), kx(D), qy(D), ky(D);
+    for (int i = 0; i < D; ++i) {
+      qx[i] = q[row * D + i], kx[i] = k[row * D + i];
+      qy[i] = out.q[row * D + i], ky[i] = out.k[row * D + i];
+    }
+    const Eigen::VectorXd kr = reference::key_map(pr.mech, pv, h, p, pr.layout) * kx;
+    const Eigen::VectorXd qr = reference::query_map(pr.mech, pv, h, p, pr.layout) * qx;
+    e.k = std::max(e.k, (ky - kr).norm() / kr.norm());
+    e.q = std::max(e.q, (qy - qr).norm() / qr.norm());
+  }
+  return e;
+}
+
+template <class T>
+void check_forward(const std::string& spec, double tol, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int64_t Bs[] = {1, 2, 3}, Hs[] = {1, 3}, Ts[] = {1, 7, 33};
+  const auto dims = test::fitting_head_dims(spec, 3, 3);
+  ASSERT_FALSE(dims.empty()) << spec;
+  int n = 0;
+  for (const Layout layout : {Layout::Interleaved, Layout::HalfSplit})
+    for (const bool per_batch : {false, true}) {
+      const int D = dims[n % dims.size()];
+      const int64_t B = Bs[n % 3], H = Hs[(n / 2) % 2], Tn = Ts[(n + seed) % 3];
+      ++n;
+      SCOPED_TRACE(spec + " " + test::layout_name(layout) + " D=" + std::to_string(D) +
+                   " B=" + std::to_string(B) + " H=" + std::to_string(H) + " T=" +
+                   std::to_string(Tn) + (per_batch ? " per-batch" : " shared"));
+      const Problem pr = make_problem(spec, D, B, H, Tn, layout, per_batch, rng);
+      const auto q = test::cast_vec<T>(test::normal_vec(pr.size(), rng));
+      const auto k = test::cast_vec<T>(test::normal_vec(pr.size(), rng));
+      const auto out = test::run_forward<T>(pr, pr.params, q, k);
+      const auto err = compare_with_reference<T>(pr, q, k, out);
+      EXPECT_LT(err.q, tol);
+      EXPECT_LT(err.k, tol);
+
+      // in place (q_out == q, k_out == k) gives the same bits; so do q-only and k-only calls
+      const auto plan = pr.plan();
+      const auto P = pr.positions();
+      const test::TypedParams<T> tp(pr.params);
+      const auto trig = kernels::build_trig_table<T>(plan, pr.dims, P);
+      std::vector<T> qi = q, ki = k;
+      kernels::transform_forward<T>(plan, pr.dims, P, tp.view(), trig.view(), qi.data(), ki.data(),
+                                    qi.data(), ki.data());
+      EXPECT_EQ(qi, out.q);
+      EXPECT_EQ(ki, out.k);
+      std::vector<T> qo(q.size()), ko(k.size());
+      kernels::transform_forward<T>(plan, pr.dims, P, tp.view(), trig.view(), q.data(), nullptr,
+                                    qo.data(), nullptr);
+      kernels::transform_forward<T>(plan, pr.dims, P, tp.view(), trig.view(), nullptr, k.data(),
+                                    nullptr, ko.data());
+      EXPECT_EQ(qo, out.q);
+      EXPECT_EQ(ko, out.k);
+    }
+}
+
+}  // namespace
+
+TEST(KernelForward, Float64MatchesReferenceMaps) {
+  uint64_t seed = 100;
+  for (const auto& spec : kernel_specs()) check_forward<double>(spec, 1e-12, ++seed);
+}
+
+TEST(KernelForward, Float32MatchesReferenceMaps) {
+  uint64_t seed = 200;
+  for (const auto& spec : kernel_specs()) check_forward<float>(spec, 1e-5, ++seed);
+}
+
+namespace {
+
+// max |table - long double sin/cos of -omega (p - c0)| over a table.
+double trig_table_error(const kernels::TransformPlan& plan, kernels::Dims dims, const kernels::Positions& P) {
+  const auto tab = kernels::build_trig_table<double>(plan, dims, P);
+  const int64_t NB = plan.total_blocks, rows = P.per_batch ? dims.B : 1;
+  EXPECT_EQ(kernels::trig_table_size(plan, dims, P), rows * dims.T * NB);
+  double worst = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < dims.T; ++t)
+      for (int64_t b = 0; b < NB; ++b) {
+        // omega * (p - c0) in a 64-bit mantissa: off by < 2e-15 rad for |p - c0| < 4e4
+        const long double a = static_cast<long double>(plan.omega[b]) *
+                              static_cast<long double>(P.at(r, t, dims.T));
+        const int64_t i = (r * dims.T + t) * NB + b;
+        worst = std::max(worst, std::abs(tab.cos[i] - static_cast<double>(std::cos(a))));
+        worst = std::max(worst, std::abs(tab.sin[i] + static_cast<double>(std::sin(a))));
+      }
+  return worst;
+}
+
+}  // namespace
+
+TEST(KernelForward, TrigTableRotatesByMinusOmegaP) {
+  const Mechanism m = build_mechanism("rope", 16, 1);
+  const auto plan = kernels::TransformPlan::from(m, Layout::Interleaved);
+  {  // short irregular window
+    const std::vector<double> pos = {0.0, 3.0, 1e3 + 0.5};
+    EXPECT_LT(trig_table_error(plan, {1, 1, 3}, {pos.data(), false, 2.0}), 1e-15);
+  }
+  // long windows far from the centre, where a plain omega*p product is off by ~1e-12:
+  // arithmetic progressions (shared and per batch, integer and fractional steps) and irregular ones
+  std::mt19937_64 rng(21);
+  for (const int64_t T : {64, 65, 100, 257})
+    for (const double step : {1.0, 0.5, 0.75})
+      for (const bool per_batch : {false, true}) {
+        const int64_t B = per_batch ? 3 : 1;
+        std::vector<double> pos;
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t t = 0; t < T; ++t) pos.push_back(30000.0 + 7.0 * b + step * static_cast<double>(t));
+        SCOPED_TRACE("T=" + std::to_string(T) + " step=" + std::to_string(step) + (per_batch ? " per-batch" : ""));
+        EXPECT_LT(trig_table_error(plan, {B, 2, T}, {pos.data(), per_batch, -200.0}), 5e-14);
+        // same positions with one row perturbed (not arithmetic any more)
+        pos[pos.size() / 2] += 0.25;
+        EXPECT_LT(trig_table_error(plan, {B, 2, T}, {pos.data(), per_batch, -200.0}), 5e-14);
+      }
+  // per-batch rows with different steps
+  std::vector<double> pos;
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t t = 0; t < 80; ++t) pos.push_back(100.0 + (b + 1) * 0.5 * static_cast<double>(t));
+  EXPECT_LT(trig_table_error(plan, {2, 1, 80}, {pos.data(), true, 0.0}), 5e-14);
+}
+
+// Long arithmetic windows (the kernel may fill the trig table by recurrences there).
+TEST(KernelForward, ArithmeticPositionWindowsMatchReferenceMaps) {
+  std::mt19937_64 rng(22);
+  for (const std::string spec : {"rope", "jordan(m=3, regime=raw)", "damped_rope", "jetmix(m=3, gates=0.1/0.05)",
+                                 "jordan(m=2, regime=scaled, L=64, c=1.5)"})
+    for (const bool per_batch : {false, true}) {
+      SCOPED_TRACE(spec + (per_batch ? " per-batch" : " shared"));
+      const int64_t B = 2, T = per_batch ? 97 : 301;
+      Problem pr = make_problem(spec, test::fitting_head_dims(spec, 1, 1).at(0) * 2, B, 1, T,
+                                per_batch ? Layout::HalfSplit : Layout::Interleaved, per_batch, rng);
+      pr.pos.clear();
+      for (int64_t b = 0; b < (per_batch ? B : 1); ++b)
+        for (int64_t t = 0; t < T; ++t) pr.pos.push_back(-30.0 + 3.0 * b + 0.75 * static_cast<double>(t));
+      pr.center = 12.0;
+      const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
+      const auto err = compare_with_reference<double>(pr, q, k, test::run_forward<double>(pr, pr.params, q, k));
+      EXPECT_LT(err.q, 1e-12);
+      EXPECT_LT(err.k, 1e-12);
+      const auto qf = test::cast_vec<float>(q), kf = test::cast_vec<float>(k);
+      const auto errf = compare_with_reference<float>(pr, qf, kf, test::run_forward<float>(pr, pr.params, qf, kf));
+      EXPECT_LT(errf.q, 1e-5);
+      EXPECT_LT(errf.k, 1e-5);
+    }
+}
+
+TEST(KernelForward, MechanismsWithoutTransformCopy) {
+  std::mt19937_64 rng(3);
+  for (const std::string spec : {"nope", "alibi"}) {
+    Problem pr{build_mechanism(spec, 8, 2), {}, Layout::HalfSplit, {2, 2, 3}, {0, 1, 2}, false, 0};
+    pr.params = default_params(pr.mech);
+    const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
+    const auto out = test::run_forward<double>(pr, pr.params, q, k);
+    EXPECT_EQ(out.q, q) << spec;
+    EXPECT_EQ(out.k, k) << spec;
+  }
+}
+
+TEST(KernelForward, RejectsUnsupportedPlans) {
+  const Mechanism m = build_mechanism("jordan(m=2, regime=raw)", 8, 1);
+  const ParamValues pv = default_params(m);
+  const test::TypedParams<double> tp(pv);
+  const std::vector<double> pos = {0.0};
+  const kernels::Positions P{pos.data(), false, 0.0};
+  std::vector<double> x(8, 1.0), y(8, 0.0);
+  auto plan = kernels::TransformPlan::from(m, Layout::Interleaved);
+  const auto trig = kernels::build_trig_table<double>(plan, {1, 1, 1}, P);
+  plan.segments[0].order = 9;  // beyond the kernel's orders 1..8
+  EXPECT_THROW(kernels::transform_forward<double>(plan, {1, 1, 1}, P, tp.view(), trig.view(), x.data(),
+                                                  x.data(), y.data(), y.data()),
+               InputError);
+  auto odd = kernels::TransformPlan::from(build_mechanism("nope", 8, 1), Layout::Interleaved);
+  odd.head_dim = 7;
+  EXPECT_THROW(kernels::transform_forward<double>(odd, {1, 1, 1}, P, tp.view(), trig.view(), x.data(),
+                                                  nullptr, y.data(), nullptr),
+               InputError);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+
+namespace {
+
+struct Loss {
+  std::vector<double> wq, wk;
+  double operator()(const Problem& pr, const ParamValues& pv, const std::vector<double>& q,
+                    const std::vector<double>& k) const {
+    const auto o = test::run_forward<double>(pr, pv, q, k);
+    double s = 0;
+    for (size_t i = 0; i < q.size(); ++i) s += wq[i] * o.q[i] + wk[i] * o.k[i];
+    return s;
+  }
+};
+
+struct Analytic {
+  std::vector<double> gq, gk;
+  ParamValues g;  // gradients in the ParamValues layout
+};
+
+Analytic analytic_grads(const Problem& pr, const std::vector<double>& q, const std::vector<double>& k,
+                        const Loss& L, double prefill = 0.0) {
+  Analytic a;
+  a.gq.assign(q.size(), 0.0);
+  a.gk.assign(k.size(), 0.0);
+  a.g = pr.params;
+  for (auto* v : {&a.g.gamma, &a.g.eta, &a.g.gates, &a.g.alpha0}) std::fill(v->begin(), v->end(), prefill);
+  const auto plan = pr.plan();
+  const auto P = pr.positions();
+  const test::TypedParams<double> tp(pr.params);
+  const auto trig = kernels::build_trig_table<double>(plan, pr.dims, P);
+  const kernels::ParamGrads<double> G{a.g.gamma.data(), a.g.eta.data(),
+                                      a.g.gates.empty() ? nullptr : a.g.gates.data(), a.g.alpha0.data()};
+  kernels::transform_backward<double>(plan, pr.dims, P, tp.view(), trig.view(), q.data(), k.data(),
+                                      L.wq.data(), L.wk.data(), a.gq.data(), a.gk.data(), G);
+  return a;
+}
+
+// Central difference of the loss in one parameter entry.
+double fd_param(const Problem& pr, const Loss& L, const std::vector<double>& q,
+                const std::vector<double>& k, std::vector<double> ParamValues::*arr, size_t i,
+                double h) {
+  ParamValues plus = pr.params, minus = pr.params;
+  (plus.*arr)[i] += h;
+  (minus.*arr)[i] -= h;
+  return (L(pr, plus, q, k) - L(pr, minus, q, k)) / (2 * h);
+}
+
+void check_backward(const std::string& spec, uint64_t seed) {
+  SCOPED_TRACE(spec);
+  std::mt19937_64 rng(seed);
+  const auto dims = test::fitting_head_dims(spec, 2, 1, 24);
+  ASSERT_FALSE(dims.empty());
+  for (const Layout layout : {Layout::Interleaved, Layout::HalfSplit}) {
+    SCOPED_TRACE(test::layout_name(layout));
+    const bool per_batch = layout == Layout::HalfSplit;
+    const Problem pr = make_problem(spec, dims[0], 2, 2, 5, layout, per_batch, rng);
+    const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
+    const Loss L{test::normal_vec(pr.size(), rng), test::normal_vec(pr.size(), rng)};
+    const Analytic a = analytic_grads(pr, q, k, L);
+
+    // inputs: the loss is linear in q and k, so the difference quotient is exact up to rounding
+    for (int n = 0; n < 12; ++n) {
+      const size_t i = std::uniform_int_distribution<size_t>(0, q.size() - 1)(rng);
+      for (const bool is_q : {true, false}) {
+        auto xp = is_q ? q : k, xm = xp;
+        xp[i] += 1e-3;
+        xm[i] -= 1e-3;
+        const double fd = is_q ? (L(pr, pr.params, xp, k) - L(pr, pr.params, xm, k)) / 2e-3
+                               : (L(pr, pr.params, q, xp) - L(pr, pr.params, q, xm)) / 2e-3;
+        const double an = is_q ? a.gq[i] : a.gk[i];
+        EXPECT_NEAR(an, fd, 1e-8 * (1 + std::abs(fd))) << (is_q ? "gq[" : "gk[") << i << "]";
+      }
+    }
+    // every entry of every parameter array (entries a segment does not use must get 0)
+    struct Arr {
+      const char* name;
+      std::vector<double> ParamValues::*ptr;
+    };
+    for (const Arr arr : {Arr{"gamma", &ParamValues::gamma}, Arr{"eta", &ParamValues::eta},
+                          Arr{"gates", &ParamValues::gates}, Arr{"alpha0", &ParamValues::alpha0}}) {
+      const auto& an = a.g.*arr.ptr;
+      ASSERT_EQ(an.size(), (pr.params.*arr.ptr).size());
+      for (size_t i = 0; i < an.size(); ++i) {
+        const double fd = fd_param(pr, L, q, k, arr.ptr, i, 1e-6);
+        EXPECT_NEAR(an[i], fd, 1e-6 * (1 + std::abs(fd))) << arr.name << "[" << i << "]";
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(KernelBackward, GradientsMatchFiniteDifferences) {
+  uint64_t seed = 300;
+  for (const auto& spec : kernel_specs()) check_backward(spec, ++seed);
+}
+
+TEST(KernelBackward, ParameterGradientsAccumulate) {
+  std::mt19937_64 rng(5);
+  const Problem pr = make_problem("jetmixfull(m=4, alpha=1/0.5/0.3/0.2)", 16, 2, 2, 4,
+                                  Layout::Interleaved, false, rng);
+  const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
+  const Loss L{test::normal_vec(pr.size(), rng), test::normal_vec(pr.size(), rng)};
+  const Analytic a0 = analytic_grads(pr, q, k, L, 0.0), a1 = analytic_grads(pr, q, k, L, 1.0);
+  for (size_t i = 0; i < a0.g.gamma.size(); ++i) {
+    EXPECT_NEAR(a1.g.gamma[i], a0.g.gamma[i] + 1.0, 1e-12 * (1 + std::abs(a0.g.gamma[i])));
+    EXPECT_NEAR(a1.g.alpha0[i], a0.g.alpha0[i] + 1.0, 1e-12 * (1 + std::abs(a0.g.alpha0[i])));
+  }
+  for (size_t i = 0; i < a0.g.gates.size(); ++i)
+    EXPECT_NEAR(a1.g.gates[i], a0.g.gates[i] + 1.0, 1e-12 * (1 + std::abs(a0.g.gates[i])));
+}
+
+TEST(KernelBackward, ParameterGradientsWithoutInputGradients) {
+  std::mt19937_64 rng(7);
+  const Problem pr = make_problem("jordan(m=3, regime=raw)", 12, 2, 3, 5, Layout::HalfSplit, true, rng);
+  const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
+  const Loss L{test::normal_vec(pr.size(), rng), test::normal_vec(pr.size(), rng)};
+  const Analytic full = analytic_grads(pr, q, k, L);
+  const auto plan = pr.plan();
+  const auto P = pr.positions();
+  const test::TypedParams<double> tp(pr.params);
+  const auto trig = kernels::build_trig_table<double>(plan, pr.dims, P);
+  std::vector<double> gg(pr.params.gamma.size(), 0.0), ge(pr.params.eta.size(), 0.0);
+  kernels::transform_backward<double>(plan, pr.dims, P, tp.view(), trig.view(), q.data(), k.data(),
+                                      L.wq.data(), L.wk.data(), nullptr, nullptr,
+                                      {gg.data(), ge.data(), nullptr, nullptr});
+  for (size_t i = 0; i < gg.size(); ++i) {
+    EXPECT_NEAR(gg[i], full.g.gamma[i], 1e-12 * (1 + std::abs(gg[i]))) << i;
+    EXPECT_NEAR(ge[i], full.g.eta[i], 1e-12 * (1 + std::abs(ge[i]))) << i;
+  }
+  // keys only: the gradient of sum(wk * k_out) alone
+  Loss Lk = L;
+  std::fill(Lk.wq.begin(), Lk.wq.end(), 0.0);
+  std::vector<double> gk(k.size(), 0.0), gk_only(pr.params.gamma.size(), 0.0);
+  kernels::transform_backward<double>(plan, pr.dims, P, tp.view(), trig.view(), nullptr, k.data(),
+                                      nullptr, L.wk.data(), nullptr, gk.data(),
+                                      {gk_only.data(), nullptr, nullptr, nullptr});
+  const Analytic keys = analytic_grads(pr, q, k, Lk);
+  for (size_t i = 0; i < gk_only.size(); ++i)
+    EXPECT_NEAR(gk_only[i], keys.g.gamma[i], 1e-12 * (1 + std::abs(gk_only[i]))) << i;
+  for (size_t i = 0; i < gk.size(); ++i) EXPECT_NEAR(gk[i], full.gk[i], 1e-13 * (1 + std::abs(gk[i]))) << i;
+}
+
+TEST(KernelBackward, Float32AgreesWithFloat64) {
+  std::mt19937_64 rng(6);
+  for (const std::string spec : {"jordan(m=3, regime=raw)", "jetmixfull(m=4, alpha=1/0.5/0.3/0.2)",
+                                 "damped_rope(m=1)", "direct_sum(regime=raw)"}) {
+    SCOPED_TRACE(spec);
+    const Problem pr = make_problem(spec, test::fitting_head_dims(spec, 2, 1).at(0), 2, 2, 7,
+                                    Layout::HalfSplit, true, rng);
+    const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
+    const Loss L{test::normal_vec(pr.size(), rng), test::normal_vec(pr.size(), rng)};
+    const ParamValues pf = rounded_to_float(pr.params);
+    Problem prf = pr;
+    prf.params = pf;
+    // float run on the same (float-representable) data
+    const auto qf = test::cast_vec<float>(q), kf = test::cast_vec<float>(k);
+    const auto wqf = test::cast_vec<float>(L.wq), wkf = test::cast_vec<float>(L.wk);
+    std::vector<double> qd(qf.begin(), qf.end()), kd(kf.begin(), kf.end());
+    const Loss Ld{std::vector<double>(wqf.begin(), wqf.end()), std::vector<double>(wkf.begin(), wkf.end())};
+    const Analytic ref = analytic_grads(prf, qd, kd, Ld);
+    const auto plan = prf.plan();
+    const auto P = prf.positions();
+    const test::TypedParams<float> tp(pf);
+    const auto trig = kernels::build_trig_table<float>(plan, prf.dims, P);
+    std::vector<float> gq(qf.size(), 0.f), gk(kf.size(), 0.f), gg(pf.gamma.size(), 0.f),
+        ge(pf.eta.size(), 0.f), ga(pf.alpha0.size(), 0.f), gt(pf.gates.size(), 0.f);
+    kernels::transform_backward<float>(plan, prf.dims, P, tp.view(), trig.view(), qf.data(), kf.data(),
+                                       wqf.data(), wkf.data(), gq.data(), gk.data(),
+                                       {gg.data(), ge.data(), gt.empty() ? nullptr : gt.data(), ga.data()});
+    const auto close = [](const std::vector<float>& f, const std::vector<double>& d, const char* what) {
+      double scale = 0;  // largest entry of the float64 gradient
+      for (double v : d) scale = std::max(scale, std::abs(v));
+      for (size_t i = 0; i < d.size(); ++i) EXPECT_NEAR(f[i], d[i], 1e-5 * scale + 1e-9) << what << "[" << i << "]";
+    };
+    close(gq, ref.gq, "gq");
+    close(gk, ref.gk, "gk");
+    close(gg, ref.g.gamma, "gamma");
+    close(ge, ref.g.eta, "eta");
+    close(ga, ref.g.alpha0, "alpha0");
+    close(gt, ref.g.gates, "gates");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exponent clamp
+
+TEST(KernelClamp, ForwardSaturatesAndGammaGradientVanishes) {
+  // one order-2 block (D = 4), gamma 0.1, max_exp 5: |gamma p| = 6..10 > 5 at every position
+  Problem pr{build_mechanism("jordan(m=2, regime=raw, max_exp=5)", 4, 1), {}, Layout::Interleaved,
+             {1, 1, 4}, {-100.0, -60.0, 60.0, 100.0}, false, 0.0};
+  pr.params = default_params(pr.mech);
+  pr.params.gamma = {0.1};
+  pr.params.eta = {0.05};
+  std::mt19937_64 rng(8);
+  const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
+  const auto out = test::run_forward<double>(pr, pr.params, q, k);
+  ParamValues undamped = pr.params;
+  undamped.gamma = {0.0};
+  for (int t = 0; t < 4; ++t) {
+    const double p = pr.pos[t];
+    const double key_scale = std::exp(p > 0 ? 5.0 : -5.0), query_scale = 1.0 / key_scale;
+    const Eigen::Map<const Eigen::Vector4d> qx(q.data() + 4 * t), kx(k.data() + 4 * t);
+    const Eigen::Map<const Eigen::Vector4d> qy(out.q.data() + 4 * t), ky(out.k.data() + 4 * t);
+    const Eigen::Vector4d kw = key_scale * reference::key_map(pr.mech, undamped, 0, p, pr.layout) * kx;
+    const Eigen::Vector4d qw = query_scale * reference::query_map(pr.mech, undamped, 0, p, pr.layout) * qx;
+    EXPECT_LT((ky - kw).norm(), 1e-13 * kw.norm()) << "p " << p;
+    EXPECT_LT((qy - qw).norm(), 1e-13 * qw.norm()) << "p " << p;
+    // the unclamped map is really different here
+    const Eigen::Vector4d kfree = reference::key_map(pr.mech, pr.params, 0, p, pr.layout) * kx;
+    EXPECT_GT((ky - kfree).norm(), 0.5 * ky.norm()) << "p " << p;
+  }
+  const Loss L{test::normal_vec(pr.size(), rng), test::normal_vec(pr.size(), rng)};
+  const Analytic a = analytic_grads(pr, q, k, L);
+  EXPECT_EQ(a.g.gamma[0], 0.0);
+  EXPECT_NE(a.g.eta[0], 0.0);
+  EXPECT_NEAR(a.g.eta[0], fd_param(pr, L, q, k, &ParamValues::eta, 0, 1e-6), 1e-6 * (1 + std::abs(a.g.eta[0])));
+  EXPECT_NEAR(fd_param(pr, L, q, k, &ParamValues::gamma, 0, 1e-6), 0.0, 1e-6);
+}
+
+TEST(KernelClamp, MixedWindowGammaGradientCountsOnlyUnclampedPositions) {
+  Problem pr{build_mechanism("jordan(m=3, regime=raw, max_exp=5)", 12, 2), {}, Layout::HalfSplit,
+             {2, 2, 6}, {-90.0, -20.0, -3.5, 0.0, 12.0, 75.0}, false, 0.0};
+  std::mt19937_64 rng(9);
+  pr.params = random_params(pr.mech, rng);
+  for (auto& g : pr.params.gamma) g = test::uniform(rng, 0.08, 0.12);  // binds at |p| = 75, 90 only
+  const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
+  const Loss L{test::normal_vec(pr.size(), rng), test::normal_vec(pr.size(), rng)};
+  const Analytic a = analytic_grads(pr, q, k, L);
+  for (size_t i = 0; i < a.g.gamma.size(); ++i) {
+    const double fd = fd_param(pr, L, q, k, &ParamValues::gamma, i, 1e-7);
+    EXPECT_NEAR(a.g.gamma[i], fd, 1e-6 * (1 + std::abs(fd))) << i;
+  }
+}
+
+// Long windows whose rows move into and out of the clamp (damping recurrences must re-anchor):
+// one order-2 block per head, gamma 0.05 / 0.1 / 0.2 per head, max_exp 5, p = -75..75.
+TEST(KernelClamp, LongWindowsEnterAndLeaveTheClamp) {
+  for (const bool arithmetic : {true, false}) {
+    SCOPED_TRACE(arithmetic ? "arithmetic positions" : "irregular positions");
+    const int64_t B = 2, H = 3, T = 151;
+    Problem pr{build_mechanism("jordan(m=2, regime=raw, max_exp=5)", 4, H), {}, Layout::Interleaved,
+               {B, H, T}, {}, false, 0.0};
+    for (int64_t t = 0; t < T; ++t)
+      pr.pos.push_back(-75.0 + static_cast<double>(t) + (!arithmetic && t % 7 == 3 ? 0.25 : 0.0));
+    pr.params = default_params(pr.mech);
+    pr.params.gamma = {0.05, 0.1, 0.2};
+    pr.params.eta = {0.03, -0.02, 0.01};
+    std::mt19937_64 rng(10);
+    const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
+    const auto out = test::run_forward<double>(pr, pr.params, q, k);
+    ParamValues undamped = pr.params;
+    undamped.gamma = {0.0, 0.0, 0.0};
+    double worst = 0;
+    int clamped = 0;
+    for (int64_t row = 0; row < pr.rows(); ++row) {
+      const double p = pr.row_pos(row);
+      const int h = pr.row_head(row);
+      const double a = pr.params.gamma[h] * p, ac = std::clamp(a, -5.0, 5.0);
+      clamped += a != ac;
+      const Eigen::Map<const Eigen::Vector4d> qx(q.data() + 4 * row), kx(k.data() + 4 * row);
+      const Eigen::Map<const Eigen::Vector4d> qy(out.q.data() + 4 * row), ky(out.k.data() + 4 * row);
+      const Eigen::Vector4d kw = std::exp(ac) * reference::key_map(pr.mech, undamped, h, p, pr.layout) * kx;
+      const Eigen::Vector4d qw = std::exp(-ac) * reference::query_map(pr.mech, undamped, h, p, pr.layout) * qx;
+      worst = std::max({worst, (ky - kw).norm() / kw.norm(), (qy - qw).norm() / qw.norm()});
+    }
+    EXPECT_GT(clamped, 100);                  // the clamp really binds on many rows ...
+    EXPECT_LT(clamped, pr.rows() - 100);      // ... and not on many others
+    EXPECT_LT(worst, 1e-12);
+  }
+}
+
+// Spec 1.1 (reference RotaryEmbedding): q and k of RoPE rotate by +omega p,
+// y0 = x0 cos a - x1 sin a, y1 = x0 sin a + x1 cos a; Jordan blocks rotate by -omega p (spec 1.3).
+TEST(KernelConventions, RopeRotatesByPlusOmegaPJordanByMinus) {
+  for (const std::string spec : {"rope", "jordan(m=2, regime=raw, zero_gamma=true)"}) {
+    const Mechanism m = build_mechanism(spec, 4, 1);
+    const auto plan = kernels::TransformPlan::from(m, Layout::Interleaved);
+    const std::vector<double> pos = {3.0};
+    kernels::Positions P{pos.data(), false, 0.0};
+    const kernels::Dims dims{1, 1, 1};
+    const auto pv = default_params(m);
+    kernels::Params<double> par{pv.gamma.data(), pv.eta.data(), pv.gates.data(), pv.alpha0.data()};
+    const auto trig = kernels::build_trig_table<double>(plan, dims, P);
+    const std::vector<double> x = {1.0, 0.0, 1.0, 0.0};
+    std::vector<double> y(4);
+    kernels::transform_forward<double>(plan, dims, P, par, trig.view(), nullptr, x.data(), nullptr,
+                                       y.data());
+    const double sign = spec == "rope" ? 1.0 : -1.0;
+    EXPECT_NEAR(y[0], std::cos(3.0), 1e-15) << spec;
+    EXPECT_NEAR(y[1], sign * std::sin(3.0), 1e-15) << spec;
+  }
+}
