@@ -2,7 +2,12 @@
 // and module, as a user calls it) against the same math composed from plain LibTorch ops, and the
 // achieved bandwidth against a memcpy of the same number of bytes - all in this one binary.
 //
-//   build/bench_transform [--benchmark_repetitions=N] [--T=8192]
+//   build/bench_transform [--retain-memory] [--benchmark_repetitions=N]
+//
+// --retain-memory asks glibc to keep freed memory (mallopt: no mmap for tensors up to 32 MiB, no
+// trimming), as tcmalloc/jemalloc or a caching allocator would: every fresh 16 MiB tensor is
+// otherwise returned to the OS and page-faulted in again on the next call, which on this VM costs
+// more than the arithmetic and hits the composed baseline (many temporaries) hardest.
 //
 // Prints Google Benchmark's table, then a summary of medians: speedup over composed and the
 // fraction of memcpy bandwidth.
@@ -10,9 +15,12 @@
 #include <fmt/format.h>
 #include <omp.h>
 
+#include <malloc.h>
+
 #include <cstring>
 #include <map>
 
+#include "kernels/transform.hpp"
 #include "torch/composed.hpp"
 #include "torch/encoding.hpp"
 
@@ -101,6 +109,19 @@ class MedianCollector : public benchmark::ConsoleReporter {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bool retain = false;
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--retain-memory") == 0) {
+      retain = true;
+      continue;
+    }
+    args.push_back(argv[i]);
+  }
+  if (retain) {
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  }
   at::set_num_threads(omp_get_max_threads());
   for (const auto& c : kCases) {
     benchmark::RegisterBenchmark(("kernel/" + c.name).c_str(), [c](benchmark::State& s) { run_fwd_bwd(s, c, false); })
@@ -110,10 +131,10 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(("memcpy/" + c.name).c_str(), [c](benchmark::State& s) { run_memcpy(s, c); })
         ->Unit(benchmark::kMillisecond)->UseRealTime();
   }
-  std::vector<char*> args(argv, argv + argc);
-  std::string reps = "--benchmark_repetitions=5";
+  std::string reps = "--benchmark_repetitions=9";
   bool has_reps = false;
-  for (int i = 1; i < argc; ++i) has_reps |= std::strncmp(argv[i], "--benchmark_repetitions", 23) == 0;
+  for (size_t i = 1; i < args.size(); ++i)
+    has_reps |= std::strncmp(args[i], "--benchmark_repetitions", 23) == 0;
   if (!has_reps) args.push_back(reps.data());
   std::string agg = "--benchmark_report_aggregates_only=true";
   args.push_back(agg.data());
@@ -121,8 +142,10 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&n, args.data());
   MedianCollector rep;
   benchmark::RunSpecifiedBenchmarks(&rep);
-  fmt::print("\nforward+backward, B={} H={} T={} D={} fp32, {} threads, medians\n\n", B, H, T, D,
-             omp_get_max_threads());
+  fmt::print("\nforward+backward, B={} H={} T={} D={} fp32, {} threads, kernels: {}, allocator: {}, "
+             "medians\n\n",
+             B, H, T, D, omp_get_max_threads(), kernels::kernel_isa(),
+             retain ? "glibc retaining freed memory" : "glibc default");
   fmt::print("| transform | kernel ms | composed ms | speedup | memcpy ms (same bytes) | kernel GB/s | memcpy GB/s | fraction of memcpy |\n");
   fmt::print("|---|---|---|---|---|---|---|---|\n");
   for (const auto& c : kCases) {

@@ -17,7 +17,6 @@ namespace RELPOS_ISA_NAMESPACE {
 
 constexpr int kMaxOrder = 8;
 constexpr int64_t kTrigAnchor = 32;
-constexpr int kExpAnchor = 32;
 
 template <Layout LY>
 struct Addr {
@@ -31,227 +30,155 @@ int covered_pairs(const TransformPlan& plan) {
   return n;
 }
 
-// Per-thread scratch for one row of one segment, laid out structure-of-arrays ([slot][block]) so
-// that every loop below runs over blocks with unit stride and vectorises.
+// Tokens of one (batch, head) processed together: the per-token, per-block scalars (damping,
+// coefficient series) are computed for a whole tile in loops of kTile * blocks elements, which
+// vectorise well and amortise loop overheads that dominated when done token by token.
+constexpr int kTile = 16;
+
+// Per-thread scratch, structure-of-arrays: series[k][tt][b], per-token scalars [tt][b].
 template <class T>
 struct Scratch {
   int nb;
-  std::vector<T> ek, eq, x, ck, cq, zr, zi, yr, yi, xr, xi, dl, de;
-  // Damping by recurrence along consecutive rows of one (batch, head): e^{gamma (p + d)} =
-  // e^{gamma p} e^{gamma d}, float64, re-anchored exactly every kExpAnchor rows. One exp per block
-  // per anchor instead of two per row: exp was the hot spot of the damped kernels.
-  std::vector<double> ekd, eqd, rk, rq;  // per global block
-  enum class Step { Anchor, NewRatio, Reuse } step = Step::Anchor;
-  int64_t last_row = -2;
-  double last_p = 0, last_d = 0;
-  int run = 0;
-  bool force_anchor = true;
+  std::vector<T> ek, eq, x, ck, cq, dl, de, dser;
+  std::vector<double> ekd, eqd, rk, rq, pos, u;
+  std::vector<unsigned char> clamped;
   explicit Scratch(int blocks)
       : nb(std::max(1, blocks)),
-        ek(nb), eq(nb), x(nb), ck(kMaxOrder * nb), cq(kMaxOrder * nb), zr(kMaxOrder * nb),
-        zi(kMaxOrder * nb), yr(kMaxOrder * nb), yi(kMaxOrder * nb), xr(kMaxOrder * nb),
-        xi(kMaxOrder * nb), dl(nb), de(nb), ekd(nb), eqd(nb), rk(nb), rq(nb) {}
-
-  // Called once per row before its segments: decides how the damping of this row is obtained.
-  void begin_row(int64_t row, int64_t t, double p) {
-    const bool contiguous = row == last_row + 1 && t > 0 && run < kExpAnchor && !force_anchor;
-    const double d = p - last_p;
-    if (!contiguous) {
-      step = Step::Anchor;
-      run = 0;
-      last_d = std::numeric_limits<double>::quiet_NaN();  // ratios belong to the last run only
-    } else {
-      step = d == last_d ? Step::Reuse : Step::NewRatio;
-      last_d = d;
-      ++run;
-    }
-    force_anchor = false;
-    last_row = row;
-    last_p = p;
-  }
+        ek(kTile * nb), eq(kTile * nb), x(kTile * nb), ck(kMaxOrder * kTile * nb),
+        cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb),
+        ekd(kTile * nb), eqd(kTile * nb), rk(nb), rq(nb), pos(kTile), u(kTile), clamped(kTile * nb) {}
 };
 
-// Scaled coefficient series of every block of the segment at this row:
-//   ck[k][b] = e^{+gamma p} c_k (keys),  cq[k][b] = e^{-gamma p} ic_k (queries),
-// with c_k = x^k/k!, ic_k = (-x)^k/k!, x = eta s sigma(-p) (exponential shear), or the jet-gate
-// series and its power-series inverse.
+// Scaled coefficient series of every (token, block) of the tile for one segment:
+//   ck[k][tt][b] = e^{+gamma p} c_k (keys),  cq[k][tt][b] = e^{-gamma p} ic_k (queries),
+// c_k = x^k/k!, ic_k = (-x)^k/k!, x = eta s sigma(-p) (exponential shear), or the jet-gate series
+// and its power-series inverse. Damping: exact exp at the tile's first token, then float64
+// recurrences e^{gamma (p + d)} = e^{gamma p} e^{gamma d} when positions step evenly; exact
+// (clamped) values wherever the exponent clamp binds.
 template <class T, int M>
-void row_series(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int NB, double p,
-                double u, Scratch<T>& sc) {
-  const int nb = s.blocks;
+void tile_series(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int NB, int n,
+                 Scratch<T>& sc) {
+  const int nb = s.blocks, stride = n * nb;
   const int64_t off = h * NB + s.first_block;
+  for (int tt = 0; tt < n; ++tt) sc.u[tt] = s.shear_scale * chart_value(s.chart, -sc.pos[tt], s.L);
   T* ek = sc.ek.data();
   T* eq = sc.eq.data();
   if (s.damped) {
     const double X = s.max_exponent;
     const T* g = P.gamma + off;
-    double* ekd = sc.ekd.data() + s.first_block;
-    double* eqd = sc.eqd.data() + s.first_block;
-    double* rk = sc.rk.data() + s.first_block;
-    double* rq = sc.rq.data() + s.first_block;
-    if (sc.step == Scratch<T>::Step::Anchor) {
+    double* ekd = sc.ekd.data();
+    double* eqd = sc.eqd.data();
+    const double d = n > 1 ? sc.pos[1] - sc.pos[0] : 0.0;
+    bool even = true, any_clamped = false;
+    for (int tt = 1; tt < n; ++tt) even &= sc.pos[tt] - sc.pos[tt - 1] == d;
+    for (int tt = 0; tt < n; ++tt)
       for (int b = 0; b < nb; ++b) {
-        const double a = static_cast<double>(g[b]) * p;
-        ekd[b] = std::exp(std::min(std::max(a, -X), X));
-        eqd[b] = std::exp(std::min(std::max(-a, -X), X));
+        const bool cl = std::abs(static_cast<double>(g[b]) * sc.pos[tt]) > X;
+        sc.clamped[tt * nb + b] = cl;
+        any_clamped |= cl;
       }
-    } else {
-      if (sc.step == Scratch<T>::Step::NewRatio)
+    if (even && !any_clamped) {
+      double* rk = sc.rk.data();
+      double* rq = sc.rq.data();
+      for (int b = 0; b < nb; ++b) {
+        const double gb = static_cast<double>(g[b]);
+        ekd[b] = std::exp(gb * sc.pos[0]);
+        eqd[b] = std::exp(-gb * sc.pos[0]);
+        rk[b] = std::exp(gb * d);
+        rq[b] = 1.0 / rk[b];
+      }
+      for (int tt = 1; tt < n; ++tt)
         for (int b = 0; b < nb; ++b) {
-          rk[b] = std::exp(static_cast<double>(g[b]) * sc.last_d);
-          rq[b] = 1.0 / rk[b];
+          ekd[tt * nb + b] = ekd[(tt - 1) * nb + b] * rk[b];
+          eqd[tt * nb + b] = eqd[(tt - 1) * nb + b] * rq[b];
         }
-      for (int b = 0; b < nb; ++b) {
-        ekd[b] *= rk[b];
-        eqd[b] *= rq[b];
-      }
+    } else {  // irregular positions or a binding clamp: exact (clamped) values everywhere
+      for (int tt = 0; tt < n; ++tt)
+        for (int b = 0; b < nb; ++b) {
+          const double a = static_cast<double>(g[b]) * sc.pos[tt];
+          ekd[tt * nb + b] = std::exp(std::min(std::max(a, -X), X));
+          eqd[tt * nb + b] = std::exp(std::min(std::max(-a, -X), X));
+        }
     }
-    for (int b = 0; b < nb; ++b) {
-      const double a = static_cast<double>(g[b]) * p;
-      if (std::abs(a) > X) {  // clamp binds: exact values, and the next row starts afresh
-        ekd[b] = std::exp(std::min(std::max(a, -X), X));
-        eqd[b] = std::exp(std::min(std::max(-a, -X), X));
-        sc.force_anchor = true;
-      }
-      ek[b] = static_cast<T>(ekd[b]);
-      eq[b] = static_cast<T>(eqd[b]);
+    for (int i = 0; i < stride; ++i) {
+      ek[i] = static_cast<T>(ekd[i]);
+      eq[i] = static_cast<T>(eqd[i]);
     }
   } else {
-    std::fill(ek, ek + nb, T(1));
-    std::fill(eq, eq + nb, T(1));
+    std::fill(ek, ek + stride, T(1));
+    std::fill(eq, eq + stride, T(1));
   }
   T* ck = sc.ck.data();
   T* cq = sc.cq.data();
-  std::copy(ek, ek + nb, ck);
-  std::copy(eq, eq + nb, cq);
+  std::copy(ek, ek + stride, ck);
+  std::copy(eq, eq + stride, cq);
   if (M == 1) return;
   if (s.shear == ShearMode::Gates) {
-    for (int b = 0; b < nb; ++b) {
-      double gates[kMaxOrder], c[kMaxOrder], ic[kMaxOrder];
-      for (int k = 1; k < M; ++k) gates[k - 1] = static_cast<double>(P.gates[(k - 1) * H * NB + off + b]);
-      shear_coefficients(ShearMode::Gates, M, 0.0, gates, 1, static_cast<double>(P.alpha0[off + b]), u, c);
-      inverse_series(M, c, ic);
-      for (int k = 0; k < M; ++k) {
-        ck[k * nb + b] = static_cast<T>(c[k]) * ek[b];
-        cq[k * nb + b] = static_cast<T>(ic[k]) * eq[b];
+    for (int tt = 0; tt < n; ++tt)
+      for (int b = 0; b < nb; ++b) {
+        double gates[kMaxOrder], c[kMaxOrder], ic[kMaxOrder];
+        for (int k = 1; k < M; ++k)
+          gates[k - 1] = static_cast<double>(P.gates[(k - 1) * H * NB + off + b]);
+        shear_coefficients(ShearMode::Gates, M, 0.0, gates, 1,
+                           static_cast<double>(P.alpha0[off + b]), sc.u[tt], c);
+        inverse_series(M, c, ic);
+        const int i = tt * nb + b;
+        for (int k = 0; k < M; ++k) {
+          ck[k * stride + i] = static_cast<T>(c[k]) * ek[i];
+          cq[k * stride + i] = static_cast<T>(ic[k]) * eq[i];
+        }
       }
-    }
     return;
   }
   T* x = sc.x.data();
   if (s.shear == ShearMode::Exponential) {
-    const T ut = static_cast<T>(u);
     const T* e = P.eta + off;
-    for (int b = 0; b < nb; ++b) x[b] = e[b] * ut;
+    for (int tt = 0; tt < n; ++tt) {
+      const T ut = static_cast<T>(sc.u[tt]);
+      for (int b = 0; b < nb; ++b) x[tt * nb + b] = e[b] * ut;
+    }
   } else {
-    std::fill(x, x + nb, T(0));
+    std::fill(x, x + stride, T(0));
   }
   for (int k = 1; k < M; ++k) {
     const T inv = T(1) / static_cast<T>(k);
-    for (int b = 0; b < nb; ++b) {
-      ck[k * nb + b] = ck[(k - 1) * nb + b] * x[b] * inv;
-      cq[k * nb + b] = -cq[(k - 1) * nb + b] * x[b] * inv;
+    T* cur = ck + k * stride;
+    const T* prev = ck + (k - 1) * stride;
+    T* curq = cq + k * stride;
+    const T* prevq = cq + (k - 1) * stride;
+    for (int i = 0; i < stride; ++i) {
+      cur[i] = prev[i] * x[i] * inv;
+      curq[i] = -prevq[i] * x[i] * inv;
     }
   }
 }
 
-// Gathers slot r of every block into zr/zi[r][b] (rotated by the row's angle when rotate is set).
-template <class T, int M, Layout LY>
-void gather(const SegmentDesc& s, int D, const T* x, const T* cs, const T* sn, bool rotate,
-            T* zr, T* zi) {
-  using A = Addr<LY>;
-  const int nb = s.blocks;
-  for (int r = 0; r < M; ++r) {
-    T* ar = zr + r * nb;
-    T* ai = zi + r * nb;
-    for (int b = 0; b < nb; ++b) {
-      const int j = s.first_pair + b * M + r;
-      ar[b] = x[A::re(j, D)];
-      ai[b] = x[A::im(j, D)];
-    }
-    if (!rotate) continue;
-    for (int b = 0; b < nb; ++b) {
-      const T xr = ar[b], xi = ai[b];
-      ar[b] = xr * cs[b] - xi * sn[b];
-      ai[b] = xr * sn[b] + xi * cs[b];
-    }
-  }
-}
-
-template <class T, int M, Layout LY>
-void scatter(const SegmentDesc& s, int D, const T* yr, const T* yi, T* y) {
-  using A = Addr<LY>;
-  const int nb = s.blocks;
-  for (int r = 0; r < M; ++r)
-    for (int b = 0; b < nb; ++b) {
-      const int j = s.first_pair + b * M + r;
-      y[A::re(j, D)] = yr[r * nb + b];
-      y[A::im(j, D)] = yi[r * nb + b];
-    }
-}
-
-// y_r = sum_c coef[|c - r|] z_c over c >= r (upper: keys, transposed queries) or c <= r (lower).
-template <class T, int M>
-void mix(int nb, const T* coef, const T* zr, const T* zi, bool upper, T* yr, T* yi) {
-  for (int r = 0; r < M; ++r) {
-    T* orr = yr + r * nb;
-    T* oi = yi + r * nb;
-    {  // the diagonal term c = r initialises the output (no separate zero fill)
-      const T* w = coef;
-      const T* a = zr + r * nb;
-      const T* bb = zi + r * nb;
-      for (int b = 0; b < nb; ++b) {
-        orr[b] = w[b] * a[b];
-        oi[b] = w[b] * bb[b];
-      }
-    }
-    const int lo = upper ? r + 1 : 0, hi = upper ? M : r;
-    for (int c = lo; c < hi; ++c) {
-      const T* w = coef + (upper ? c - r : r - c) * nb;
-      const T* a = zr + c * nb;
-      const T* bb = zi + c * nb;
-      for (int b = 0; b < nb; ++b) {
-        orr[b] += w[b] * a[b];
-        oi[b] += w[b] * bb[b];
-      }
-    }
-  }
-}
-
-// Forward of one segment on one (token, head) row for q and k together.
+// Forward of one segment on one token row for q and k, with the tile's series at token tt.
 // key:   y_r = e_k sum_{c>=r} c_{c-r}  R z_c      query: y_r = e_q sum_{c<=r} ic_{r-c} R z_c
 template <class T, int M, Layout LY>
-void forward_segment(const SegmentDesc& s, int D, int64_t h, int64_t H, int NB, double p,
-                     const T* cosr, const T* sinr, const Params<T>& P, Scratch<T>& sc,
-                     const T* q, const T* k, T* qo, T* ko) {
+void forward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr,
+                     const T* ck, const T* cq, int stride, const T* q, const T* k, T* qo, T* ko) {
   using A = Addr<LY>;
   const T* cs = cosr + s.first_block;
   const T* sn = sinr + s.first_block;
-  if (M == 1 && !s.damped) {  // plain rotation: the RoPE hot loop (in place is fine: no overlap)
-    for (int io = 0; io < 2; ++io) {
-      const T* x = io ? k : q;
-      T* y = io ? ko : qo;
-      if (!x) continue;
-#pragma GCC ivdep
-      for (int b = 0; b < s.blocks; ++b) {
-        const int j = s.first_pair + b;
-        const T xr = x[A::re(j, D)], xi = x[A::im(j, D)];
-        y[A::re(j, D)] = xr * cs[b] - xi * sn[b];
-        y[A::im(j, D)] = xr * sn[b] + xi * cs[b];
-      }
-    }
-    return;
-  }
-  const double u = s.shear_scale * chart_value(s.chart, -p, s.L);
-  row_series<T, M>(s, P, h, H, NB, p, u, sc);
   const int nb = s.blocks;
   for (int io = 0; io < 2; ++io) {
     const bool key = io == 1;
     const T* x = key ? k : q;
     T* y = key ? ko : qo;
     if (!x) continue;
-    const T* coef = key ? sc.ck.data() : sc.cq.data();
-    // one fused pass per block: load the m slots, rotate, mix with the row's series, store
+    if (M == 1 && !ck) {  // plain rotation: the RoPE hot loop (in place is fine: no overlap)
+#pragma GCC ivdep
+      for (int b = 0; b < nb; ++b) {
+        const int j = s.first_pair + b;
+        const T xr = x[A::re(j, D)], xi = x[A::im(j, D)];
+        y[A::re(j, D)] = xr * cs[b] - xi * sn[b];
+        y[A::im(j, D)] = xr * sn[b] + xi * cs[b];
+      }
+      continue;
+    }
+    const T* coef = key ? ck : cq;
+    // one fused pass per block: load the m slots, rotate, mix with the token's series, store
 #pragma GCC ivdep
     for (int b = 0; b < nb; ++b) {
       const int j0 = s.first_pair + b * M;
@@ -264,9 +191,11 @@ void forward_segment(const SegmentDesc& s, int D, int64_t h, int64_t H, int NB, 
       for (int r = 0; r < M; ++r) {
         T ar = 0, ai = 0;
         if (key) {
-          for (int c = r; c < M; ++c) ar += coef[(c - r) * nb + b] * zr[c], ai += coef[(c - r) * nb + b] * zi[c];
+          for (int c = r; c < M; ++c)
+            ar += coef[(c - r) * stride + b] * zr[c], ai += coef[(c - r) * stride + b] * zi[c];
         } else {
-          for (int c = 0; c <= r; ++c) ar += coef[(r - c) * nb + b] * zr[c], ai += coef[(r - c) * nb + b] * zi[c];
+          for (int c = 0; c <= r; ++c)
+            ar += coef[(r - c) * stride + b] * zr[c], ai += coef[(r - c) * stride + b] * zi[c];
         }
         y[A::re(j0 + r, D)] = ar;
         y[A::im(j0 + r, D)] = ai;
@@ -284,111 +213,103 @@ struct GradSlots {
   size_t gate(int k, size_t i) const { return (3 + k - 1) * hb + i; }
 };
 
-// Backward of one segment on one row: input gradients (transposed maps) and, when acc is given,
-// parameter gradients accumulated in float64.
+// Backward of one segment on one token row: input gradients by the transposed maps and, when
+// xin is given, dser'_k = sum_r <w_r, x_{r+k}> (key) or <w_r, x_{r-k}> (query) with w = R^T gy,
+// reduced with the scaled series coef = e * series into dl = sum_k coef_k dser'_k
+// (dL/dexponent) and de = sum_{k>=1} coef_{k-1} dser'_k (dL/deta up to +-u).
 template <class T, int M, Layout LY>
-void backward_segment(const SegmentDesc& s, int D, int64_t h, int64_t H, int NB, double p,
-                      const T* cosr, const T* sinr, const Params<T>& P, Scratch<T>& sc,
-                      const T* const xin[2], const T* const gy[2], T* const gx[2], double* acc,
-                      const GradSlots& slot) {
+void backward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr, const T* coef,
+                      int stride, bool key, const T* x, const T* g, T* o, T* dl, T* de, T* dser) {
   using A = Addr<LY>;
   const T* cs = cosr + s.first_block;
   const T* sn = sinr + s.first_block;
-  if (M == 1 && !s.damped) {  // transpose of a rotation
-    for (int io = 0; io < 2; ++io) {
-      if (!gy[io] || !gx[io]) continue;
-      const T* g = gy[io];
-      T* o = gx[io];
+  const int nb = s.blocks;
+  if (M == 1 && !coef) {  // transpose of a rotation
+    if (!o) return;
 #pragma GCC ivdep
-      for (int b = 0; b < s.blocks; ++b) {
-        const int j = s.first_pair + b;
-        const T gr = g[A::re(j, D)], gi = g[A::im(j, D)];
-        o[A::re(j, D)] = gr * cs[b] + gi * sn[b];
-        o[A::im(j, D)] = -gr * sn[b] + gi * cs[b];
-      }
+    for (int b = 0; b < nb; ++b) {
+      const int j = s.first_pair + b;
+      const T gr = g[A::re(j, D)], gi = g[A::im(j, D)];
+      o[A::re(j, D)] = gr * cs[b] + gi * sn[b];
+      o[A::im(j, D)] = -gr * sn[b] + gi * cs[b];
     }
     return;
   }
-  const int nb = s.blocks;
-  const double u = s.shear_scale * chart_value(s.chart, -p, s.L);
-  row_series<T, M>(s, P, h, H, NB, p, u, sc);
-  T* dser = sc.yr.data();  // dser'_k[b], kept for the jet-gate gradients
-  T* dl = sc.dl.data();
-  T* de = sc.de.data();
-  for (int io = 0; io < 2; ++io) {
-    if (!gy[io]) continue;
-    const bool key = io == 1;
-    const T* coef = key ? sc.ck.data() : sc.cq.data();
-    const T* g = gy[io];
-    T* o = gx[io];
-    const T* x = acc ? xin[io] : nullptr;
-    // One fused pass per block: w = R^T gy; input gradient by the transposed mixing (key lower,
-    // query upper); and, for the parameters, dser'_k = sum_r <w_r, x_{r+k}> (key) or
-    // <w_r, x_{r-k}> (query). With the scaled series coef = e * series these give
-    // dL/dexponent = sum_k coef_k dser'_k and dL/deta = +-u sum_{k>=1} coef_{k-1} dser'_k.
 #pragma GCC ivdep
-    for (int b = 0; b < nb; ++b) {
-      const int j0 = s.first_pair + b * M;
-      T wr[M], wi[M];
-      for (int r = 0; r < M; ++r) {
-        const T gr = g[A::re(j0 + r, D)], gi = g[A::im(j0 + r, D)];
-        wr[r] = gr * cs[b] + gi * sn[b];
-        wi[r] = -gr * sn[b] + gi * cs[b];
-      }
-      if (o) {
-        for (int c = 0; c < M; ++c) {
-          T ar = 0, ai = 0;
-          if (key) {
-            for (int r = 0; r <= c; ++r) ar += coef[(c - r) * nb + b] * wr[r], ai += coef[(c - r) * nb + b] * wi[r];
-          } else {
-            for (int r = c; r < M; ++r) ar += coef[(r - c) * nb + b] * wr[r], ai += coef[(r - c) * nb + b] * wi[r];
-          }
-          o[A::re(j0 + c, D)] = ar;
-          o[A::im(j0 + c, D)] = ai;
+  for (int b = 0; b < nb; ++b) {
+    const int j0 = s.first_pair + b * M;
+    T wr[M], wi[M];
+    for (int r = 0; r < M; ++r) {
+      const T gr = g[A::re(j0 + r, D)], gi = g[A::im(j0 + r, D)];
+      wr[r] = gr * cs[b] + gi * sn[b];
+      wi[r] = -gr * sn[b] + gi * cs[b];
+    }
+    if (o) {
+      for (int c = 0; c < M; ++c) {
+        T ar = 0, ai = 0;
+        if (key) {
+          for (int r = 0; r <= c; ++r)
+            ar += coef[(c - r) * stride + b] * wr[r], ai += coef[(c - r) * stride + b] * wi[r];
+        } else {
+          for (int r = c; r < M; ++r)
+            ar += coef[(r - c) * stride + b] * wr[r], ai += coef[(r - c) * stride + b] * wi[r];
         }
-      }
-      if (x) {
-        T xr[M], xi[M];
-        for (int c = 0; c < M; ++c) xr[c] = x[A::re(j0 + c, D)], xi[c] = x[A::im(j0 + c, D)];
-        T dlb = 0, deb = 0;
-        for (int kk = 0; kk < M; ++kk) {
-          T d = 0;
-          for (int r = 0; r < M; ++r) {
-            const int c = key ? r + kk : r - kk;
-            if (c >= 0 && c < M) d += wr[r] * xr[c] + wi[r] * xi[c];
-          }
-          dser[kk * nb + b] = d;
-          dlb += coef[kk * nb + b] * d;
-          if (kk >= 1) deb += coef[(kk - 1) * nb + b] * d;
-        }
-        dl[b] = dlb;
-        de[b] = deb;
+        o[A::re(j0 + c, D)] = ar;
+        o[A::im(j0 + c, D)] = ai;
       }
     }
-    if (!x) continue;
-    const size_t off = static_cast<size_t>(h) * NB + s.first_block;
-    if (s.damped) {
-      const T* g = P.gamma + off;
-      const double sgn = key ? p : -p;
-      double* ag = acc + slot.gamma(off);
-      for (int b = 0; b < nb; ++b)  // no gradient through a binding clamp
-        if (std::abs(static_cast<double>(g[b]) * p) <= s.max_exponent)
-          ag[b] += sgn * static_cast<double>(dl[b]);
+    if (x) {
+      T xr[M], xi[M];
+      for (int c = 0; c < M; ++c) xr[c] = x[A::re(j0 + c, D)], xi[c] = x[A::im(j0 + c, D)];
+      T dlb = 0, deb = 0;
+      for (int kk = 0; kk < M; ++kk) {
+        T d = 0;
+        for (int r = 0; r < M; ++r) {
+          const int c = key ? r + kk : r - kk;
+          if (c >= 0 && c < M) d += wr[r] * xr[c] + wi[r] * xi[c];
+        }
+        dser[kk * stride + b] = d;
+        dlb += coef[kk * stride + b] * d;
+        if (kk >= 1) deb += coef[(kk - 1) * stride + b] * d;
+      }
+      dl[b] = dlb;
+      de[b] = deb;
     }
-    if (M == 1) continue;
-    if (s.shear == ShearMode::Exponential) {
-      double* ae = acc + slot.eta(off);
-      const double su = key ? u : -u;
-      for (int b = 0; b < nb; ++b) ae[b] += su * static_cast<double>(de[b]);
-    } else if (s.shear == ShearMode::Gates) {
-      // dL/dc via the unscaled series (d ic = -P^2 d c for queries), then c_0 = alpha_0,
-      // c_k = g_k u^k/k!
+  }
+}
+
+// Parameter gradients of one segment from a tile's dl/de/dser, accumulated in float64.
+template <class T, int M>
+void accumulate_param_grads(const SegmentDesc& s, int64_t h, int NB, int n,
+                            bool key, const Scratch<T>& sc, double* acc, const GradSlots& slot) {
+  const int nb = s.blocks, stride = n * nb;
+  const size_t off = static_cast<size_t>(h) * NB + s.first_block;
+  if (s.damped) {  // d exponent / d gamma = +-p; no gradient through a binding clamp
+    double* ag = acc + slot.gamma(off);
+    for (int tt = 0; tt < n; ++tt) {
+      const double sp = key ? sc.pos[tt] : -sc.pos[tt];
+      for (int b = 0; b < nb; ++b)
+        if (!sc.clamped[tt * nb + b]) ag[b] += sp * static_cast<double>(sc.dl[tt * nb + b]);
+    }
+  }
+  if (M == 1) return;
+  if (s.shear == ShearMode::Exponential) {
+    double* ae = acc + slot.eta(off);
+    for (int tt = 0; tt < n; ++tt) {
+      const double su = key ? sc.u[tt] : -sc.u[tt];
+      for (int b = 0; b < nb; ++b) ae[b] += su * static_cast<double>(sc.de[tt * nb + b]);
+    }
+  } else if (s.shear == ShearMode::Gates) {
+    // dL/dc via the unscaled series (d ic = -P^2 d c for queries); c_0 = alpha_0, c_k = g_k u^k/k!
+    const T* coef = key ? sc.ck.data() : sc.cq.data();
+    for (int tt = 0; tt < n; ++tt)
       for (int b = 0; b < nb; ++b) {
-        const double e = static_cast<double>(key ? sc.ek[b] : sc.eq[b]);
+        const int i = tt * nb + b;
+        const double e = static_cast<double>(key ? sc.ek[i] : sc.eq[i]);
         double dser2[kMaxOrder], ser[kMaxOrder], dc[kMaxOrder];
         for (int kk = 0; kk < M; ++kk) {
-          dser2[kk] = static_cast<double>(sc.yr[kk * nb + b]) * e;
-          ser[kk] = static_cast<double>(coef[kk * nb + b]) / e;
+          dser2[kk] = static_cast<double>(sc.dser[kk * stride + i]) * e;
+          ser[kk] = static_cast<double>(coef[kk * stride + i]) / e;
         }
         if (key) {
           for (int kk = 0; kk < M; ++kk) dc[kk] = dser2[kk];
@@ -406,11 +327,10 @@ void backward_segment(const SegmentDesc& s, int D, int64_t h, int64_t H, int NB,
         acc[slot.alpha0(off + b)] += dc[0];
         double pw = 1;
         for (int kk = 1; kk < M; ++kk) {
-          pw *= u / kk;
+          pw *= sc.u[tt] / kk;
           acc[slot.gate(kk, off + b)] += dc[kk] * pw;
         }
       }
-    }
   }
 }
 
@@ -440,32 +360,48 @@ void copy_uncovered(int first, int D, const T* x, T* y) {
   }
 }
 
+// Work items: tiles of up to kTile consecutive tokens of one (batch, head).
+struct Tiling {
+  int64_t per_bh, count;
+  explicit Tiling(Dims d) : per_bh((d.T + kTile - 1) / kTile), count(d.B * d.H * per_bh) {}
+};
+
+bool plain_rotation(const SegmentDesc& s) { return s.order == 1 && !s.damped; }
 
 template <class T, Layout LY>
 void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
                   TrigView<T> trig, const T* q, const T* k, T* qo, T* ko) {
-  const int64_t D = plan.head_dim, NB = plan.total_blocks, rows = dims.B * dims.H * dims.T;
+  const int64_t D = plan.head_dim, NB = plan.total_blocks;
   const int covered = covered_pairs(plan);
+  const Tiling tiling(dims);
 #pragma omp parallel
   {
     Scratch<T> sc(plan.total_blocks);
 #pragma omp for schedule(static)
-    for (int64_t row = 0; row < rows; ++row) {
-      const int64_t t = row % dims.T, h = (row / dims.T) % dims.H, b = row / (dims.T * dims.H);
-      const double p = pos.at(b, t, dims.T);
-      const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t) * NB;
-      sc.begin_row(row, t, p);
-      const T* qr = q ? q + row * D : nullptr;
-      const T* kr = k ? k + row * D : nullptr;
-      T* qor = q ? qo + row * D : nullptr;
-      T* kor = k ? ko + row * D : nullptr;
+    for (int64_t tile = 0; tile < tiling.count; ++tile) {
+      const int64_t bh = tile / tiling.per_bh, t0 = (tile % tiling.per_bh) * kTile;
+      const int64_t h = bh % dims.H, b = bh / dims.H;
+      const int n = static_cast<int>(std::min<int64_t>(kTile, dims.T - t0));
+      for (int tt = 0; tt < n; ++tt) sc.pos[tt] = pos.at(b, t0 + tt, dims.T);
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
-          forward_segment<T, M, LY>(s, static_cast<int>(D), h, dims.H, static_cast<int>(NB), p,
-                                    trig.cos + trow, trig.sin + trow, P, sc, qr, kr, qor, kor);
+          const bool plain = plain_rotation(s);
+          if (!plain) tile_series<T, M>(s, P, h, dims.H, static_cast<int>(NB), n, sc);
+          for (int tt = 0; tt < n; ++tt) {
+            const int64_t row = bh * dims.T + t0 + tt;
+            const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB;
+            forward_segment<T, M, LY>(s, static_cast<int>(D), trig.cos + trow, trig.sin + trow,
+                                      plain ? nullptr : sc.ck.data() + tt * s.blocks,
+                                      plain ? nullptr : sc.cq.data() + tt * s.blocks, n * s.blocks,
+                                      q ? q + row * D : nullptr, k ? k + row * D : nullptr,
+                                      q ? qo + row * D : nullptr, k ? ko + row * D : nullptr);
+          }
         });
-      copy_uncovered<T, LY>(covered, static_cast<int>(D), qr, qor);
-      copy_uncovered<T, LY>(covered, static_cast<int>(D), kr, kor);
+      for (int tt = 0; tt < n; ++tt) {
+        const int64_t row = bh * dims.T + t0 + tt;
+        if (q) copy_uncovered<T, LY>(covered, static_cast<int>(D), q + row * D, qo + row * D);
+        if (k) copy_uncovered<T, LY>(covered, static_cast<int>(D), k + row * D, ko + row * D);
+      }
     }
   }
 }
@@ -474,11 +410,15 @@ template <class T, Layout LY>
 void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
                    TrigView<T> trig, const T* q, const T* k, const T* gqo, const T* gko, T* gq,
                    T* gk, const ParamGrads<T>& G) {
-  const int64_t D = plan.head_dim, NB = plan.total_blocks, rows = dims.B * dims.H * dims.T;
+  const int64_t D = plan.head_dim, NB = plan.total_blocks;
   const int covered = covered_pairs(plan);
+  const Tiling tiling(dims);
   const GradSlots slot{static_cast<size_t>(dims.H * NB)};
   const size_t nacc = G.any() ? (3 + plan.gate_rows) * slot.hb : 0;
   std::vector<std::vector<double>> acc(static_cast<size_t>(omp_get_max_threads()));
+  const T* xin[2] = {q, k};
+  const T* gy[2] = {gqo, gko};
+  T* gx[2] = {gqo ? gq : nullptr, gko ? gk : nullptr};
 #pragma omp parallel
   {
     Scratch<T> sc(plan.total_blocks);
@@ -486,20 +426,41 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
     mine.assign(nacc, 0.0);
     double* a = nacc ? mine.data() : nullptr;
 #pragma omp for schedule(static)
-    for (int64_t row = 0; row < rows; ++row) {
-      const int64_t t = row % dims.T, h = (row / dims.T) % dims.H, b = row / (dims.T * dims.H);
-      const double p = pos.at(b, t, dims.T);
-      const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t) * NB;
-      sc.begin_row(row, t, p);
-      const T* const xin[2] = {q ? q + row * D : nullptr, k ? k + row * D : nullptr};
-      const T* const gy[2] = {gqo ? gqo + row * D : nullptr, gko ? gko + row * D : nullptr};
-      T* const gx[2] = {gq && gqo ? gq + row * D : nullptr, gk && gko ? gk + row * D : nullptr};
+    for (int64_t tile = 0; tile < tiling.count; ++tile) {
+      const int64_t bh = tile / tiling.per_bh, t0 = (tile % tiling.per_bh) * kTile;
+      const int64_t h = bh % dims.H, b = bh / dims.H;
+      const int n = static_cast<int>(std::min<int64_t>(kTile, dims.T - t0));
+      for (int tt = 0; tt < n; ++tt) sc.pos[tt] = pos.at(b, t0 + tt, dims.T);
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
-          backward_segment<T, M, LY>(s, static_cast<int>(D), h, dims.H, static_cast<int>(NB), p,
-                                     trig.cos + trow, trig.sin + trow, P, sc, xin, gy, gx, a, slot);
+          const bool plain = plain_rotation(s);
+          if (!plain) tile_series<T, M>(s, P, h, dims.H, static_cast<int>(NB), n, sc);
+          const int stride = n * s.blocks;
+          for (int io = 0; io < 2; ++io) {
+            if (!gy[io]) continue;
+            const bool key = io == 1;
+            const bool params = a && xin[io] && !plain;
+            for (int tt = 0; tt < n; ++tt) {
+              const int64_t row = bh * dims.T + t0 + tt;
+              const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB;
+              const int off = tt * s.blocks;
+              backward_segment<T, M, LY>(
+                  s, static_cast<int>(D), trig.cos + trow, trig.sin + trow,
+                  plain ? nullptr : (key ? sc.ck.data() : sc.cq.data()) + off, stride, key,
+                  params ? xin[io] + row * D : nullptr, gy[io] + row * D,
+                  gx[io] ? gx[io] + row * D : nullptr, sc.dl.data() + off, sc.de.data() + off,
+                  sc.dser.data() + off);
+            }
+            if (params)
+              accumulate_param_grads<T, M>(s, h, static_cast<int>(NB), n, key, sc, a, slot);
+          }
         });
-      for (int io = 0; io < 2; ++io) copy_uncovered<T, LY>(covered, static_cast<int>(D), gy[io], gx[io]);
+      for (int io = 0; io < 2; ++io)
+        if (gy[io] && gx[io])
+          for (int tt = 0; tt < n; ++tt) {
+            const int64_t row = bh * dims.T + t0 + tt;
+            copy_uncovered<T, LY>(covered, static_cast<int>(D), gy[io] + row * D, gx[io] + row * D);
+          }
     }
   }
   if (!nacc) return;

@@ -175,8 +175,14 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
   if (!mech_.has_transform()) return {q, k};
   auto kp = kernel_params();
   const auto dt = q.scalar_type();
+  const double center = center_for(pos);
+  auto& c = trig_cache_;
+  const bool hit = c.table.size() == 2 && c.dtype == dt && c.center == center &&
+                   c.positions.sizes() == pos.sizes() && torch::equal(c.positions, pos) &&
+                   (pos.dim() == 1 || c.positions.size(0) == q.size(0));
+  if (!hit) c = {pos.clone(), center, dt, trig_table(plan_, q.size(0), q.size(2), pos, center, dt)};
   const auto out = transform_qk(plan_, q, k, kp.gamma.to(dt), kp.eta.to(dt), kp.gates.to(dt),
-                                kp.alpha0.to(dt), pos, center_for(pos));
+                                kp.alpha0.to(dt), pos, center, c.table);
   return {out[0], out[1]};
 }
 

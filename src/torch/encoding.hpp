@@ -55,6 +55,14 @@ class PositionEncodingImpl : public torch::nn::Module {
   torch::Tensor raw_eta_, eta_max_, eta_learn_, eta_fixed_;
   torch::Tensor raw_gates_, raw_alpha0_, spectrum_logits_, gate_max_, gates_fixed_, alpha0_fixed_;
   bool gates_learn_ = false, alpha0_learn_ = false, spectrum_ = false;
+  // The trig table of the last call, reused while positions, centre and dtype repeat (training
+  // calls with the same 0..T-1 every step). Makes forward non-reentrant, like any module state.
+  struct TrigCache {
+    torch::Tensor positions;
+    double center = 0;
+    torch::ScalarType dtype = torch::kFloat;
+    std::vector<torch::Tensor> table;
+  } trig_cache_;
 };
 TORCH_MODULE(PositionEncoding);
 

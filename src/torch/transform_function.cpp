@@ -64,15 +64,12 @@ class TransformQK : public torch::autograd::Function<TransformQK> {
                                const torch::Tensor& k, const torch::Tensor& gamma,
                                const torch::Tensor& eta, const torch::Tensor& gates,
                                const torch::Tensor& alpha0, const torch::Tensor& positions,
+                               const torch::Tensor& cos, const torch::Tensor& sin,
                                std::vector<double> plan_code, double center) {
     const auto plan = decode(plan_code);
     const auto g = geometry(q, positions, center);
-    const int64_t n = kernels::trig_table_size(plan, g.dims, g.pos);
-    auto cos = torch::empty({n}, q.options()), sin = torch::empty({n}, q.options());
     auto qo = torch::empty_like(q), ko = torch::empty_like(k);
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_transform_forward", [&] {
-      kernels::fill_trig_table<scalar_t>(plan, g.dims, g.pos, cos.data_ptr<scalar_t>(),
-                                         sin.data_ptr<scalar_t>());
       kernels::transform_forward<scalar_t>(
           plan, g.dims, g.pos,
           {ptr<scalar_t>(gamma), ptr<scalar_t>(eta), ptr<scalar_t>(gates), ptr<scalar_t>(alpha0)},
@@ -111,21 +108,46 @@ class TransformQK : public torch::autograd::Function<TransformQK> {
           {mptr<scalar_t>(ggamma), mptr<scalar_t>(geta), mptr<scalar_t>(ggates),
            mptr<scalar_t>(galpha0)});
     });
-    return {gq, gk, ggamma, geta, ggates, galpha0, torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+    return {gq,       gk,       ggamma,         geta,           ggates, galpha0,
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 }  // namespace
 
+std::vector<torch::Tensor> trig_table(const kernels::TransformPlan& plan, int64_t B, int64_t T,
+                                      const torch::Tensor& positions, double center,
+                                      torch::ScalarType dtype) {
+  const auto pos = positions.to(torch::kDouble).contiguous();
+  const kernels::Dims dims{B, 1, T};
+  const kernels::Positions P{pos.data_ptr<double>(), pos.dim() == 2, center};
+  const int64_t n = kernels::trig_table_size(plan, dims, P);
+  auto cos = torch::empty({n}, torch::TensorOptions().dtype(dtype));
+  auto sin = torch::empty({n}, torch::TensorOptions().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES(dtype, "relpos_trig_table", [&] {
+    kernels::fill_trig_table<scalar_t>(plan, dims, P, cos.data_ptr<scalar_t>(),
+                                       sin.data_ptr<scalar_t>());
+  });
+  return {cos, sin};
+}
+
 std::vector<torch::Tensor> transform_qk(const kernels::TransformPlan& plan, const torch::Tensor& q,
                                         const torch::Tensor& k, const torch::Tensor& gamma,
                                         const torch::Tensor& eta, const torch::Tensor& gates,
                                         const torch::Tensor& alpha0,
-                                        const torch::Tensor& positions, double center) {
+                                        const torch::Tensor& positions, double center,
+                                        const std::vector<torch::Tensor>& trig) {
+  const auto pos = positions.to(torch::kDouble).contiguous();
+  const auto table =
+      trig.size() == 2 ? trig : trig_table(plan, q.size(0), q.size(2), pos, center, q.scalar_type());
+  const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
+  const kernels::Positions P{pos.data_ptr<double>(), pos.dim() == 2, center};
+  if (table[0].numel() != kernels::trig_table_size(plan, dims, P) ||
+      table[0].scalar_type() != q.scalar_type() || table[1].sizes() != table[0].sizes())
+    throw InputError("trig table does not match the inputs' positions, length or dtype");
   return TransformQK::apply(q.contiguous(), k.contiguous(), gamma.contiguous(), eta.contiguous(),
-                            gates.contiguous(), alpha0.contiguous(),
-                            positions.to(torch::kDouble).contiguous(), encode(plan), center);
+                            gates.contiguous(), alpha0.contiguous(), pos, table[0].detach(),
+                            table[1].detach(), encode(plan), center);
 }
 
 }  // namespace relpos::nn

@@ -155,3 +155,24 @@ TEST(Encoding, ReferenceInitialisation) {
   EXPECT_NEAR(s[4].item<double>(), 0.5, 1e-7);
   EXPECT_NEAR(s[5].item<double>(), 0.125, 1e-7);
 }
+
+TEST(Encoding, TrigCacheFollowsPositionChanges) {
+  torch::manual_seed(3);
+  nn::PositionEncoding enc("jordan(m=2, regime=raw, eta0=0.05)", 16, 2);
+  const auto q = torch::randn({2, 2, 9, 16}, torch::kDouble), k = torch::randn({2, 2, 9, 16}, torch::kDouble);
+  enc->to(torch::kDouble);
+  const auto a = torch::arange(9, torch::kDouble), b = torch::arange(9, torch::kDouble) * 3 + 100;
+  const auto pb = torch::stack({a, b});
+  for (const auto& pos : {a, b, a, pb, pb, a}) {
+    nn::PositionEncoding fresh("jordan(m=2, regime=raw, eta0=0.05)", 16, 2);
+    fresh->to(torch::kDouble);
+    const auto o1 = enc->forward(q, k, pos), o2 = fresh->forward(q, k, pos);
+    EXPECT_TRUE(torch::equal(o1.q, o2.q));
+    EXPECT_TRUE(torch::equal(o1.k, o2.k));
+  }
+  // a different dtype or length must not reuse the table either
+  const auto o = enc->forward(q.narrow(2, 0, 5), k.narrow(2, 0, 5));
+  nn::PositionEncoding fresh("jordan(m=2, regime=raw, eta0=0.05)", 16, 2);
+  fresh->to(torch::kDouble);
+  EXPECT_TRUE(torch::equal(o.q, fresh->forward(q.narrow(2, 0, 5), k.narrow(2, 0, 5)).q));
+}
