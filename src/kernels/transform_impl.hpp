@@ -34,19 +34,45 @@ int covered_pairs(const TransformPlan& plan) {
 // coefficient series) are computed for a whole tile in loops of kTile * blocks elements, which
 // vectorise well and amortise loop overheads that dominated when done token by token.
 constexpr int kTile = 16;
+constexpr int kTileRun = 8;  // tiles between exact re-anchorings of the damping recurrence
 
 // Per-thread scratch, structure-of-arrays: series[k][tt][b], per-token scalars [tt][b].
 template <class T>
 struct Scratch {
   int nb;
   std::vector<T> ek, eq, x, ck, cq, dl, de, dser;
-  std::vector<double> ekd, eqd, rk, rq, pos, u;
+  std::vector<double> ekd, eqd, pos, u;
   std::vector<unsigned char> clamped;
+  // Damping carried from tile to tile of one (batch, head): e^{+-gamma p} of the last token and
+  // the step ratios e^{+-gamma d}, per global block; re-anchored exactly every kTileRun tiles.
+  std::vector<double> ek_last, eq_last, rk, rq, rk_d;
+  std::vector<int64_t> rk_bh;  // (bh, d) the ratios of each block were computed for
+  int64_t last_tile = -2, last_bh = -1, bh = -1;
+  double last_p = 0, d = 0, last_d = std::numeric_limits<double>::quiet_NaN();
+  int run = 0;
+  bool even = false, contiguous = false, force_fresh = true;
   explicit Scratch(int blocks)
       : nb(std::max(1, blocks)),
         ek(kTile * nb), eq(kTile * nb), x(kTile * nb), ck(kMaxOrder * kTile * nb),
         cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb),
-        ekd(kTile * nb), eqd(kTile * nb), rk(nb), rq(nb), pos(kTile), u(kTile), clamped(kTile * nb) {}
+        ekd(kTile * nb), eqd(kTile * nb), pos(kTile), u(kTile), clamped(kTile * nb),
+        ek_last(nb), eq_last(nb), rk(nb), rq(nb), rk_d(nb), rk_bh(nb, -1) {}
+
+  // Called once per tile after pos[0..n) is filled: may the damping continue the last tile's?
+  void begin_tile(int64_t tile, int64_t tile_bh, int n) {
+    bh = tile_bh;
+    even = n > 1;
+    d = n > 1 ? pos[1] - pos[0] : 0.0;
+    for (int tt = 2; tt < n && even; ++tt) even = pos[tt] - pos[tt - 1] == d;
+    contiguous = even && bh == last_bh && d == last_d && tile == last_tile + 1 && pos[0] - last_p == d && run < kTileRun &&
+                 !force_fresh;
+    run = contiguous ? run + 1 : 0;
+    force_fresh = false;
+    last_tile = tile;
+    last_bh = bh;
+    last_p = pos[n - 1];
+    last_d = even ? d : std::numeric_limits<double>::quiet_NaN();
+  }
 };
 
 // Scaled coefficient series of every (token, block) of the tile for one segment:
@@ -68,31 +94,47 @@ void tile_series(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H,
     const T* g = P.gamma + off;
     double* ekd = sc.ekd.data();
     double* eqd = sc.eqd.data();
-    const double d = n > 1 ? sc.pos[1] - sc.pos[0] : 0.0;
-    bool even = true, any_clamped = false;
-    for (int tt = 1; tt < n; ++tt) even &= sc.pos[tt] - sc.pos[tt - 1] == d;
+    bool any_clamped = false;
     for (int tt = 0; tt < n; ++tt)
       for (int b = 0; b < nb; ++b) {
         const bool cl = std::abs(static_cast<double>(g[b]) * sc.pos[tt]) > X;
         sc.clamped[tt * nb + b] = cl;
         any_clamped |= cl;
       }
-    if (even && !any_clamped) {
-      double* rk = sc.rk.data();
-      double* rq = sc.rq.data();
-      for (int b = 0; b < nb; ++b) {
-        const double gb = static_cast<double>(g[b]);
-        ekd[b] = std::exp(gb * sc.pos[0]);
-        eqd[b] = std::exp(-gb * sc.pos[0]);
-        rk[b] = std::exp(gb * d);
-        rq[b] = 1.0 / rk[b];
+    if (sc.even && !any_clamped) {
+      double* rk = sc.rk.data() + s.first_block;
+      double* rq = sc.rq.data() + s.first_block;
+      double* ekl = sc.ek_last.data() + s.first_block;
+      double* eql = sc.eq_last.data() + s.first_block;
+      if (sc.rk_bh[s.first_block] != sc.bh || sc.rk_d[s.first_block] != sc.d) {
+        for (int b = 0; b < nb; ++b) {
+          rk[b] = std::exp(static_cast<double>(g[b]) * sc.d);
+          rq[b] = 1.0 / rk[b];
+        }
+        sc.rk_bh[s.first_block] = sc.bh;
+        sc.rk_d[s.first_block] = sc.d;
+      }
+      if (sc.contiguous) {
+        for (int b = 0; b < nb; ++b) {
+          ekd[b] = ekl[b] * rk[b];
+          eqd[b] = eql[b] * rq[b];
+        }
+      } else {
+        for (int b = 0; b < nb; ++b) {
+          const double gb = static_cast<double>(g[b]);
+          ekd[b] = std::exp(gb * sc.pos[0]);
+          eqd[b] = std::exp(-gb * sc.pos[0]);
+        }
       }
       for (int tt = 1; tt < n; ++tt)
         for (int b = 0; b < nb; ++b) {
           ekd[tt * nb + b] = ekd[(tt - 1) * nb + b] * rk[b];
           eqd[tt * nb + b] = eqd[(tt - 1) * nb + b] * rq[b];
         }
+      std::copy(ekd + (n - 1) * nb, ekd + n * nb, ekl);
+      std::copy(eqd + (n - 1) * nb, eqd + n * nb, eql);
     } else {  // irregular positions or a binding clamp: exact (clamped) values everywhere
+      sc.force_fresh = true;
       for (int tt = 0; tt < n; ++tt)
         for (int b = 0; b < nb; ++b) {
           const double a = static_cast<double>(g[b]) * sc.pos[tt];
@@ -178,28 +220,38 @@ void forward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr,
       continue;
     }
     const T* coef = key ? ck : cq;
-    // one fused pass per block: load the m slots, rotate, mix with the token's series, store
+    // one fused pass per block: load the m slots, rotate, mix with the token's series, store.
+    // The slot loops are unrolled by hand (pragma) so that the block loop vectorises.
+    const auto block_loop = [&]<bool KEY>() {
 #pragma GCC ivdep
-    for (int b = 0; b < nb; ++b) {
-      const int j0 = s.first_pair + b * M;
-      T zr[M], zi[M];
-      for (int r = 0; r < M; ++r) {
-        const T xr = x[A::re(j0 + r, D)], xi = x[A::im(j0 + r, D)];
-        zr[r] = xr * cs[b] - xi * sn[b];
-        zi[r] = xr * sn[b] + xi * cs[b];
-      }
-      for (int r = 0; r < M; ++r) {
-        T ar = 0, ai = 0;
-        if (key) {
-          for (int c = r; c < M; ++c)
-            ar += coef[(c - r) * stride + b] * zr[c], ai += coef[(c - r) * stride + b] * zi[c];
-        } else {
-          for (int c = 0; c <= r; ++c)
-            ar += coef[(r - c) * stride + b] * zr[c], ai += coef[(r - c) * stride + b] * zi[c];
+      for (int b = 0; b < nb; ++b) {
+        const int j0 = s.first_pair + b * M;
+        T zr[M], zi[M];
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          const T xr = x[A::re(j0 + r, D)], xi = x[A::im(j0 + r, D)];
+          zr[r] = xr * cs[b] - xi * sn[b];
+          zi[r] = xr * sn[b] + xi * cs[b];
         }
-        y[A::re(j0 + r, D)] = ar;
-        y[A::im(j0 + r, D)] = ai;
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          T ar = 0, ai = 0;
+#pragma GCC unroll 8
+          for (int c = 0; c < M; ++c) {
+            if (KEY ? c < r : c > r) continue;
+            const T w = coef[(KEY ? c - r : r - c) * stride + b];
+            ar += w * zr[c];
+            ai += w * zi[c];
+          }
+          y[A::re(j0 + r, D)] = ar;
+          y[A::im(j0 + r, D)] = ai;
+        }
       }
+    };
+    if (key) {
+      block_loop.template operator()<true>();
+    } else {
+      block_loop.template operator()<false>();
     }
   }
 }
@@ -383,6 +435,7 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
       const int64_t h = bh % dims.H, b = bh / dims.H;
       const int n = static_cast<int>(std::min<int64_t>(kTile, dims.T - t0));
       for (int tt = 0; tt < n; ++tt) sc.pos[tt] = pos.at(b, t0 + tt, dims.T);
+      sc.begin_tile(tile, bh, n);
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
           const bool plain = plain_rotation(s);
@@ -431,6 +484,7 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
       const int64_t h = bh % dims.H, b = bh / dims.H;
       const int n = static_cast<int>(std::min<int64_t>(kTile, dims.T - t0));
       for (int tt = 0; tt < n; ++tt) sc.pos[tt] = pos.at(b, t0 + tt, dims.T);
+      sc.begin_tile(tile, bh, n);
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
           const bool plain = plain_rotation(s);
