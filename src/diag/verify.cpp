@@ -207,25 +207,36 @@ Mechanism build_for_verify(const std::string& spec, const VerifyOptions& o) {
   }
 }
 
+// Mechanism, sampled positions and random q, k shared by the checks of one spec.
+struct Sample {
+  Mechanism m;
+  std::mt19937_64 rng;
+  std::vector<double> pos, q, k;
+};
+Sample make_sample(const std::string& spec, const VerifyOptions& o) {
+  Sample s{build_for_verify(spec, o), std::mt19937_64(o.seed), {}, {}, {}};
+  s.pos = sample_positions(o, s.rng);
+  std::normal_distribution<double> N01;
+  const size_t n = static_cast<size_t>(s.m.heads) * s.pos.size() * s.m.head_dim;
+  s.q.resize(n);
+  s.k.resize(n);
+  for (auto& x : s.q) x = N01(s.rng);
+  for (auto& x : s.k) x = N01(s.rng);
+  return s;
+}
+
 }  // namespace
 
 std::vector<VerifyRow> verify_spec(const std::string& spec, const VerifyOptions& o,
                                    const std::vector<std::string>& dtypes) {
-  const Mechanism m = build_for_verify(spec, o);
-  std::mt19937_64 rng(o.seed);
-  const auto pos = sample_positions(o, rng);
-  std::normal_distribution<double> N01;
-  const size_t n = static_cast<size_t>(m.heads) * pos.size() * m.head_dim;
-  std::vector<double> q(n), k(n);
-  for (auto& x : q) x = N01(rng);
-  for (auto& x : k) x = N01(rng);
+  Sample s = make_sample(spec, o);
   std::vector<VerifyRow> rows;
-  const ParamValues def = default_params(m);
-  const ParamValues rnd = random_params(m, rng);
+  const ParamValues def = default_params(s.m);
+  const ParamValues rnd = random_params(s.m, s.rng);
   for (const auto* pv : {&def, &rnd})
     for (const auto& dt : dtypes) {
-      VerifyRow r = dt == "f32" ? run_one<float>(spec, m, *pv, o, pos, q, k)
-                                : run_one<double>(spec, m, *pv, o, pos, q, k);
+      VerifyRow r = dt == "f32" ? run_one<float>(spec, s.m, *pv, o, s.pos, s.q, s.k)
+                                : run_one<double>(spec, s.m, *pv, o, s.pos, s.q, s.k);
       r.params = pv == &def ? "default" : "random";
       rows.push_back(std::move(r));
     }
@@ -233,18 +244,11 @@ std::vector<VerifyRow> verify_spec(const std::string& spec, const VerifyOptions&
 }
 
 double wrong_contragredient_residual(const std::string& spec, const VerifyOptions& o) {
-  const Mechanism m = build_for_verify(spec, o);
-  std::mt19937_64 rng(o.seed);
-  const auto pos = sample_positions(o, rng);
-  std::normal_distribution<double> N01;
-  const size_t n = static_cast<size_t>(m.heads) * pos.size() * m.head_dim;
-  std::vector<double> q(n), k(n);
-  for (auto& x : q) x = N01(rng);
-  for (auto& x : k) x = N01(rng);
-  const ParamValues pv = random_params(m, rng);
-  const double c = m.resolve_center(pos.front(), pos.back());
-  const auto a = apply<double>(m, pv, o.layout, pos, c, q, k, /*wrong_query=*/true);
-  return relative_law(m, pv, o.layout, pos, q, k, a).rel;
+  Sample s = make_sample(spec, o);
+  const ParamValues pv = random_params(s.m, s.rng);
+  const double c = s.m.resolve_center(s.pos.front(), s.pos.back());
+  const auto a = apply<double>(s.m, pv, o.layout, s.pos, c, s.q, s.k, /*wrong_query=*/true);
+  return relative_law(s.m, pv, o.layout, s.pos, s.q, s.k, a).rel;
 }
 
 }  // namespace relpos::diag

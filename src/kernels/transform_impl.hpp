@@ -418,6 +418,25 @@ struct Tiling {
   explicit Tiling(Dims d) : per_bh((d.T + kTile - 1) / kTile), count(d.B * d.H * per_bh) {}
 };
 
+struct TileInfo {
+  int64_t bh, t0, h, b;
+  int n;
+};
+// Where tile `tile` lies; loads its positions into the scratch and starts its damping state.
+template <class T>
+TileInfo start_tile(int64_t tile, const Tiling& tiling, Dims dims, const Positions& pos,
+                    Scratch<T>& sc) {
+  TileInfo ti;
+  ti.bh = tile / tiling.per_bh;
+  ti.t0 = (tile % tiling.per_bh) * kTile;
+  ti.h = ti.bh % dims.H;
+  ti.b = ti.bh / dims.H;
+  ti.n = static_cast<int>(std::min<int64_t>(kTile, dims.T - ti.t0));
+  for (int tt = 0; tt < ti.n; ++tt) sc.pos[tt] = pos.at(ti.b, ti.t0 + tt, dims.T);
+  sc.begin_tile(tile, ti.bh, ti.n);
+  return ti;
+}
+
 bool plain_rotation(const SegmentDesc& s) { return s.order == 1 && !s.damped; }
 
 template <class T, Layout LY>
@@ -431,11 +450,7 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
     Scratch<T> sc(plan.total_blocks);
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiling.count; ++tile) {
-      const int64_t bh = tile / tiling.per_bh, t0 = (tile % tiling.per_bh) * kTile;
-      const int64_t h = bh % dims.H, b = bh / dims.H;
-      const int n = static_cast<int>(std::min<int64_t>(kTile, dims.T - t0));
-      for (int tt = 0; tt < n; ++tt) sc.pos[tt] = pos.at(b, t0 + tt, dims.T);
-      sc.begin_tile(tile, bh, n);
+      const auto [bh, t0, h, b, n] = start_tile(tile, tiling, dims, pos, sc);
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
           const bool plain = plain_rotation(s);
@@ -480,11 +495,7 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
     double* a = nacc ? mine.data() : nullptr;
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiling.count; ++tile) {
-      const int64_t bh = tile / tiling.per_bh, t0 = (tile % tiling.per_bh) * kTile;
-      const int64_t h = bh % dims.H, b = bh / dims.H;
-      const int n = static_cast<int>(std::min<int64_t>(kTile, dims.T - t0));
-      for (int tt = 0; tt < n; ++tt) sc.pos[tt] = pos.at(b, t0 + tt, dims.T);
-      sc.begin_tile(tile, bh, n);
+      const auto [bh, t0, h, b, n] = start_tile(tile, tiling, dims, pos, sc);
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
           const bool plain = plain_rotation(s);
