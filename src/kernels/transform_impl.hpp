@@ -8,6 +8,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include "core/charts.hpp"
 #include "kernels/transform.hpp"
@@ -29,6 +34,84 @@ int covered_pairs(const TransformPlan& plan) {
   for (const auto& s : plan.segments) n = std::max(n, s.first_pair + s.blocks * s.order);
   return n;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Hand-vectorised order-2 blocks in the interleaved layout, float: a block's four floats
+// (re0, im0, re1, im1) fill one 128-bit lane, so two blocks fill an AVX register and every
+// step is an in-lane shuffle. One routine serves the forward maps and the transposed (backward)
+// ones, ggml-style: INVERSE rotates by the opposite angle, UPPER mixes slot 1 into slot 0
+// (keys forward, queries backward) and !UPPER slot 0 into slot 1.
+namespace avx2_m2 {
+
+// [v[b], v[b], v[b], v[b], v[b+1] x 4]
+inline __m256 lanes_of(const float* v, int b) {
+  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v + b)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
+                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+template <bool INVERSE>
+inline __m256 rotate(__m256 v, __m256 c, __m256 s) {
+  // forward: (re c - im s, re s + im c); inverse: (re c + im s, -re s + im c)
+  const __m256 sign = INVERSE ? _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1)
+                              : _mm256_setr_ps(-1, 1, -1, 1, -1, 1, -1, 1);
+  return _mm256_fmadd_ps(v, c, _mm256_mul_ps(_mm256_permute_ps(v, 0xB1), _mm256_mul_ps(s, sign)));
+}
+
+template <bool UPPER>
+inline __m256 mix(__m256 z, __m256 a0, __m256 a1) {
+  // UPPER: (a0 z0 + a1 z1, a0 z1); lower: (a0 z0, a0 z1 + a1 z0), z_r = (re, im) of slot r
+  const __m256 other = _mm256_permute_ps(z, UPPER ? 0xEE : 0x44);
+  const __m256 mask = UPPER ? _mm256_setr_ps(1, 1, 0, 0, 1, 1, 0, 0)
+                            : _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
+  return _mm256_fmadd_ps(_mm256_mul_ps(a1, mask), other, _mm256_mul_ps(a0, z));
+}
+
+// y = mix(rotate(x)) over blocks [0, nb & ~1); returns the first block left to the caller.
+template <bool INVERSE, bool UPPER>
+inline int apply(const float* x, float* y, const float* cs, const float* sn, const float* c0,
+                 const float* c1, int nb) {
+  int b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const __m256 z = rotate<INVERSE>(_mm256_loadu_ps(x + 4 * b), lanes_of(cs, b), lanes_of(sn, b));
+    _mm256_storeu_ps(y + 4 * b, mix<UPPER>(z, lanes_of(c0, b), lanes_of(c1, b)));
+  }
+  return b;
+}
+
+// Parameter-gradient reductions of the backward pass for the same blocks: with w = R^T g,
+// dser0 = <w0, x0> + <w1, x1>, dser1 = <w0, x1> (key) or <w1, x0> (query),
+// dl = c0 dser0 + c1 dser1, de = c0 dser1. Also writes the input gradient when o is given.
+template <bool KEY>
+inline int backward(const float* x, const float* g, float* o, const float* cs, const float* sn,
+                    const float* c0, const float* c1, int nb, float* dl, float* de,
+                    float* dser0, float* dser1) {
+  int b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const __m256 w = rotate<true>(_mm256_loadu_ps(g + 4 * b), lanes_of(cs, b), lanes_of(sn, b));
+    const __m256 a0 = lanes_of(c0, b), a1 = lanes_of(c1, b);
+    if (o) _mm256_storeu_ps(o + 4 * b, mix<!KEY>(w, a0, a1));
+    if (!x) continue;
+    const __m256 xv = _mm256_loadu_ps(x + 4 * b);
+    const __m256 p0 = _mm256_mul_ps(w, xv);  // w0r x0r, w0i x0i, w1r x1r, w1i x1i
+    const __m256 p1 = _mm256_mul_ps(w, _mm256_permute_ps(xv, KEY ? 0xEE : 0x44));
+    // per lane: s0 = sum of all four of p0, s1 = first pair (key) or second pair (query) of p1
+    const __m256 h = _mm256_hadd_ps(p0, p1);  // (p0_01, p0_23, p1_01, p1_23) per lane
+    alignas(32) float hv[8];
+    _mm256_store_ps(hv, h);
+    for (int l = 0; l < 2; ++l) {
+      const float d0 = hv[4 * l] + hv[4 * l + 1], d1 = KEY ? hv[4 * l + 2] : hv[4 * l + 3];
+      dser0[b + l] = d0;
+      dser1[b + l] = d1;
+      dl[b + l] = c0[b + l] * d0 + c1[b + l] * d1;
+      de[b + l] = c0[b + l] * d1;
+    }
+  }
+  return b;
+}
+
+}  // namespace avx2_m2
+#endif
 
 // Tokens of one (batch, head) processed together: the per-token, per-block scalars (damping,
 // coefficient series) are computed for a whole tile in loops of kTile * blocks elements, which
@@ -220,11 +303,20 @@ void forward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr,
       continue;
     }
     const T* coef = key ? ck : cq;
+    int b0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
+      const float* xs = x + 2 * s.first_pair;
+      float* ys = y + 2 * s.first_pair;
+      b0 = key ? avx2_m2::apply<false, true>(xs, ys, cs, sn, coef, coef + stride, nb)
+               : avx2_m2::apply<false, false>(xs, ys, cs, sn, coef, coef + stride, nb);
+    }
+#endif
     // one fused pass per block: load the m slots, rotate, mix with the token's series, store.
     // The slot loops are unrolled by hand (pragma) so that the block loop vectorises.
     const auto block_loop = [&]<bool KEY>() {
 #pragma GCC ivdep
-      for (int b = 0; b < nb; ++b) {
+      for (int b = b0; b < nb; ++b) {
         const int j0 = s.first_pair + b * M;
         T zr[M], zi[M];
 #pragma GCC unroll 8
@@ -287,8 +379,18 @@ void backward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr,
     }
     return;
   }
+  int b0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
+    const int off = 2 * s.first_pair;
+    b0 = key ? avx2_m2::backward<true>(x ? x + off : nullptr, g + off, o ? o + off : nullptr, cs,
+                                       sn, coef, coef + stride, nb, dl, de, dser, dser + stride)
+             : avx2_m2::backward<false>(x ? x + off : nullptr, g + off, o ? o + off : nullptr, cs,
+                                        sn, coef, coef + stride, nb, dl, de, dser, dser + stride);
+  }
+#endif
 #pragma GCC ivdep
-  for (int b = 0; b < nb; ++b) {
+  for (int b = b0; b < nb; ++b) {
     const int j0 = s.first_pair + b * M;
     T wr[M], wi[M];
     for (int r = 0; r < M; ++r) {
