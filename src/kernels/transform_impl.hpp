@@ -94,19 +94,23 @@ inline int backward(const float* x, const float* g, float* o, const float* cs, c
     if (!x) continue;
     const __m256 xv = _mm256_loadu_ps(x + 4 * b);
     const __m256 p0 = _mm256_mul_ps(w, xv);  // w0r x0r, w0i x0i, w1r x1r, w1i x1i
-    const __m256 p1 = _mm256_mul_ps(w, _mm256_permute_ps(xv, KEY ? 0xEE : 0x44));
-    // per lane: s0 = sum of all four of p0, s1 = first pair (key) or second pair (query) of p1
-    const __m256 h = _mm256_hadd_ps(p0, p1);  // (p0_01, p0_23, p1_01, p1_23) per lane
-    alignas(32) float hv[8];
-    _mm256_store_ps(hv, h);
-    for (int l = 0; l < 2; ++l) {
-      const float d0 = hv[4 * l] + hv[4 * l + 1], d1 = KEY ? hv[4 * l + 2] : hv[4 * l + 3];
-      dser0[b + l] = d0;
-      dser1[b + l] = d1;
-      dl[b + l] = c0[b + l] * d0 + c1[b + l] * d1;
-      de[b + l] = c0[b + l] * d1;
-    }
+    const __m256 p1 = _mm256_mul_ps(
+        _mm256_mul_ps(w, _mm256_permute_ps(xv, KEY ? 0xEE : 0x44)),
+        KEY ? _mm256_setr_ps(1, 1, 0, 0, 1, 1, 0, 0) : _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1));
+    // two horizontal adds leave (dser0, dser1) in elements 0, 1 of each lane
+    const __m256 h = _mm256_hadd_ps(p0, p1);
+    const __m256 h2 = _mm256_hadd_ps(h, h);
+    const __m128 lo = _mm256_castps256_ps128(h2), hi = _mm256_extractf128_ps(h2, 1);
+    dser0[b] = _mm_cvtss_f32(lo);
+    dser1[b] = _mm_cvtss_f32(_mm_movehdup_ps(lo));
+    dser0[b + 1] = _mm_cvtss_f32(hi);
+    dser1[b + 1] = _mm_cvtss_f32(_mm_movehdup_ps(hi));
   }
+  if (x)
+    for (int i = 0; i < b; ++i) {
+      dl[i] = c0[i] * dser0[i] + c1[i] * dser1[i];
+      de[i] = c0[i] * dser1[i];
+    }
   return b;
 }
 
@@ -123,7 +127,7 @@ constexpr int kTileRun = 8;  // tiles between exact re-anchorings of the damping
 template <class T>
 struct Scratch {
   int nb;
-  std::vector<T> ek, eq, x, ck, cq, dl, de, dser;
+  std::vector<T> ek, eq, x, ck, cq, dl, de, dser, part;
   std::vector<double> ekd, eqd, pos, u;
   std::vector<unsigned char> clamped;
   // Damping carried from tile to tile of one (batch, head): e^{+-gamma p} of the last token and
@@ -137,7 +141,7 @@ struct Scratch {
   explicit Scratch(int blocks)
       : nb(std::max(1, blocks)),
         ek(kTile * nb), eq(kTile * nb), x(kTile * nb), ck(kMaxOrder * kTile * nb),
-        cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb),
+        cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb), part(nb),
         ekd(kTile * nb), eqd(kTile * nb), pos(kTile), u(kTile), clamped(kTile * nb),
         ek_last(nb), eq_last(nb), rk(nb), rq(nb), rk_d(nb), rk_bh(nb, -1) {}
 
@@ -435,24 +439,33 @@ void backward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr,
 // Parameter gradients of one segment from a tile's dl/de/dser, accumulated in float64.
 template <class T, int M>
 void accumulate_param_grads(const SegmentDesc& s, int64_t h, int NB, int n,
-                            bool key, const Scratch<T>& sc, double* acc, const GradSlots& slot) {
+                            bool key, Scratch<T>& sc, double* acc, const GradSlots& slot) {
   const int nb = s.blocks, stride = n * nb;
   const size_t off = static_cast<size_t>(h) * NB + s.first_block;
+  // partial sums over the tile's tokens in T (at most kTile terms), then into float64
   if (s.damped) {  // d exponent / d gamma = +-p; no gradient through a binding clamp
-    double* ag = acc + slot.gamma(off);
+    std::vector<T>& tmp = sc.part;
+    std::fill(tmp.begin(), tmp.begin() + nb, T(0));
     for (int tt = 0; tt < n; ++tt) {
-      const double sp = key ? sc.pos[tt] : -sc.pos[tt];
-      for (int b = 0; b < nb; ++b)
-        if (!sc.clamped[tt * nb + b]) ag[b] += sp * static_cast<double>(sc.dl[tt * nb + b]);
+      const T sp = static_cast<T>(key ? sc.pos[tt] : -sc.pos[tt]);
+      const T* dlt = sc.dl.data() + tt * nb;
+      const unsigned char* cl = sc.clamped.data() + tt * nb;
+      for (int b = 0; b < nb; ++b) tmp[b] += cl[b] ? T(0) : sp * dlt[b];
     }
+    double* ag = acc + slot.gamma(off);
+    for (int b = 0; b < nb; ++b) ag[b] += static_cast<double>(tmp[b]);
   }
   if (M == 1) return;
   if (s.shear == ShearMode::Exponential) {
-    double* ae = acc + slot.eta(off);
+    std::vector<T>& tmp = sc.part;
+    std::fill(tmp.begin(), tmp.begin() + nb, T(0));
     for (int tt = 0; tt < n; ++tt) {
-      const double su = key ? sc.u[tt] : -sc.u[tt];
-      for (int b = 0; b < nb; ++b) ae[b] += su * static_cast<double>(sc.de[tt * nb + b]);
+      const T su = static_cast<T>(key ? sc.u[tt] : -sc.u[tt]);
+      const T* det = sc.de.data() + tt * nb;
+      for (int b = 0; b < nb; ++b) tmp[b] += su * det[b];
     }
+    double* ae = acc + slot.eta(off);
+    for (int b = 0; b < nb; ++b) ae[b] += static_cast<double>(tmp[b]);
   } else if (s.shear == ShearMode::Gates) {
     // dL/dc via the unscaled series (d ic = -P^2 d c for queries); c_0 = alpha_0, c_k = g_k u^k/k!
     const T* coef = key ? sc.ck.data() : sc.cq.data();
