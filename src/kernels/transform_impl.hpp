@@ -181,13 +181,21 @@ void tile_series(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H,
     const T* g = P.gamma + off;
     double* ekd = sc.ekd.data();
     double* eqd = sc.eqd.data();
+    // clamp flags per entry, skipped when a bound shows none can bind in this tile
+    double gmax = 0, pmax = 0;
+    for (int b = 0; b < nb; ++b) gmax = std::max(gmax, std::abs(static_cast<double>(g[b])));
+    for (int tt = 0; tt < n; ++tt) pmax = std::max(pmax, std::abs(sc.pos[tt]));
     bool any_clamped = false;
-    for (int tt = 0; tt < n; ++tt)
-      for (int b = 0; b < nb; ++b) {
-        const bool cl = std::abs(static_cast<double>(g[b]) * sc.pos[tt]) > X;
-        sc.clamped[tt * nb + b] = cl;
-        any_clamped |= cl;
-      }
+    if (gmax * pmax * (1 + 1e-12) <= X) {
+      std::fill(sc.clamped.begin(), sc.clamped.begin() + stride, static_cast<unsigned char>(0));
+    } else {
+      for (int tt = 0; tt < n; ++tt)
+        for (int b = 0; b < nb; ++b) {
+          const bool cl = std::abs(static_cast<double>(g[b]) * sc.pos[tt]) > X;
+          sc.clamped[tt * nb + b] = cl;
+          any_clamped |= cl;
+        }
+    }
     if (sc.even && !any_clamped) {
       double* rk = sc.rk.data() + s.first_block;
       double* rq = sc.rq.data() + s.first_block;
@@ -444,25 +452,31 @@ void accumulate_param_grads(const SegmentDesc& s, int64_t h, int NB, int n,
   const size_t off = static_cast<size_t>(h) * NB + s.first_block;
   // partial sums over the tile's tokens in T (at most kTile terms), then into float64
   if (s.damped) {  // d exponent / d gamma = +-p; no gradient through a binding clamp
-    std::vector<T>& tmp = sc.part;
-    std::fill(tmp.begin(), tmp.begin() + nb, T(0));
+    T* tmp = sc.part.data();
     for (int tt = 0; tt < n; ++tt) {
       const T sp = static_cast<T>(key ? sc.pos[tt] : -sc.pos[tt]);
       const T* dlt = sc.dl.data() + tt * nb;
       const unsigned char* cl = sc.clamped.data() + tt * nb;
-      for (int b = 0; b < nb; ++b) tmp[b] += cl[b] ? T(0) : sp * dlt[b];
+      if (tt == 0) {
+        for (int b = 0; b < nb; ++b) tmp[b] = cl[b] ? T(0) : sp * dlt[b];
+      } else {
+        for (int b = 0; b < nb; ++b) tmp[b] += cl[b] ? T(0) : sp * dlt[b];
+      }
     }
     double* ag = acc + slot.gamma(off);
     for (int b = 0; b < nb; ++b) ag[b] += static_cast<double>(tmp[b]);
   }
   if (M == 1) return;
   if (s.shear == ShearMode::Exponential) {
-    std::vector<T>& tmp = sc.part;
-    std::fill(tmp.begin(), tmp.begin() + nb, T(0));
+    T* tmp = sc.part.data();
     for (int tt = 0; tt < n; ++tt) {
       const T su = static_cast<T>(key ? sc.u[tt] : -sc.u[tt]);
       const T* det = sc.de.data() + tt * nb;
-      for (int b = 0; b < nb; ++b) tmp[b] += su * det[b];
+      if (tt == 0) {
+        for (int b = 0; b < nb; ++b) tmp[b] = su * det[b];
+      } else {
+        for (int b = 0; b < nb; ++b) tmp[b] += su * det[b];
+      }
     }
     double* ae = acc + slot.eta(off);
     for (int b = 0; b < nb; ++b) ae[b] += static_cast<double>(tmp[b]);
