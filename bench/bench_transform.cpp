@@ -20,6 +20,7 @@
 #include <cstring>
 #include <map>
 
+#include "core/registry.hpp"
 #include "kernels/transform.hpp"
 #include "torch/composed.hpp"
 #include "torch/encoding.hpp"
@@ -88,6 +89,37 @@ void run_memcpy(benchmark::State& state, const Case& c) {
   state.SetBytesProcessed(state.iterations() * 2 * n);
 }
 
+// The kernels alone on pre-allocated, pre-faulted buffers (no autograd, no allocation): where the
+// time goes. pass 0: trig table, 1: forward, 2: backward with every gradient.
+void run_raw(benchmark::State& state, const Case& c, int pass) {
+  const Mechanism m = build_mechanism(c.spec, D, H);
+  const auto plan = kernels::TransformPlan::from(m, Layout::Interleaved);
+  const ParamValues pv = default_params(m);
+  std::vector<float> g(pv.gamma.begin(), pv.gamma.end()), e(pv.eta.begin(), pv.eta.end()),
+      gt(pv.gates.begin(), pv.gates.end()), a0(pv.alpha0.begin(), pv.alpha0.end());
+  std::vector<double> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<double>(t);
+  const kernels::Dims dims{B, H, T};
+  const kernels::Positions P{pos.data(), false, m.resolve_center(0, T - 1)};
+  const size_t n = static_cast<size_t>(B * H * T * D);
+  std::vector<float> q(n, 0.5f), k(n, 0.25f), qo(n), ko(n), gq(n), gk(n), dg(g.size()), de(e.size());
+  auto trig = kernels::build_trig_table<float>(plan, dims, P);
+  const kernels::Params<float> par{g.data(), e.data(), gt.data(), a0.data()};
+  for (auto _ : state) {
+    if (pass == 0) {
+      kernels::fill_trig_table<float>(plan, dims, P, trig.cos.data(), trig.sin.data());
+    } else if (pass == 1) {
+      kernels::transform_forward<float>(plan, dims, P, par, trig.view(), q.data(), k.data(),
+                                        qo.data(), ko.data());
+    } else {
+      kernels::transform_backward<float>(plan, dims, P, par, trig.view(), q.data(), k.data(),
+                                         qo.data(), ko.data(), gq.data(), gk.data(),
+                                         {dg.data(), de.data(), nullptr, nullptr});
+    }
+    benchmark::ClobberMemory();
+  }
+}
+
 // Collects the median real time of every benchmark for the summary.
 class MedianCollector : public benchmark::ConsoleReporter {
  public:
@@ -130,6 +162,11 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)->UseRealTime();
     benchmark::RegisterBenchmark(("memcpy/" + c.name).c_str(), [c](benchmark::State& s) { run_memcpy(s, c); })
         ->Unit(benchmark::kMillisecond)->UseRealTime();
+    const char* passes[] = {"trig", "fwd", "bwd"};
+    for (int pass = 0; pass < 3; ++pass)
+      benchmark::RegisterBenchmark(("raw_" + std::string(passes[pass]) + "/" + c.name).c_str(),
+                                   [c, pass](benchmark::State& s) { run_raw(s, c, pass); })
+          ->Unit(benchmark::kMillisecond)->UseRealTime();
   }
   std::string reps = "--benchmark_repetitions=9";
   bool has_reps = false;
@@ -156,6 +193,11 @@ int main(int argc, char** argv) {
     fmt::print("| {} | {:.2f} | {:.2f} | {:.1f}x | {:.2f} | {:.1f} | {:.1f} | {:.0f}% |\n", c.name, tk,
                tc, tc / tk, tm, gb / (tk / 1e3), gb / (tm / 1e3), 100.0 * tm / tk);
   }
+  fmt::print("\nkernels alone on pre-faulted buffers (medians, ms): trig table / forward / backward\n\n");
+  fmt::print("| transform | trig | forward | backward (all gradients) |\n|---|---|---|---|\n");
+  for (const auto& c : kCases)
+    fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} |\n", c.name, rep.median_ms["raw_trig/" + c.name],
+               rep.median_ms["raw_fwd/" + c.name], rep.median_ms["raw_bwd/" + c.name]);
   benchmark::Shutdown();
   return 0;
 }
