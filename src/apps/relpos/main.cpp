@@ -1,12 +1,17 @@
 // relpos: the command-line tool. Every subcommand lives in its own cmd_*.cpp.
 #include <fmt/format.h>
 
+#include <ATen/Parallel.h>
+
 #include <iostream>
+#include <thread>
 
 #include "apps/relpos/commands.hpp"
 #include "core/types.hpp"
 
 int main(int argc, char** argv) {
+  // LibTorch's intra-op pool sized from the machine (our kernels use OpenMP's, same default)
+  if (const unsigned n = std::thread::hardware_concurrency(); n > 0) at::set_num_threads(static_cast<int>(n));
   CLI::App app{"relpos: relative positional encodings for attention - verify, probe, train"};
   app.require_subcommand(1);
   relpos::app::add_list_command(app);
