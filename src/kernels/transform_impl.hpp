@@ -114,6 +114,30 @@ inline int backward(const float* x, const float* g, float* o, const float* cs, c
   return b;
 }
 
+// Backward with the parameter-gradient reduction kept in vector form: per element of each
+// block's lane, G += sp (c0 w.x + c1 w.x_shift) and E += su c0 w.x_shift, summed over the tile's
+// tokens; the lane sums (done once per tile by the caller) are dL/dgamma and dL/deta.
+// nb must be even.
+template <bool KEY>
+inline void backward_reduce(const float* x, const float* g, float* o, const float* cs,
+                            const float* sn, const float* c0, const float* c1, int nb, float sp,
+                            float su, float* G, float* E) {
+  const __m256 vsp = _mm256_set1_ps(sp), vsu = _mm256_set1_ps(su);
+  const __m256 shift_mask = KEY ? _mm256_setr_ps(1, 1, 0, 0, 1, 1, 0, 0)
+                                : _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
+  for (int b = 0; b + 2 <= nb; b += 2) {
+    const __m256 w = rotate<true>(_mm256_loadu_ps(g + 4 * b), lanes_of(cs, b), lanes_of(sn, b));
+    const __m256 a0 = lanes_of(c0, b), a1 = lanes_of(c1, b);
+    if (o) _mm256_storeu_ps(o + 4 * b, mix<!KEY>(w, a0, a1));
+    const __m256 xv = _mm256_loadu_ps(x + 4 * b);
+    const __m256 p0 = _mm256_mul_ps(w, xv);
+    const __m256 p1 = _mm256_mul_ps(_mm256_mul_ps(w, _mm256_permute_ps(xv, KEY ? 0xEE : 0x44)), shift_mask);
+    const __m256 dl = _mm256_fmadd_ps(a1, p1, _mm256_mul_ps(a0, p0));
+    _mm256_storeu_ps(G + 4 * b, _mm256_fmadd_ps(vsp, dl, _mm256_loadu_ps(G + 4 * b)));
+    _mm256_storeu_ps(E + 4 * b, _mm256_fmadd_ps(vsu, _mm256_mul_ps(a0, p1), _mm256_loadu_ps(E + 4 * b)));
+  }
+}
+
 }  // namespace avx2_m2
 #endif
 
@@ -127,7 +151,8 @@ constexpr int kTileRun = 8;  // tiles between exact re-anchorings of the damping
 template <class T>
 struct Scratch {
   int nb;
-  std::vector<T> ek, eq, x, ck, cq, dl, de, dser, part;
+  std::vector<T> ek, eq, x, ck, cq, dl, de, dser, part, red_g, red_e;
+  bool tile_clamped = false;  // did the exponent clamp bind anywhere in this tile's segment
   std::vector<double> ekd, eqd, pos, u;
   std::vector<unsigned char> clamped;
   // Damping carried from tile to tile of one (batch, head): e^{+-gamma p} of the last token and
@@ -141,7 +166,7 @@ struct Scratch {
   explicit Scratch(int blocks)
       : nb(std::max(1, blocks)),
         ek(kTile * nb), eq(kTile * nb), x(kTile * nb), ck(kMaxOrder * kTile * nb),
-        cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb), part(nb),
+        cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb), part(nb), red_g(2 * kMaxOrder * nb), red_e(2 * kMaxOrder * nb),
         ekd(kTile * nb), eqd(kTile * nb), pos(kTile), u(kTile), clamped(kTile * nb),
         ek_last(nb), eq_last(nb), rk(nb), rq(nb), rk_d(nb), rk_bh(nb, -1) {}
 
@@ -176,6 +201,7 @@ void tile_series(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H,
   for (int tt = 0; tt < n; ++tt) sc.u[tt] = s.shear_scale * chart_value(s.chart, -sc.pos[tt], s.L);
   T* ek = sc.ek.data();
   T* eq = sc.eq.data();
+  sc.tile_clamped = false;
   if (s.damped) {
     const double X = s.max_exponent;
     const T* g = P.gamma + off;
@@ -230,6 +256,7 @@ void tile_series(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H,
       std::copy(eqd + (n - 1) * nb, eqd + n * nb, eql);
     } else {  // irregular positions or a binding clamp: exact (clamped) values everywhere
       sc.force_fresh = true;
+      sc.tile_clamped = any_clamped;
       for (int tt = 0; tt < n; ++tt)
         for (int b = 0; b < nb; ++b) {
           const double a = static_cast<double>(g[b]) * sc.pos[tt];
@@ -603,6 +630,40 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Backward of one order-2 interleaved float segment over a tile, parameter gradients reduced in
+// vector form (avx2_m2::backward_reduce) and folded into the float64 accumulators once per tile.
+template <class T>
+void reduce_tile_m2(const SegmentDesc& s, Dims dims, const Positions& pos, TrigView<T> trig,
+                    int64_t b, int64_t bh, int64_t t0, int64_t h, int n, bool key, const T* x,
+                    const T* g, T* o, Scratch<T>& sc, double* acc, const GradSlots& slot, int D,
+                    int NB) {
+  const int nb = s.blocks, stride = n * nb, off2 = 2 * s.first_pair;
+  float* G = sc.red_g.data();
+  float* E = sc.red_e.data();
+  std::fill(G, G + 4 * nb, 0.0f);
+  std::fill(E, E + 4 * nb, 0.0f);
+  const float* coef = key ? sc.ck.data() : sc.cq.data();
+  for (int tt = 0; tt < n; ++tt) {
+    const int64_t row = bh * dims.T + t0 + tt;
+    const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB + s.first_block;
+    const float sp = s.damped ? static_cast<float>(key ? sc.pos[tt] : -sc.pos[tt]) : 0.0f;
+    const float su = static_cast<float>(key ? sc.u[tt] : -sc.u[tt]);
+    const auto run = key ? avx2_m2::backward_reduce<true> : avx2_m2::backward_reduce<false>;
+    run(x + row * D + off2, g + row * D + off2, o ? o + row * D + off2 : nullptr, trig.cos + trow,
+        trig.sin + trow, coef + tt * nb, coef + stride + tt * nb, nb, sp, su, G, E);
+  }
+  const size_t off = static_cast<size_t>(h) * NB + s.first_block;
+  for (int blk = 0; blk < nb; ++blk) {
+    const float* gb = G + 4 * blk;
+    const float* eb = E + 4 * blk;
+    if (s.damped) acc[slot.gamma(off + blk)] += static_cast<double>(gb[0] + gb[1] + gb[2] + gb[3]);
+    if (s.shear == ShearMode::Exponential)
+      acc[slot.eta(off + blk)] += static_cast<double>(eb[0] + eb[1] + eb[2] + eb[3]);
+  }
+}
+#endif
+
 template <class T, Layout LY>
 void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
                    TrigView<T> trig, const T* q, const T* k, const T* gqo, const T* gko, T* gq,
@@ -634,6 +695,15 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
             if (!gy[io]) continue;
             const bool key = io == 1;
             const bool params = a && xin[io] && !plain;
+#if defined(__AVX2__) && defined(__FMA__)
+            if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
+              if (params && s.shear != ShearMode::Gates && s.blocks % 2 == 0 && !sc.tile_clamped) {
+                reduce_tile_m2(s, dims, pos, trig, b, bh, t0, h, n, key, xin[io], gy[io], gx[io],
+                               sc, a, slot, static_cast<int>(D), static_cast<int>(NB));
+                continue;
+              }
+            }
+#endif
             for (int tt = 0; tt < n; ++tt) {
               const int64_t row = bh * dims.T + t0 + tt;
               const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB;
