@@ -35,111 +35,6 @@ int covered_pairs(const TransformPlan& plan) {
   return n;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// Hand-vectorised order-2 blocks in the interleaved layout, float: a block's four floats
-// (re0, im0, re1, im1) fill one 128-bit lane, so two blocks fill an AVX register and every
-// step is an in-lane shuffle. One routine serves the forward maps and the transposed (backward)
-// ones, ggml-style: INVERSE rotates by the opposite angle, UPPER mixes slot 1 into slot 0
-// (keys forward, queries backward) and !UPPER slot 0 into slot 1.
-namespace avx2_m2 {
-
-// [v[b], v[b], v[b], v[b], v[b+1] x 4]
-inline __m256 lanes_of(const float* v, int b) {
-  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v + b)));
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
-                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-}
-
-template <bool INVERSE>
-inline __m256 rotate(__m256 v, __m256 c, __m256 s) {
-  // forward: (re c - im s, re s + im c); inverse: (re c + im s, -re s + im c)
-  const __m256 sign = INVERSE ? _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1)
-                              : _mm256_setr_ps(-1, 1, -1, 1, -1, 1, -1, 1);
-  return _mm256_fmadd_ps(v, c, _mm256_mul_ps(_mm256_permute_ps(v, 0xB1), _mm256_mul_ps(s, sign)));
-}
-
-template <bool UPPER>
-inline __m256 mix(__m256 z, __m256 a0, __m256 a1) {
-  // UPPER: (a0 z0 + a1 z1, a0 z1); lower: (a0 z0, a0 z1 + a1 z0), z_r = (re, im) of slot r
-  const __m256 other = _mm256_permute_ps(z, UPPER ? 0xEE : 0x44);
-  const __m256 mask = UPPER ? _mm256_setr_ps(1, 1, 0, 0, 1, 1, 0, 0)
-                            : _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
-  return _mm256_fmadd_ps(_mm256_mul_ps(a1, mask), other, _mm256_mul_ps(a0, z));
-}
-
-// y = mix(rotate(x)) over blocks [0, nb & ~1); returns the first block left to the caller.
-template <bool INVERSE, bool UPPER>
-inline int apply(const float* x, float* y, const float* cs, const float* sn, const float* c0,
-                 const float* c1, int nb) {
-  int b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const __m256 z = rotate<INVERSE>(_mm256_loadu_ps(x + 4 * b), lanes_of(cs, b), lanes_of(sn, b));
-    _mm256_storeu_ps(y + 4 * b, mix<UPPER>(z, lanes_of(c0, b), lanes_of(c1, b)));
-  }
-  return b;
-}
-
-// Parameter-gradient reductions of the backward pass for the same blocks: with w = R^T g,
-// dser0 = <w0, x0> + <w1, x1>, dser1 = <w0, x1> (key) or <w1, x0> (query),
-// dl = c0 dser0 + c1 dser1, de = c0 dser1. Also writes the input gradient when o is given.
-template <bool KEY>
-inline int backward(const float* x, const float* g, float* o, const float* cs, const float* sn,
-                    const float* c0, const float* c1, int nb, float* dl, float* de,
-                    float* dser0, float* dser1) {
-  int b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const __m256 w = rotate<true>(_mm256_loadu_ps(g + 4 * b), lanes_of(cs, b), lanes_of(sn, b));
-    const __m256 a0 = lanes_of(c0, b), a1 = lanes_of(c1, b);
-    if (o) _mm256_storeu_ps(o + 4 * b, mix<!KEY>(w, a0, a1));
-    if (!x) continue;
-    const __m256 xv = _mm256_loadu_ps(x + 4 * b);
-    const __m256 p0 = _mm256_mul_ps(w, xv);  // w0r x0r, w0i x0i, w1r x1r, w1i x1i
-    const __m256 p1 = _mm256_mul_ps(
-        _mm256_mul_ps(w, _mm256_permute_ps(xv, KEY ? 0xEE : 0x44)),
-        KEY ? _mm256_setr_ps(1, 1, 0, 0, 1, 1, 0, 0) : _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1));
-    // two horizontal adds leave (dser0, dser1) in elements 0, 1 of each lane
-    const __m256 h = _mm256_hadd_ps(p0, p1);
-    const __m256 h2 = _mm256_hadd_ps(h, h);
-    const __m128 lo = _mm256_castps256_ps128(h2), hi = _mm256_extractf128_ps(h2, 1);
-    dser0[b] = _mm_cvtss_f32(lo);
-    dser1[b] = _mm_cvtss_f32(_mm_movehdup_ps(lo));
-    dser0[b + 1] = _mm_cvtss_f32(hi);
-    dser1[b + 1] = _mm_cvtss_f32(_mm_movehdup_ps(hi));
-  }
-  if (x)
-    for (int i = 0; i < b; ++i) {
-      dl[i] = c0[i] * dser0[i] + c1[i] * dser1[i];
-      de[i] = c0[i] * dser1[i];
-    }
-  return b;
-}
-
-// Backward with the parameter-gradient reduction kept in vector form: per element of each
-// block's lane, G += sp (c0 w.x + c1 w.x_shift) and E += su c0 w.x_shift, summed over the tile's
-// tokens; the lane sums (done once per tile by the caller) are dL/dgamma and dL/deta.
-// nb must be even.
-template <bool KEY>
-inline void backward_reduce(const float* x, const float* g, float* o, const float* cs,
-                            const float* sn, const float* c0, const float* c1, int nb, float sp,
-                            float su, float* G, float* E) {
-  const __m256 vsp = _mm256_set1_ps(sp), vsu = _mm256_set1_ps(su);
-  const __m256 shift_mask = KEY ? _mm256_setr_ps(1, 1, 0, 0, 1, 1, 0, 0)
-                                : _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
-  for (int b = 0; b + 2 <= nb; b += 2) {
-    const __m256 w = rotate<true>(_mm256_loadu_ps(g + 4 * b), lanes_of(cs, b), lanes_of(sn, b));
-    const __m256 a0 = lanes_of(c0, b), a1 = lanes_of(c1, b);
-    if (o) _mm256_storeu_ps(o + 4 * b, mix<!KEY>(w, a0, a1));
-    const __m256 xv = _mm256_loadu_ps(x + 4 * b);
-    const __m256 p0 = _mm256_mul_ps(w, xv);
-    const __m256 p1 = _mm256_mul_ps(_mm256_mul_ps(w, _mm256_permute_ps(xv, KEY ? 0xEE : 0x44)), shift_mask);
-    const __m256 dl = _mm256_fmadd_ps(a1, p1, _mm256_mul_ps(a0, p0));
-    _mm256_storeu_ps(G + 4 * b, _mm256_fmadd_ps(vsp, dl, _mm256_loadu_ps(G + 4 * b)));
-    _mm256_storeu_ps(E + 4 * b, _mm256_fmadd_ps(vsu, _mm256_mul_ps(a0, p1), _mm256_loadu_ps(E + 4 * b)));
-  }
-}
-
-}  // namespace avx2_m2
-#endif
 
 // Tokens of one (batch, head) processed together: the per-token, per-block scalars (damping,
 // coefficient series) are computed for a whole tile in loops of kTile * blocks elements, which
@@ -151,7 +46,7 @@ constexpr int kTileRun = 8;  // tiles between exact re-anchorings of the damping
 template <class T>
 struct Scratch {
   int nb;
-  std::vector<T> ek, eq, x, ck, cq, dl, de, dser, part, red_g, red_e;
+  std::vector<T> ek, eq, x, ck, cq, dl, de, dser, part;
   bool tile_clamped = false;  // did the exponent clamp bind anywhere in this tile's segment
   std::vector<double> ekd, eqd, pos, u;
   std::vector<unsigned char> clamped;
@@ -163,12 +58,21 @@ struct Scratch {
   double last_p = 0, d = 0, last_d = std::numeric_limits<double>::quiet_NaN();
   int run = 0;
   bool even = false, contiguous = false, force_fresh = true;
+  // The order-2 float fast path (m2x8): per-token u and p, lane-order per-block values and
+  // [token][NB + 8] tables; the powers e^{+-gamma d tt} are kept per head (pw_h, pw_d).
+  std::vector<float> f_u, f_p, f_eta, f_e0k, f_e0q, f_ones, f_pk, f_pq, f_sk, f_sq, f_gm, f_acc;
+  std::vector<double> pw_k, pw_q, pw_d;
+  std::vector<int64_t> pw_h;
   explicit Scratch(int blocks)
       : nb(std::max(1, blocks)),
         ek(kTile * nb), eq(kTile * nb), x(kTile * nb), ck(kMaxOrder * kTile * nb),
-        cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb), part(nb), red_g(2 * kMaxOrder * nb), red_e(2 * kMaxOrder * nb),
+        cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb), part(nb),
         ekd(kTile * nb), eqd(kTile * nb), pos(kTile), u(kTile), clamped(kTile * nb),
-        ek_last(nb), eq_last(nb), rk(nb), rq(nb), rk_d(nb), rk_bh(nb, -1) {}
+        ek_last(nb), eq_last(nb), rk(nb), rq(nb), rk_d(nb), rk_bh(nb, -1), f_u(kTile), f_p(kTile),
+        f_eta(nb + 8), f_e0k(nb + 8), f_e0q(nb + 8), f_ones(kTile * (nb + 8), 1.0f),
+        f_pk(kTile * (nb + 8)), f_pq(kTile * (nb + 8)), f_sk(kTile * (nb + 8)), f_sq(kTile * (nb + 8)),
+        f_gm(kTile * (nb + 8)), f_acc(2 * (nb + 8)), pw_k(kTile * (nb + 8)), pw_q(kTile * (nb + 8)),
+        pw_d(nb, std::numeric_limits<double>::quiet_NaN()), pw_h(nb, -1) {}
 
   // Called once per tile after pos[0..n) is filled: may the damping continue the last tile's?
   void begin_tile(int64_t tile, int64_t tile_bh, int n) {
@@ -342,20 +246,11 @@ void forward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr,
       continue;
     }
     const T* coef = key ? ck : cq;
-    int b0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
-      const float* xs = x + 2 * s.first_pair;
-      float* ys = y + 2 * s.first_pair;
-      b0 = key ? avx2_m2::apply<false, true>(xs, ys, cs, sn, coef, coef + stride, nb)
-               : avx2_m2::apply<false, false>(xs, ys, cs, sn, coef, coef + stride, nb);
-    }
-#endif
     // one fused pass per block: load the m slots, rotate, mix with the token's series, store.
     // The slot loops are unrolled by hand (pragma) so that the block loop vectorises.
     const auto block_loop = [&]<bool KEY>() {
 #pragma GCC ivdep
-      for (int b = b0; b < nb; ++b) {
+      for (int b = 0; b < nb; ++b) {
         const int j0 = s.first_pair + b * M;
         T zr[M], zi[M];
 #pragma GCC unroll 8
@@ -418,18 +313,8 @@ void backward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr,
     }
     return;
   }
-  int b0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
-    const int off = 2 * s.first_pair;
-    b0 = key ? avx2_m2::backward<true>(x ? x + off : nullptr, g + off, o ? o + off : nullptr, cs,
-                                       sn, coef, coef + stride, nb, dl, de, dser, dser + stride)
-             : avx2_m2::backward<false>(x ? x + off : nullptr, g + off, o ? o + off : nullptr, cs,
-                                        sn, coef, coef + stride, nb, dl, de, dser, dser + stride);
-  }
-#endif
 #pragma GCC ivdep
-  for (int b = b0; b < nb; ++b) {
+  for (int b = 0; b < nb; ++b) {
     const int j0 = s.first_pair + b * M;
     T wr[M], wi[M];
     for (int r = 0; r < M; ++r) {
@@ -542,6 +427,326 @@ void accumulate_param_grads(const SegmentDesc& s, int64_t h, int NB, int n,
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// ---------------------------------------------------------------------------------------------
+// Order-2 blocks in the interleaved layout, float, AVX2: the hot path of Jordan-RoPE m = 2.
+// Eight blocks at a time in structure-of-arrays registers: the four loads (re0, im0, re1, im1)
+// x 8 blocks are transposed in-lane into re0, im0, re1, im1 vectors whose elements are the blocks
+// [0, 2, 4, 6 | 1, 3, 5, 7] ("lane order"). Every per-block scalar (cos, sin, damping, eta) is
+// then one plain vector load, the arithmetic needs no shuffles, and the parameter gradients
+// accumulate per block without horizontal sums. The transposes cost two shuffles per register
+// each way. Damping needs no per-tile series: at evenly spaced positions the factor of token tt
+// is e0 (float64 anchor at the tile's first token, carried from tile to tile) times e^{+-gamma d
+// tt} (a per-head table), so the whole tile costs one vector multiply per token and group.
+namespace m2x8 {
+
+constexpr int kPad = 8;  // rows of lane-order tables are padded: a partial group reads 8 floats
+
+// Slot of segment block b in lane order.
+inline int lane_slot(int b) {
+  constexpr int slot[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  return (b & ~7) | slot[b & 7];
+}
+inline __m256 to_lane_order(__m256 v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+inline __m256 to_natural_order(__m256 v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+struct Group {
+  __m256 r0, i0, r1, i1;  // slot 0 and slot 1 of 8 blocks, lane order
+};
+
+// Loads and stores of one group of 8 blocks; a partial group (r < 8 blocks) is masked.
+template <bool FULL>
+struct GroupIO {
+  __m256i vec_mask[4], block_mask;
+  explicit GroupIO(int r) {
+    if constexpr (!FULL) {
+      const __m256i rv = _mm256_set1_epi32(r);
+      block_mask = _mm256_cmpgt_epi32(rv, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int j = 0; j < 4; ++j) {
+        const int a = 2 * j, b = 2 * j + 1;
+        vec_mask[j] = _mm256_cmpgt_epi32(rv, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
+      }
+    } else {
+      (void)r;
+    }
+  }
+  __m256 load(const float* p, int j) const {
+    if constexpr (FULL) return _mm256_loadu_ps(p + 8 * j);
+    else return _mm256_maskload_ps(p + 8 * j, vec_mask[j]);
+  }
+  void store(float* p, int j, __m256 v) const {
+    if constexpr (FULL) _mm256_storeu_ps(p + 8 * j, v);
+    else _mm256_maskstore_ps(p + 8 * j, vec_mask[j], v);
+  }
+  // 8 per-block values stored in block order, returned in lane order
+  __m256 blocks(const float* p) const {
+    if constexpr (FULL) return to_lane_order(_mm256_loadu_ps(p));
+    else return to_lane_order(_mm256_maskload_ps(p, block_mask));
+  }
+  Group load_group(const float* x) const {
+    const __m256 x0 = load(x, 0), x1 = load(x, 1), x2 = load(x, 2), x3 = load(x, 3);
+    const __m256 t0 = _mm256_unpacklo_ps(x0, x1), t1 = _mm256_unpackhi_ps(x0, x1);
+    const __m256 t2 = _mm256_unpacklo_ps(x2, x3), t3 = _mm256_unpackhi_ps(x2, x3);
+    return {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+            _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+  }
+  void store_group(float* y, const Group& v) const {
+    const __m256 u0 = _mm256_unpacklo_ps(v.r0, v.i0), u1 = _mm256_unpackhi_ps(v.r0, v.i0);
+    const __m256 u2 = _mm256_unpacklo_ps(v.r1, v.i1), u3 = _mm256_unpackhi_ps(v.r1, v.i1);
+    store(y, 0, _mm256_shuffle_ps(u0, u2, 0x44));
+    store(y, 1, _mm256_shuffle_ps(u0, u2, 0xEE));
+    store(y, 2, _mm256_shuffle_ps(u1, u3, 0x44));
+    store(y, 3, _mm256_shuffle_ps(u1, u3, 0xEE));
+  }
+};
+
+// z = R x (forward maps) and w = R^T g (their transposes), R = rotation by the table's angle.
+inline Group rotate(const Group& x, __m256 c, __m256 s) {
+  return {_mm256_fmsub_ps(c, x.r0, _mm256_mul_ps(s, x.i0)), _mm256_fmadd_ps(s, x.r0, _mm256_mul_ps(c, x.i0)),
+          _mm256_fmsub_ps(c, x.r1, _mm256_mul_ps(s, x.i1)), _mm256_fmadd_ps(s, x.r1, _mm256_mul_ps(c, x.i1))};
+}
+inline Group rotate_back(const Group& g, __m256 c, __m256 s) {
+  return {_mm256_fmadd_ps(c, g.r0, _mm256_mul_ps(s, g.i0)), _mm256_fmsub_ps(c, g.i0, _mm256_mul_ps(s, g.r0)),
+          _mm256_fmadd_ps(c, g.r1, _mm256_mul_ps(s, g.i1)), _mm256_fmsub_ps(c, g.i1, _mm256_mul_ps(s, g.r1))};
+}
+// <a_sa, b_sb> per block, slots sa, sb in {0, 1}
+inline __m256 dot(__m256 ar, __m256 ai, __m256 br, __m256 bi) {
+  return _mm256_fmadd_ps(ar, br, _mm256_mul_ps(ai, bi));
+}
+
+// One tile of one segment, prepared once per tile (lane order within each group of 8 blocks).
+// Key map: y0 = e0 R x0 + e1 R x1, y1 = e0 R x1; query map: y0 = f0 R x0, y1 = f0 R x1 - f1 R x0,
+// with e0 = e^{+gamma p}, f0 = e^{-gamma p}, e1 = e0 eta u, f1 = f0 eta u (Jordan-RoPE Prop. 1).
+struct Tile {
+  int n = 0, ld = 0;                     // tokens; row length of the per-token tables
+  const float *e0k, *e0q, *eta;          // per block: damping at the first token (or 1), eta (or 0)
+  const float *pk, *pq;                  // [tt][ld]: damping of token tt relative to e0k / e0q
+  const float* gmask = nullptr;          // [tt][ld]: 0 where the exponent clamp binds, or null
+  const float *u, *p;                    // per token: shear time u and position p - c0
+  const float *cos, *sin;                // trig rows of the first token at the segment's blocks
+  int64_t trig_ld = 0, D = 0;            // row strides of the trig table and of the tensors
+  int64_t rows_after = 0;
+};
+
+// Token tt of group g (r blocks).
+template <bool FULL>
+inline void forward_group(const Tile& t, int tt, int g, int r, const float* q, const float* k,
+                          float* qo, float* ko) {
+  const GroupIO<FULL> io(r);
+  const int lb = 8 * g;
+  const __m256 c = io.blocks(t.cos + tt * t.trig_ld + lb), s = io.blocks(t.sin + tt * t.trig_ld + lb);
+  const __m256 sh = _mm256_mul_ps(_mm256_loadu_ps(t.eta + lb), _mm256_set1_ps(t.u[tt]));
+  const int64_t o = tt * t.D + 32 * g;
+  if (k) {
+    const __m256 e0 = _mm256_mul_ps(_mm256_loadu_ps(t.e0k + lb), _mm256_loadu_ps(t.pk + tt * t.ld + lb));
+    const __m256 e1 = _mm256_mul_ps(e0, sh);
+    const Group z = rotate(io.load_group(k + o), c, s);
+    io.store_group(ko + o, {_mm256_fmadd_ps(e1, z.r1, _mm256_mul_ps(e0, z.r0)),
+                            _mm256_fmadd_ps(e1, z.i1, _mm256_mul_ps(e0, z.i0)),
+                            _mm256_mul_ps(e0, z.r1), _mm256_mul_ps(e0, z.i1)});
+  }
+  if (q) {
+    const __m256 f0 = _mm256_mul_ps(_mm256_loadu_ps(t.e0q + lb), _mm256_loadu_ps(t.pq + tt * t.ld + lb));
+    const __m256 f1 = _mm256_mul_ps(f0, sh);
+    const Group z = rotate(io.load_group(q + o), c, s);
+    io.store_group(qo + o, {_mm256_mul_ps(f0, z.r0), _mm256_mul_ps(f0, z.i0),
+                            _mm256_fnmadd_ps(f1, z.r0, _mm256_mul_ps(f0, z.r1)),
+                            _mm256_fnmadd_ps(f1, z.i0, _mm256_mul_ps(f0, z.i1))});
+  }
+}
+
+// Transposed maps for the input gradients and, when acc is given, the parameter gradients:
+// acc_gamma += p (dl_k - dl_q), acc_eta += u (de_k - de_q) per block (lane order), with dl =
+// dL/d(exponent) and de = dL/d(eta u) of each map.
+template <bool FULL>
+inline void backward_group(const Tile& t, int tt, int g, int r, const float* q, const float* k,
+                           const float* gqo, const float* gko, float* gq, float* gk, float* acc) {
+  const GroupIO<FULL> io(r);
+  const int lb = 8 * g;
+  const __m256 c = io.blocks(t.cos + tt * t.trig_ld + lb), s = io.blocks(t.sin + tt * t.trig_ld + lb);
+  const __m256 sh = _mm256_mul_ps(_mm256_loadu_ps(t.eta + lb), _mm256_set1_ps(t.u[tt]));
+  const int64_t o = tt * t.D + 32 * g;
+  __m256 dl = _mm256_setzero_ps(), de = _mm256_setzero_ps();
+  if (gko) {
+    const __m256 e0 = _mm256_mul_ps(_mm256_loadu_ps(t.e0k + lb), _mm256_loadu_ps(t.pk + tt * t.ld + lb));
+    const __m256 e1 = _mm256_mul_ps(e0, sh);
+    const Group w = rotate_back(io.load_group(gko + o), c, s);
+    if (gk)
+      io.store_group(gk + o, {_mm256_mul_ps(e0, w.r0), _mm256_mul_ps(e0, w.i0),
+                              _mm256_fmadd_ps(e1, w.r0, _mm256_mul_ps(e0, w.r1)),
+                              _mm256_fmadd_ps(e1, w.i0, _mm256_mul_ps(e0, w.i1))});
+    if (k && acc) {
+      const Group x = io.load_group(k + o);
+      const __m256 d1 = dot(w.r0, w.i0, x.r1, x.i1);
+      const __m256 d0 = _mm256_add_ps(dot(w.r0, w.i0, x.r0, x.i0), dot(w.r1, w.i1, x.r1, x.i1));
+      dl = _mm256_fmadd_ps(e1, d1, _mm256_mul_ps(e0, d0));
+      de = _mm256_mul_ps(e0, d1);
+    }
+  }
+  if (gqo) {
+    const __m256 f0 = _mm256_mul_ps(_mm256_loadu_ps(t.e0q + lb), _mm256_loadu_ps(t.pq + tt * t.ld + lb));
+    const __m256 f1 = _mm256_mul_ps(f0, sh);
+    const Group w = rotate_back(io.load_group(gqo + o), c, s);
+    if (gq)
+      io.store_group(gq + o, {_mm256_fnmadd_ps(f1, w.r1, _mm256_mul_ps(f0, w.r0)),
+                              _mm256_fnmadd_ps(f1, w.i1, _mm256_mul_ps(f0, w.i0)),
+                              _mm256_mul_ps(f0, w.r1), _mm256_mul_ps(f0, w.i1)});
+    if (q && acc) {
+      const Group x = io.load_group(q + o);
+      const __m256 d1 = dot(w.r1, w.i1, x.r0, x.i0);
+      const __m256 d0 = _mm256_add_ps(dot(w.r0, w.i0, x.r0, x.i0), dot(w.r1, w.i1, x.r1, x.i1));
+      dl = _mm256_sub_ps(dl, _mm256_fnmadd_ps(f1, d1, _mm256_mul_ps(f0, d0)));
+      de = _mm256_fnmadd_ps(f0, d1, de);
+    }
+  }
+  if (!acc) return;
+  __m256 pv = _mm256_set1_ps(t.p[tt]);
+  if (t.gmask) pv = _mm256_mul_ps(pv, _mm256_loadu_ps(t.gmask + tt * t.ld + lb));
+  float* ag = acc + 2 * lb;
+  _mm256_storeu_ps(ag, _mm256_fmadd_ps(pv, dl, _mm256_loadu_ps(ag)));
+  _mm256_storeu_ps(ag + 8, _mm256_fmadd_ps(_mm256_set1_ps(t.u[tt]), de, _mm256_loadu_ps(ag + 8)));
+}
+
+// Fills `t` for one segment of the current tile, or returns false for the general path (jet
+// gates). Damping: float64 anchors and per-head power tables at evenly spaced positions where no
+// clamp can bind; otherwise the exact (clamped) per-token values of tile_series.
+template <class T>
+bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int NB, int n,
+             Scratch<T>& sc, Tile* t) {
+  if (s.shear == ShearMode::Gates) return false;
+  const int nb = s.blocks, fb = s.first_block, ld = NB + kPad;
+  const int64_t off = h * NB + fb;
+  for (int tt = 0; tt < n; ++tt) {
+    sc.u[tt] = s.shear_scale * chart_value(s.chart, -sc.pos[tt], s.L);
+    sc.f_u[tt] = static_cast<float>(sc.u[tt]);
+    sc.f_p[tt] = static_cast<float>(sc.pos[tt]);
+  }
+  const int padded = (nb + 7) / 8 * 8;
+  float* eta = sc.f_eta.data() + fb;
+  std::fill(eta, eta + padded, 0.0f);
+  if (s.shear == ShearMode::Exponential)
+    for (int b = 0; b < nb; ++b) eta[lane_slot(b)] = static_cast<float>(P.eta[off + b]);
+  *t = Tile{};
+  t->n = n;
+  t->ld = ld;
+  t->eta = eta;
+  t->u = sc.f_u.data();
+  t->p = sc.f_p.data();
+  t->e0k = t->e0q = sc.f_ones.data();
+  t->pk = t->pq = sc.f_ones.data();
+  if (!s.damped) return true;
+  const T* g = P.gamma + off;
+  double gmax = 0, pmax = 0;
+  for (int b = 0; b < nb; ++b) gmax = std::max(gmax, std::abs(static_cast<double>(g[b])));
+  for (int tt = 0; tt < n; ++tt) pmax = std::max(pmax, std::abs(sc.pos[tt]));
+  if (sc.even && gmax * pmax * (1 + 1e-12) <= s.max_exponent) {
+    double* pk = sc.pw_k.data();
+    double* pq = sc.pw_q.data();
+    if (sc.pw_h[fb] != h || sc.pw_d[fb] != sc.d) {  // e^{+-gamma d tt}, once per head
+      for (int b = 0; b < nb; ++b) {
+        const double gb = static_cast<double>(g[b]), rk = std::exp(gb * sc.d), rq = std::exp(-gb * sc.d);
+        double ak = 1, aq = 1;
+        for (int tt = 0; tt < kTile; ++tt, ak *= rk, aq *= rq) {
+          pk[tt * ld + fb + b] = ak;
+          pq[tt * ld + fb + b] = aq;
+          sc.f_pk[tt * ld + fb + lane_slot(b)] = static_cast<float>(ak);
+          sc.f_pq[tt * ld + fb + lane_slot(b)] = static_cast<float>(aq);
+        }
+      }
+      sc.pw_h[fb] = h;
+      sc.pw_d[fb] = sc.d;
+    }
+    float* e0k = sc.f_e0k.data() + fb;
+    float* e0q = sc.f_e0q.data() + fb;
+    std::fill(e0k, e0k + padded, 0.0f);
+    std::fill(e0q, e0q + padded, 0.0f);
+    for (int b = 0; b < nb; ++b) {
+      const double gb = static_cast<double>(g[b]);
+      double& kl = sc.ek_last[fb + b];
+      double& ql = sc.eq_last[fb + b];
+      const double ak = sc.contiguous ? kl * pk[ld + fb + b] : std::exp(gb * sc.pos[0]);
+      const double aq = sc.contiguous ? ql * pq[ld + fb + b] : std::exp(-gb * sc.pos[0]);
+      kl = ak * pk[(n - 1) * ld + fb + b];  // carried to the next tile
+      ql = aq * pq[(n - 1) * ld + fb + b];
+      e0k[lane_slot(b)] = static_cast<float>(ak);
+      e0q[lane_slot(b)] = static_cast<float>(aq);
+    }
+    t->e0k = e0k;
+    t->e0q = e0q;
+    t->pk = sc.f_pk.data() + fb;
+    t->pq = sc.f_pq.data() + fb;
+    return true;
+  }
+  // irregular positions or a clamp that may bind: exact per-token values, in lane order
+  tile_series<T, 2>(s, P, h, H, NB, n, sc);
+  for (int tt = 0; tt < n; ++tt)
+    for (int b = 0; b < nb; ++b) {
+      const int i = tt * ld + fb + lane_slot(b);
+      sc.f_sk[i] = static_cast<float>(sc.ek[tt * nb + b]);
+      sc.f_sq[i] = static_cast<float>(sc.eq[tt * nb + b]);
+      sc.f_gm[i] = sc.clamped[tt * nb + b] ? 0.0f : 1.0f;
+    }
+  t->pk = sc.f_sk.data() + fb;
+  t->pq = sc.f_sq.data() + fb;
+  if (sc.tile_clamped) t->gmask = sc.f_gm.data() + fb;
+  return true;
+}
+
+// Asks for the cache lines of the row kTile tokens ahead (the next tile's): the loads of a tile
+// alone do not keep enough requests in flight to stream at memory speed (measured: forward
+// 1.55 -> 1.13 ms at T = 8192).
+inline void prefetch_ahead(const Tile& t, int tt, const float* x, bool write) {
+  if (!x || tt + kTile >= t.rows_after) return;
+  const char* p = reinterpret_cast<const char*>(x + (tt + kTile) * t.D);
+  for (int64_t byte = 0; byte < t.D * static_cast<int64_t>(sizeof(float)); byte += 64) {
+    if (write) __builtin_prefetch(p + byte, 1);
+    else __builtin_prefetch(p + byte, 0);
+  }
+}
+
+// Forward / backward of one prepared tile: token by token (the order of memory), every group of
+// the segment per token.
+inline void forward_tile(const Tile& t, int nb, const float* q, const float* k, float* qo, float* ko) {
+  for (int tt = 0; tt < t.n; ++tt) {
+    for (const float* x : {q, k}) prefetch_ahead(t, tt, x, false);
+    for (const float* y : {qo, ko}) prefetch_ahead(t, tt, y, true);
+    int g = 0;
+    for (; 8 * (g + 1) <= nb; ++g) forward_group<true>(t, tt, g, 8, q, k, qo, ko);
+    if (8 * g < nb) forward_group<false>(t, tt, g, nb - 8 * g, q, k, qo, ko);
+  }
+}
+// acc (if given): [group][gamma x 8 | eta x 8] float sums over the tile, lane order; returned
+// summed per block in block order as dgamma[b], deta[b].
+inline void backward_tile(const Tile& t, int nb, const float* q, const float* k, const float* gqo,
+                          const float* gko, float* gq, float* gk, float* acc, float* dgamma,
+                          float* deta) {
+  const int groups = (nb + 7) / 8;
+  if (acc) std::fill(acc, acc + 16 * groups, 0.0f);
+  for (int tt = 0; tt < t.n; ++tt) {
+    for (const float* x : {gqo, gko}) prefetch_ahead(t, tt, x, false);
+    if (acc)
+      for (const float* x : {q, k}) prefetch_ahead(t, tt, x, false);
+    for (const float* y : {gq, gk}) prefetch_ahead(t, tt, y, true);
+    int g = 0;
+    for (; 8 * (g + 1) <= nb; ++g) backward_group<true>(t, tt, g, 8, q, k, gqo, gko, gq, gk, acc);
+    if (8 * g < nb) backward_group<false>(t, tt, g, nb - 8 * g, q, k, gqo, gko, gq, gk, acc);
+  }
+  if (!acc) return;
+  for (int g = 0; g < groups; ++g) {
+    float gs[8], es[8];
+    _mm256_storeu_ps(gs, to_natural_order(_mm256_loadu_ps(acc + 16 * g)));
+    _mm256_storeu_ps(es, to_natural_order(_mm256_loadu_ps(acc + 16 * g + 8)));
+    for (int j = 0; j < std::min(8, nb - 8 * g); ++j) dgamma[8 * g + j] = gs[j], deta[8 * g + j] = es[j];
+  }
+}
+
+}  // namespace m2x8
+#endif
+
 // Calls f.template operator()<M>() with the segment's order as a compile-time constant.
 template <class F>
 void dispatch_order(int order, F&& f) {
@@ -609,6 +814,23 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
       const auto [bh, t0, h, b, n] = start_tile(tile, tiling, dims, pos, sc);
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
+#if defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
+            m2x8::Tile t;
+            if (m2x8::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
+              const int64_t row0 = bh * dims.T + t0, trow0 = ((pos.per_batch ? b : 0) * dims.T + t0) * NB;
+              const int64_t x0 = row0 * D + 2 * s.first_pair;
+              t.cos = trig.cos + trow0 + s.first_block;
+              t.sin = trig.sin + trow0 + s.first_block;
+              t.trig_ld = NB;
+              t.D = D;
+              t.rows_after = dims.B * dims.H * dims.T - row0;
+              m2x8::forward_tile(t, s.blocks, q ? q + x0 : nullptr, k ? k + x0 : nullptr,
+                                 q ? qo + x0 : nullptr, k ? ko + x0 : nullptr);
+              return;
+            }
+          }
+#endif
           const bool plain = plain_rotation(s);
           if (!plain) tile_series<T, M>(s, P, h, dims.H, static_cast<int>(NB), n, sc);
           for (int tt = 0; tt < n; ++tt) {
@@ -630,39 +852,6 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// Backward of one order-2 interleaved float segment over a tile, parameter gradients reduced in
-// vector form (avx2_m2::backward_reduce) and folded into the float64 accumulators once per tile.
-template <class T>
-void reduce_tile_m2(const SegmentDesc& s, Dims dims, const Positions& pos, TrigView<T> trig,
-                    int64_t b, int64_t bh, int64_t t0, int64_t h, int n, bool key, const T* x,
-                    const T* g, T* o, Scratch<T>& sc, double* acc, const GradSlots& slot, int D,
-                    int NB) {
-  const int nb = s.blocks, stride = n * nb, off2 = 2 * s.first_pair;
-  float* G = sc.red_g.data();
-  float* E = sc.red_e.data();
-  std::fill(G, G + 4 * nb, 0.0f);
-  std::fill(E, E + 4 * nb, 0.0f);
-  const float* coef = key ? sc.ck.data() : sc.cq.data();
-  for (int tt = 0; tt < n; ++tt) {
-    const int64_t row = bh * dims.T + t0 + tt;
-    const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB + s.first_block;
-    const float sp = s.damped ? static_cast<float>(key ? sc.pos[tt] : -sc.pos[tt]) : 0.0f;
-    const float su = static_cast<float>(key ? sc.u[tt] : -sc.u[tt]);
-    const auto run = key ? avx2_m2::backward_reduce<true> : avx2_m2::backward_reduce<false>;
-    run(x + row * D + off2, g + row * D + off2, o ? o + row * D + off2 : nullptr, trig.cos + trow,
-        trig.sin + trow, coef + tt * nb, coef + stride + tt * nb, nb, sp, su, G, E);
-  }
-  const size_t off = static_cast<size_t>(h) * NB + s.first_block;
-  for (int blk = 0; blk < nb; ++blk) {
-    const float* gb = G + 4 * blk;
-    const float* eb = E + 4 * blk;
-    if (s.damped) acc[slot.gamma(off + blk)] += static_cast<double>(gb[0] + gb[1] + gb[2] + gb[3]);
-    if (s.shear == ShearMode::Exponential)
-      acc[slot.eta(off + blk)] += static_cast<double>(eb[0] + eb[1] + eb[2] + eb[3]);
-  }
-}
-#endif
 
 template <class T, Layout LY>
 void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
@@ -688,6 +877,34 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
       const auto [bh, t0, h, b, n] = start_tile(tile, tiling, dims, pos, sc);
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
+#if defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
+            m2x8::Tile t;
+            if (m2x8::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
+              const int64_t row0 = bh * dims.T + t0, trow0 = ((pos.per_batch ? b : 0) * dims.T + t0) * NB;
+              const int64_t x0 = row0 * D + 2 * s.first_pair;
+              t.cos = trig.cos + trow0 + s.first_block;
+              t.sin = trig.sin + trow0 + s.first_block;
+              t.trig_ld = NB;
+              t.D = D;
+              t.rows_after = dims.B * dims.H * dims.T - row0;
+              const auto at = [&](const T* p) { return p ? p + x0 : nullptr; };
+              const auto at_mut = [&](T* p) { return p ? p + x0 : nullptr; };
+              float* dg = sc.part.data();
+              float* dk = sc.dl.data();
+              m2x8::backward_tile(t, s.blocks, at(q), at(k), at(gy[0]), at(gy[1]), at_mut(gx[0]),
+                                  at_mut(gx[1]), a ? sc.f_acc.data() : nullptr, dg, dk);
+              if (a) {
+                const size_t off = static_cast<size_t>(h) * NB + s.first_block;
+                for (int blk = 0; blk < s.blocks; ++blk) {
+                  if (s.damped) a[slot.gamma(off + blk)] += static_cast<double>(dg[blk]);
+                  if (s.shear == ShearMode::Exponential) a[slot.eta(off + blk)] += static_cast<double>(dk[blk]);
+                }
+              }
+              return;
+            }
+          }
+#endif
           const bool plain = plain_rotation(s);
           if (!plain) tile_series<T, M>(s, P, h, dims.H, static_cast<int>(NB), n, sc);
           const int stride = n * s.blocks;
@@ -695,15 +912,6 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
             if (!gy[io]) continue;
             const bool key = io == 1;
             const bool params = a && xin[io] && !plain;
-#if defined(__AVX2__) && defined(__FMA__)
-            if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
-              if (params && s.shear != ShearMode::Gates && s.blocks % 2 == 0 && !sc.tile_clamped) {
-                reduce_tile_m2(s, dims, pos, trig, b, bh, t0, h, n, key, xin[io], gy[io], gx[io],
-                               sc, a, slot, static_cast<int>(D), static_cast<int>(NB));
-                continue;
-              }
-            }
-#endif
             for (int tt = 0; tt < n; ++tt) {
               const int64_t row = bh * dims.T + t0 + tt;
               const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB;
