@@ -39,8 +39,8 @@ int covered_pairs(const TransformPlan& plan) {
 // Tokens of one (batch, head) processed together: the per-token, per-block scalars (damping,
 // coefficient series) are computed for a whole tile in loops of kTile * blocks elements, which
 // vectorise well and amortise loop overheads that dominated when done token by token.
-constexpr int kTile = 16;
-constexpr int kTileRun = 8;  // tiles between exact re-anchorings of the damping recurrence
+constexpr int kTile = 64;
+constexpr int kTileRun = 2;  // tiles between exact re-anchorings of the damping recurrence
 
 // Per-thread scratch, structure-of-arrays: series[k][tt][b], per-token scalars [tt][b].
 template <class T>
@@ -696,24 +696,43 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
   return true;
 }
 
-// Asks for the cache lines of the row kTile tokens ahead (the next tile's): the loads of a tile
-// alone do not keep enough requests in flight to stream at memory speed (measured: forward
-// 1.55 -> 1.13 ms at T = 8192).
-inline void prefetch_ahead(const Tile& t, int tt, const float* x, bool write) {
-  if (!x || tt + kTile >= t.rows_after) return;
-  const char* p = reinterpret_cast<const char*>(x + (tt + kTile) * t.D);
-  for (int64_t byte = 0; byte < t.D * static_cast<int64_t>(sizeof(float)); byte += 64) {
-    if (write) __builtin_prefetch(p + byte, 1);
-    else __builtin_prefetch(p + byte, 0);
+// Asks for every cache line of the rows kTile tokens ahead (the next tile's) in the given
+// tensors: on the development VM the hardware prefetchers alone leave the kernels far from
+// memory speed (forward at T = 8192: 1.55 -> 1.13 ms; every line has to be asked for, every
+// second one is not enough). Addresses are formed as integers: the last rows reach past a tensor.
+class RowPrefetcher {
+ public:
+  static constexpr int kAhead = 8;
+  RowPrefetcher(const Tile& t, std::initializer_list<const float*> reads,
+                std::initializer_list<float*> writes)
+      : bytes_(t.D * static_cast<int64_t>(sizeof(float))), rows_(t.rows_after) {
+    for (const float* x : reads)
+      if (x) base_[n_++] = reinterpret_cast<uintptr_t>(x);
+    for (float* y : writes)
+      if (y) base_[n_++] = reinterpret_cast<uintptr_t>(y);
   }
-}
+  void row(int tt) const {
+    if (tt + kAhead >= rows_) return;
+    const uintptr_t off = static_cast<uintptr_t>((tt + kAhead) * bytes_);
+    for (int i = 0; i < n_; ++i)
+      for (int64_t b = 0; b < bytes_; b += 64) line(base_[i] + off + static_cast<uintptr_t>(b));
+  }
+
+ private:
+  // volatile asm: GCC deletes loops whose only effect is __builtin_prefetch
+  static void line(uintptr_t address) { asm volatile("prefetcht0 (%0)" : : "r"(address)); }
+
+  uintptr_t base_[6] = {};
+  int n_ = 0;
+  int64_t bytes_, rows_;
+};
 
 // Forward / backward of one prepared tile: token by token (the order of memory), every group of
 // the segment per token.
 inline void forward_tile(const Tile& t, int nb, const float* q, const float* k, float* qo, float* ko) {
+  const RowPrefetcher ahead(t, {q, k}, {qo, ko});
   for (int tt = 0; tt < t.n; ++tt) {
-    for (const float* x : {q, k}) prefetch_ahead(t, tt, x, false);
-    for (const float* y : {qo, ko}) prefetch_ahead(t, tt, y, true);
+    ahead.row(tt);
     int g = 0;
     for (; 8 * (g + 1) <= nb; ++g) forward_group<true>(t, tt, g, 8, q, k, qo, ko);
     if (8 * g < nb) forward_group<false>(t, tt, g, nb - 8 * g, q, k, qo, ko);
@@ -726,11 +745,9 @@ inline void backward_tile(const Tile& t, int nb, const float* q, const float* k,
                           float* deta) {
   const int groups = (nb + 7) / 8;
   if (acc) std::fill(acc, acc + 16 * groups, 0.0f);
+  const RowPrefetcher ahead(t, {gqo, gko, acc ? q : nullptr, acc ? k : nullptr}, {gq, gk});
   for (int tt = 0; tt < t.n; ++tt) {
-    for (const float* x : {gqo, gko}) prefetch_ahead(t, tt, x, false);
-    if (acc)
-      for (const float* x : {q, k}) prefetch_ahead(t, tt, x, false);
-    for (const float* y : {gq, gk}) prefetch_ahead(t, tt, y, true);
+    ahead.row(tt);
     int g = 0;
     for (; 8 * (g + 1) <= nb; ++g) backward_group<true>(t, tt, g, 8, q, k, gqo, gko, gq, gk, acc);
     if (8 * g < nb) backward_group<false>(t, tt, g, nb - 8 * g, q, k, gqo, gko, gq, gk, acc);
