@@ -428,6 +428,90 @@ void accumulate_param_grads(const SegmentDesc& s, int64_t h, int NB, int n,
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// Asks for every cache line of the rows kAhead tokens ahead in the given tensors: on the
+// development VM the hardware prefetchers alone leave the kernels far from memory speed (Jordan
+// m = 2 forward at T = 8192: 1.55 -> 1.13 ms; every line has to be asked for, every second one
+// is not enough). Addresses are formed as integers: the last rows reach past a tensor.
+class RowPrefetcher {
+ public:
+  static constexpr int kAhead = 8;
+  // rows of D floats; rows_after: rows from the first one to the end of the tensors
+  RowPrefetcher(int64_t D, int64_t rows_after, std::initializer_list<const float*> reads,
+                std::initializer_list<float*> writes)
+      : bytes_(D * static_cast<int64_t>(sizeof(float))), rows_(rows_after) {
+    for (const float* x : reads)
+      if (x) base_[n_++] = reinterpret_cast<uintptr_t>(x);
+    for (float* y : writes)
+      if (y) base_[n_++] = reinterpret_cast<uintptr_t>(y);
+  }
+  void row(int tt) const {
+    if (tt + kAhead >= rows_) return;
+    const uintptr_t off = static_cast<uintptr_t>((tt + kAhead) * bytes_);
+    for (int i = 0; i < n_; ++i)
+      for (int64_t b = 0; b < bytes_; b += 64) line(base_[i] + off + static_cast<uintptr_t>(b));
+  }
+
+ private:
+  // volatile asm: GCC deletes loops whose only effect is __builtin_prefetch
+  static void line(uintptr_t address) { asm volatile("prefetcht0 (%0)" : : "r"(address)); }
+
+  uintptr_t base_[6] = {};
+  int n_ = 0;
+  int64_t bytes_, rows_;
+};
+
+// Plain rotations (RoPE) in the interleaved layout, float: eight pairs per step. Two shuffles
+// split two registers into a real and an imaginary vector (pairs in the order
+// [0, 1, 4, 5 | 2, 3, 6, 7]), so cos and sin are one permuted load shared by q and k, and two
+// unpacks interleave the result again.
+namespace rot8 {
+
+inline __m256 pair_order(__m256 v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
+// INVERSE: the transposed rotation (backward)
+template <bool INVERSE>
+inline void rotate8(const float* x, float* y, __m256 c, __m256 s) {
+  const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
+  const __m256 re = _mm256_shuffle_ps(x0, x1, 0x88), im = _mm256_shuffle_ps(x0, x1, 0xDD);
+  const __m256 yr = INVERSE ? _mm256_fmadd_ps(c, re, _mm256_mul_ps(s, im)) : _mm256_fmsub_ps(c, re, _mm256_mul_ps(s, im));
+  const __m256 yi = INVERSE ? _mm256_fnmadd_ps(s, re, _mm256_mul_ps(c, im)) : _mm256_fmadd_ps(s, re, _mm256_mul_ps(c, im));
+  _mm256_storeu_ps(y, _mm256_unpacklo_ps(yr, yi));
+  _mm256_storeu_ps(y + 8, _mm256_unpackhi_ps(yr, yi));
+}
+
+// Rows tt < n of a tile: a -> ya and b -> yb (either may be null), `pairs` pairs from the row
+// start; cos/sin: the tile's first trig row at the segment's first block, rows trig_ld apart.
+template <bool INVERSE>
+void rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t trig_ld, int64_t D,
+                 int64_t rows_after, const float* a, const float* b, float* ya, float* yb) {
+  const RowPrefetcher ahead(D, rows_after, {a, b}, {ya, yb});
+  const int full = pairs / 8 * 8;
+  for (int tt = 0; tt < n; ++tt) {
+    ahead.row(tt);
+    const float* cr = cos + tt * trig_ld;
+    const float* sr = sin + tt * trig_ld;
+    const int64_t o = tt * D;
+    for (int j = 0; j < full; j += 8) {
+      const __m256 c = pair_order(_mm256_loadu_ps(cr + j)), s = pair_order(_mm256_loadu_ps(sr + j));
+      if (a) rotate8<INVERSE>(a + o + 2 * j, ya + o + 2 * j, c, s);
+      if (b) rotate8<INVERSE>(b + o + 2 * j, yb + o + 2 * j, c, s);
+    }
+    for (int j = full; j < pairs; ++j)
+      for (int io = 0; io < 2; ++io) {
+        const float* x = io ? b : a;
+        float* y = io ? yb : ya;
+        if (!x) continue;
+        const float xr = x[o + 2 * j], xi = x[o + 2 * j + 1], c = cr[j], s = INVERSE ? -sr[j] : sr[j];
+        y[o + 2 * j] = xr * c - xi * s;
+        y[o + 2 * j + 1] = xr * s + xi * c;
+      }
+  }
+}
+
+}  // namespace rot8
+
 // ---------------------------------------------------------------------------------------------
 // Order-2 blocks in the interleaved layout, float, AVX2: the hot path of Jordan-RoPE m = 2.
 // Eight blocks at a time in structure-of-arrays registers: the four loads (re0, im0, re1, im1)
@@ -696,41 +780,10 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
   return true;
 }
 
-// Asks for every cache line of the rows kTile tokens ahead (the next tile's) in the given
-// tensors: on the development VM the hardware prefetchers alone leave the kernels far from
-// memory speed (forward at T = 8192: 1.55 -> 1.13 ms; every line has to be asked for, every
-// second one is not enough). Addresses are formed as integers: the last rows reach past a tensor.
-class RowPrefetcher {
- public:
-  static constexpr int kAhead = 8;
-  RowPrefetcher(const Tile& t, std::initializer_list<const float*> reads,
-                std::initializer_list<float*> writes)
-      : bytes_(t.D * static_cast<int64_t>(sizeof(float))), rows_(t.rows_after) {
-    for (const float* x : reads)
-      if (x) base_[n_++] = reinterpret_cast<uintptr_t>(x);
-    for (float* y : writes)
-      if (y) base_[n_++] = reinterpret_cast<uintptr_t>(y);
-  }
-  void row(int tt) const {
-    if (tt + kAhead >= rows_) return;
-    const uintptr_t off = static_cast<uintptr_t>((tt + kAhead) * bytes_);
-    for (int i = 0; i < n_; ++i)
-      for (int64_t b = 0; b < bytes_; b += 64) line(base_[i] + off + static_cast<uintptr_t>(b));
-  }
-
- private:
-  // volatile asm: GCC deletes loops whose only effect is __builtin_prefetch
-  static void line(uintptr_t address) { asm volatile("prefetcht0 (%0)" : : "r"(address)); }
-
-  uintptr_t base_[6] = {};
-  int n_ = 0;
-  int64_t bytes_, rows_;
-};
-
 // Forward / backward of one prepared tile: token by token (the order of memory), every group of
 // the segment per token.
 inline void forward_tile(const Tile& t, int nb, const float* q, const float* k, float* qo, float* ko) {
-  const RowPrefetcher ahead(t, {q, k}, {qo, ko});
+  const RowPrefetcher ahead(t.D, t.rows_after, {q, k}, {qo, ko});
   for (int tt = 0; tt < t.n; ++tt) {
     ahead.row(tt);
     int g = 0;
@@ -745,7 +798,7 @@ inline void backward_tile(const Tile& t, int nb, const float* q, const float* k,
                           float* deta) {
   const int groups = (nb + 7) / 8;
   if (acc) std::fill(acc, acc + 16 * groups, 0.0f);
-  const RowPrefetcher ahead(t, {gqo, gko, acc ? q : nullptr, acc ? k : nullptr}, {gq, gk});
+  const RowPrefetcher ahead(t.D, t.rows_after, {gqo, gko, acc ? q : nullptr, acc ? k : nullptr}, {gq, gk});
   for (int tt = 0; tt < t.n; ++tt) {
     ahead.row(tt);
     int g = 0;
@@ -817,6 +870,38 @@ TileInfo start_tile(int64_t tile, const Tiling& tiling, Dims dims, const Positio
 
 bool plain_rotation(const SegmentDesc& s) { return s.order == 1 && !s.damped; }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Where one segment of one tile lies for the fast paths: tensor offset of its first row and
+// pair, its trig rows, and how many rows remain to the end of the tensors (for prefetching).
+struct FastTile {
+  int64_t x0, rows_after;
+  const float *cos = nullptr, *sin = nullptr;
+  int64_t D, NB;
+  template <class T>
+  FastTile(const SegmentDesc& s, Dims dims, const Positions& pos, TrigView<T> trig, int64_t bh,
+           int64_t b, int64_t t0, int64_t D_, int64_t NB_)
+      : x0((bh * dims.T + t0) * D_ + 2 * s.first_pair),
+        rows_after(dims.B * dims.H * dims.T - (bh * dims.T + t0)),
+        D(D_),
+        NB(NB_) {
+    if constexpr (std::is_same_v<T, float>) {
+      const int64_t trow0 = ((pos.per_batch ? b : 0) * dims.T + t0) * NB_ + s.first_block;
+      cos = trig.cos + trow0;
+      sin = trig.sin + trow0;
+    }
+  }
+  template <class P>
+  P* at(P* p) const { return p ? p + x0 : nullptr; }
+  void fill(m2x8::Tile* t) const {
+    t->cos = cos;
+    t->sin = sin;
+    t->trig_ld = NB;
+    t->D = D;
+    t->rows_after = rows_after;
+  }
+};
+#endif
+
 template <class T, Layout LY>
 void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
                   TrigView<T> trig, const T* q, const T* k, T* qo, T* ko) {
@@ -832,18 +917,21 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
 #if defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float> && M == 1 && LY == Layout::Interleaved) {
+            if (plain_rotation(s)) {
+              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+              rot8::rotate_tile<false>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after, ft.at(q),
+                                       ft.at(k), ft.at(q ? qo : nullptr), ft.at(k ? ko : nullptr));
+              return;
+            }
+          }
           if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
             m2x8::Tile t;
             if (m2x8::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
-              const int64_t row0 = bh * dims.T + t0, trow0 = ((pos.per_batch ? b : 0) * dims.T + t0) * NB;
-              const int64_t x0 = row0 * D + 2 * s.first_pair;
-              t.cos = trig.cos + trow0 + s.first_block;
-              t.sin = trig.sin + trow0 + s.first_block;
-              t.trig_ld = NB;
-              t.D = D;
-              t.rows_after = dims.B * dims.H * dims.T - row0;
-              m2x8::forward_tile(t, s.blocks, q ? q + x0 : nullptr, k ? k + x0 : nullptr,
-                                 q ? qo + x0 : nullptr, k ? ko + x0 : nullptr);
+              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+              ft.fill(&t);
+              m2x8::forward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(q ? qo : nullptr),
+                                 ft.at(k ? ko : nullptr));
               return;
             }
           }
@@ -895,22 +983,24 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
 #if defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float> && M == 1 && LY == Layout::Interleaved) {
+            if (plain_rotation(s)) {
+              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+              rot8::rotate_tile<true>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after,
+                                      ft.at(gx[0] ? gy[0] : nullptr), ft.at(gx[1] ? gy[1] : nullptr),
+                                      ft.at(gx[0]), ft.at(gx[1]));
+              return;
+            }
+          }
           if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
             m2x8::Tile t;
             if (m2x8::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
-              const int64_t row0 = bh * dims.T + t0, trow0 = ((pos.per_batch ? b : 0) * dims.T + t0) * NB;
-              const int64_t x0 = row0 * D + 2 * s.first_pair;
-              t.cos = trig.cos + trow0 + s.first_block;
-              t.sin = trig.sin + trow0 + s.first_block;
-              t.trig_ld = NB;
-              t.D = D;
-              t.rows_after = dims.B * dims.H * dims.T - row0;
-              const auto at = [&](const T* p) { return p ? p + x0 : nullptr; };
-              const auto at_mut = [&](T* p) { return p ? p + x0 : nullptr; };
+              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+              ft.fill(&t);
               float* dg = sc.part.data();
               float* dk = sc.dl.data();
-              m2x8::backward_tile(t, s.blocks, at(q), at(k), at(gy[0]), at(gy[1]), at_mut(gx[0]),
-                                  at_mut(gx[1]), a ? sc.f_acc.data() : nullptr, dg, dk);
+              m2x8::backward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(gy[0]), ft.at(gy[1]),
+                                  ft.at(gx[0]), ft.at(gx[1]), a ? sc.f_acc.data() : nullptr, dg, dk);
               if (a) {
                 const size_t off = static_cast<size_t>(h) * NB + s.first_block;
                 for (int blk = 0; blk < s.blocks; ++blk) {
