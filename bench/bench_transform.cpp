@@ -72,22 +72,6 @@ void run_fwd_bwd(benchmark::State& state, const Case& c, bool composed) {
   state.SetBytesProcessed(state.iterations() * c.tensors_moved * kTensorBytes);
 }
 
-void run_fwd_only(benchmark::State& state, const Case& c) {
-  Inputs in(c.spec);
-  for (auto _ : state) {
-    torch::NoGradGuard ng;
-    auto o = in.enc->forward(in.q, in.k, in.pos);
-    benchmark::DoNotOptimize(o.q.data_ptr());
-  }
-}
-void run_fwd_graph(benchmark::State& state, const Case& c) {
-  Inputs in(c.spec);
-  for (auto _ : state) {
-    auto o = in.enc->forward(in.q, in.k, in.pos);
-    benchmark::DoNotOptimize(o.q.data_ptr());
-  }
-}
-
 // memcpy of the same bytes (a copy reads and writes, so bytes/2 are copied), on all threads.
 void run_memcpy(benchmark::State& state, const Case& c) {
   const int64_t n = c.tensors_moved * kTensorBytes / 2;
@@ -173,10 +157,6 @@ int main(int argc, char** argv) {
   at::set_num_threads(omp_get_max_threads());
   for (const auto& c : kCases) {
     benchmark::RegisterBenchmark(("kernel/" + c.name).c_str(), [c](benchmark::State& s) { run_fwd_bwd(s, c, false); })
-        ->Unit(benchmark::kMillisecond)->UseRealTime();
-    benchmark::RegisterBenchmark(("fwdonly/" + c.name).c_str(), [c](benchmark::State& s) { run_fwd_only(s, c); })
-        ->Unit(benchmark::kMillisecond)->UseRealTime();
-    benchmark::RegisterBenchmark(("fwdgraph/" + c.name).c_str(), [c](benchmark::State& s) { run_fwd_graph(s, c); })
         ->Unit(benchmark::kMillisecond)->UseRealTime();
     benchmark::RegisterBenchmark(("composed/" + c.name).c_str(), [c](benchmark::State& s) { run_fwd_bwd(s, c, true); })
         ->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -16,5 +16,6 @@ check 2 "unknown option" "$relpos" verify --enc "jordan(q=1)"
 check 2 "indivisible head dim" "$relpos" kernel --enc "jordan(m=3)" --head-dim 64 --lags 0:2
 check 2 "L <= 0" "$relpos" kernel --enc "jordan(L=0)" --lags 0:2
 check 2 "bad lags" "$relpos" kernel --enc rope --lags 5
+check 2 "unknown kernel build" env RELPOS_KERNEL_ISA=sse9 "$relpos" verify --enc rope --len 64 --positions 8
 out=$("$relpos" verify --enc "bogus" 2>&1); echo "$out" | grep -q "unknown mechanism 'bogus'" || { echo "FAIL: error text does not name the mechanism: $out"; fail=1; }
 exit $fail

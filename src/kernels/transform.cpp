@@ -1,5 +1,9 @@
 #include "kernels/transform.hpp"
 
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
 
 namespace relpos::kernels {
 
@@ -36,18 +40,35 @@ namespace {
 RELPOS_DECLARE_ISA(isa_base)
 #if defined(__x86_64__)
 RELPOS_DECLARE_ISA(isa_avx2)
+RELPOS_DECLARE_ISA(isa_avx512)
 #endif
 #undef RELPOS_DECLARE_ISA
 
 namespace {
 
-bool use_avx2() {
+enum class Isa { Baseline, Avx2, Avx512 };
+
+// The best build this CPU runs, capped by the environment variable RELPOS_KERNEL_ISA
+// (baseline | avx2 | avx512) when it is set: the tests run every build this way, and so can a
+// comparison. Read once per process.
+Isa selected_isa() {
+  static const Isa isa = [] {
+    Isa best = Isa::Baseline;
 #if defined(__x86_64__)
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::Avx2;
+    if (best == Isa::Avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
+      best = Isa::Avx512;
 #endif
+    const char* cap = std::getenv("RELPOS_KERNEL_ISA");
+    if (!cap || !*cap) return best;
+    const std::string c = cap;
+    const Isa want = c == "baseline" ? Isa::Baseline
+                     : c == "avx2"   ? Isa::Avx2
+                     : c == "avx512" ? Isa::Avx512
+                                     : throw InputError("RELPOS_KERNEL_ISA must be baseline, avx2 or avx512, got '" + c + "'");
+    return std::min(want, best);
+  }();
+  return isa;
 }
 
 void check_plan(const TransformPlan& plan) {
@@ -59,7 +80,27 @@ void check_plan(const TransformPlan& plan) {
 
 }  // namespace
 
-const char* kernel_isa() { return use_avx2() ? "avx2+fma" : "baseline"; }
+const char* kernel_isa() {
+  switch (selected_isa()) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2+fma";
+    case Isa::Baseline: break;
+  }
+  return "baseline";
+}
+
+// Calls the selected build's function NAME with the given arguments.
+#if defined(__x86_64__)
+#define RELPOS_DISPATCH(NAME, ...)                                                   \
+  switch (selected_isa()) {                                                         \
+    case Isa::Avx512: return isa_avx512::NAME(__VA_ARGS__);                          \
+    case Isa::Avx2: return isa_avx2::NAME(__VA_ARGS__);                              \
+    case Isa::Baseline: break;                                                      \
+  }                                                                                 \
+  return isa_base::NAME(__VA_ARGS__)
+#else
+#define RELPOS_DISPATCH(NAME, ...) return isa_base::NAME(__VA_ARGS__)
+#endif
 
 int64_t trig_table_size(const TransformPlan& plan, Dims dims, const Positions& pos) {
   return (pos.per_batch ? dims.B : 1) * dims.T * plan.total_blocks;
@@ -67,10 +108,7 @@ int64_t trig_table_size(const TransformPlan& plan, Dims dims, const Positions& p
 
 template <class T>
 void fill_trig_table(const TransformPlan& plan, Dims dims, const Positions& pos, T* cos, T* sin) {
-#if defined(__x86_64__)
-  if (use_avx2()) return isa_avx2::fill_trig<T>(plan, dims, pos, cos, sin);
-#endif
-  isa_base::fill_trig<T>(plan, dims, pos, cos, sin);
+  RELPOS_DISPATCH(fill_trig<T>, plan, dims, pos, cos, sin);
 }
 
 template <class T>
@@ -88,10 +126,7 @@ void transform_forward(const TransformPlan& plan, Dims dims, const Positions& po
                        const Params<T>& params, TrigView<T> trig, const T* q, const T* k,
                        T* q_out, T* k_out) {
   check_plan(plan);
-#if defined(__x86_64__)
-  if (use_avx2()) return isa_avx2::forward<T>(plan, dims, pos, params, trig, q, k, q_out, k_out);
-#endif
-  isa_base::forward<T>(plan, dims, pos, params, trig, q, k, q_out, k_out);
+  RELPOS_DISPATCH(forward<T>, plan, dims, pos, params, trig, q, k, q_out, k_out);
 }
 
 template <class T>
@@ -100,12 +135,7 @@ void transform_backward(const TransformPlan& plan, Dims dims, const Positions& p
                         const T* gq_out, const T* gk_out, T* gq, T* gk,
                         const ParamGrads<T>& grads) {
   check_plan(plan);
-#if defined(__x86_64__)
-  if (use_avx2())
-    return isa_avx2::backward<T>(plan, dims, pos, params, trig, q, k, gq_out, gk_out, gq, gk,
-                                 grads);
-#endif
-  isa_base::backward<T>(plan, dims, pos, params, trig, q, k, gq_out, gk_out, gq, gk, grads);
+  RELPOS_DISPATCH(backward<T>, plan, dims, pos, params, trig, q, k, gq_out, gk_out, gq, gk, grads);
 }
 
 #define RELPOS_INSTANTIATE(T)                                                                    \

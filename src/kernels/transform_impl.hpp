@@ -58,8 +58,8 @@ struct Scratch {
   double last_p = 0, d = 0, last_d = std::numeric_limits<double>::quiet_NaN();
   int run = 0;
   bool even = false, contiguous = false, force_fresh = true;
-  // The order-2 float fast path (m2x8): per-token u and p, lane-order per-block values and
-  // [token][NB + 8] tables; the powers e^{+-gamma d tt} are kept per head (pw_h, pw_d).
+  // The order-2 float fast path (m2): per-token u and p, lane-order per-block values and
+  // [token][NB + 16] tables; the powers e^{+-gamma d tt} are kept per head (pw_h, pw_d).
   std::vector<float> f_u, f_p, f_eta, f_e0k, f_e0q, f_ones, f_pk, f_pq, f_sk, f_sq, f_gm, f_acc;
   std::vector<double> pw_k, pw_q, pw_d;
   std::vector<int64_t> pw_h;
@@ -69,9 +69,9 @@ struct Scratch {
         cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb), part(nb),
         ekd(kTile * nb), eqd(kTile * nb), pos(kTile), u(kTile), clamped(kTile * nb),
         ek_last(nb), eq_last(nb), rk(nb), rq(nb), rk_d(nb), rk_bh(nb, -1), f_u(kTile), f_p(kTile),
-        f_eta(nb + 8), f_e0k(nb + 8), f_e0q(nb + 8), f_ones(kTile * (nb + 8), 1.0f),
-        f_pk(kTile * (nb + 8)), f_pq(kTile * (nb + 8)), f_sk(kTile * (nb + 8)), f_sq(kTile * (nb + 8)),
-        f_gm(kTile * (nb + 8)), f_acc(2 * (nb + 8)), pw_k(kTile * (nb + 8)), pw_q(kTile * (nb + 8)),
+        f_eta(nb + 16), f_e0k(nb + 16), f_e0q(nb + 16), f_ones(kTile * (nb + 16), 1.0f),
+        f_pk(kTile * (nb + 16)), f_pq(kTile * (nb + 16)), f_sk(kTile * (nb + 16)), f_sq(kTile * (nb + 16)),
+        f_gm(kTile * (nb + 16)), f_acc(2 * (nb + 16)), pw_k(kTile * (nb + 16)), pw_q(kTile * (nb + 16)),
         pw_d(nb, std::numeric_limits<double>::quiet_NaN()), pw_h(nb, -1) {}
 
   // Called once per tile after pos[0..n) is filled: may the damping continue the last tile's?
@@ -460,43 +460,137 @@ class RowPrefetcher {
   int64_t bytes_, rows_;
 };
 
-// Plain rotations (RoPE) in the interleaved layout, float: eight pairs per step. Two shuffles
-// split two registers into a real and an imaginary vector (pairs in the order
-// [0, 1, 4, 5 | 2, 3, 6, 7]), so cos and sin are one permuted load shared by q and k, and two
-// unpacks interleave the result again.
-namespace rot8 {
+// ---------------------------------------------------------------------------------------------
+// Hand-vectorised float paths of the interleaved layout, written once against a vector-traits
+// class (Avx2Ops: 8 lanes, Avx512Ops: 16 lanes) and compiled in the ISA build that has it.
+//
+// Order-2 blocks (Jordan-RoPE m = 2): a group of G blocks is four registers of
+// (re0, im0, re1, im1) per block; in-lane 4x4 transposes turn them into re0, im0, re1, im1
+// vectors whose elements are the blocks in "lane order" (AVX2: [0, 2, 4, 6 | 1, 3, 5, 7]). Every
+// per-block scalar (cos, sin, damping, eta) is then one plain vector load, the arithmetic needs
+// no shuffles, and the parameter gradients accumulate per block without horizontal sums. The
+// transposes cost two shuffles per register each way.
+//
+// Plain rotations (RoPE): two shuffles split two registers into real and imaginary parts whose
+// pairs are in "pair order" (AVX2: [0, 1, 4, 5 | 2, 3, 6, 7]), cos and sin are one permuted
+// load shared by q and k, and two unpacks interleave the result again.
 
-inline __m256 pair_order(__m256 v) {
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-}
+struct Avx2Ops {
+  using R = __m256;
+  static constexpr int W = 8;  // floats per register = blocks per order-2 group = pairs per rotation step
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R zero() { return _mm256_setzero_ps(); }
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }    // a b + c
+  static R fmsub(R a, R b, R c) { return _mm256_fmsub_ps(a, b, c); }    // a b - c
+  static R fnmadd(R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+  // masks of a partial group of r blocks: per data register j, and for W per-block values
+  struct Mask {
+    __m256i vec[4], blocks;
+  };
+  static Mask mask(int r) {
+    Mask m;
+    const __m256i rv = _mm256_set1_epi32(r);
+    m.blocks = _mm256_cmpgt_epi32(rv, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int j = 0; j < 4; ++j) {  // register j holds blocks 2j (lanes 0-3) and 2j + 1
+      const int a = 2 * j, b = 2 * j + 1;
+      m.vec[j] = _mm256_cmpgt_epi32(rv, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
+    }
+    return m;
+  }
+  static R load_masked(const float* p, __m256i m) { return _mm256_maskload_ps(p, m); }
+  static void store_masked(float* p, __m256i m, R v) { _mm256_maskstore_ps(p, m, v); }
+  static R to_lane_order(R v) { return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)); }
+  static R to_block_order(R v) { return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); }
+  static int lane_slot(int b) {
+    constexpr int slot[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+    return (b & ~7) | slot[b & 7];
+  }
+  static R to_pair_order(R v) { return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7)); }
+  // the in-lane shuffles below are the same instructions at both widths
+  static R unpacklo(R a, R b) { return _mm256_unpacklo_ps(a, b); }
+  static R unpackhi(R a, R b) { return _mm256_unpackhi_ps(a, b); }
+  template <int IMM>
+  static R shuffle(R a, R b) { return _mm256_shuffle_ps(a, b, IMM); }
+};
 
-// INVERSE: the transposed rotation (backward)
-template <bool INVERSE>
-inline void rotate8(const float* x, float* y, __m256 c, __m256 s) {
-  const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
-  const __m256 re = _mm256_shuffle_ps(x0, x1, 0x88), im = _mm256_shuffle_ps(x0, x1, 0xDD);
-  const __m256 yr = INVERSE ? _mm256_fmadd_ps(c, re, _mm256_mul_ps(s, im)) : _mm256_fmsub_ps(c, re, _mm256_mul_ps(s, im));
-  const __m256 yi = INVERSE ? _mm256_fnmadd_ps(s, re, _mm256_mul_ps(c, im)) : _mm256_fmadd_ps(s, re, _mm256_mul_ps(c, im));
-  _mm256_storeu_ps(y, _mm256_unpacklo_ps(yr, yi));
-  _mm256_storeu_ps(y + 8, _mm256_unpackhi_ps(yr, yi));
+#if defined(__AVX512F__)
+struct Avx512Ops {
+  using R = __m512;
+  static constexpr int W = 16;
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R zero() { return _mm512_setzero_ps(); }
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R fmsub(R a, R b, R c) { return _mm512_fmsub_ps(a, b, c); }
+  static R fnmadd(R a, R b, R c) { return _mm512_fnmadd_ps(a, b, c); }
+  struct Mask {
+    __mmask16 vec[4], blocks;
+  };
+  static Mask mask(int r) {
+    Mask m;
+    m.blocks = static_cast<__mmask16>((1u << r) - 1);
+    for (int j = 0; j < 4; ++j) {  // register j holds blocks 4j .. 4j + 3, one per 128-bit lane
+      unsigned bits = 0;
+      for (int l = 0; l < 4; ++l)
+        if (4 * j + l < r) bits |= 0xFu << (4 * l);
+      m.vec[j] = static_cast<__mmask16>(bits);
+    }
+    return m;
+  }
+  static R load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+  static void store_masked(float* p, __mmask16 m, R v) { _mm512_mask_storeu_ps(p, m, v); }
+  // lane l of a transposed register holds blocks l, l + 4, l + 8, l + 12: a 4x4 transpose of
+  // the block index, its own inverse
+  static R to_lane_order(R v) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+  }
+  static R to_block_order(R v) { return to_lane_order(v); }
+  static int lane_slot(int b) { return (b & ~15) | ((b & 3) * 4 + ((b & 15) >> 2)); }
+  static R to_pair_order(R v) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15), v);
+  }
+  static R unpacklo(R a, R b) { return _mm512_unpacklo_ps(a, b); }
+  static R unpackhi(R a, R b) { return _mm512_unpackhi_ps(a, b); }
+  template <int IMM>
+  static R shuffle(R a, R b) { return _mm512_shuffle_ps(a, b, IMM); }
+};
+using SimdOps = Avx512Ops;
+#else
+using SimdOps = Avx2Ops;
+#endif
+
+namespace rot {
+
+// INVERSE: the transposed rotation (backward). W pairs from x to y.
+template <class V, bool INVERSE>
+inline void rotate_pairs(const float* x, float* y, typename V::R c, typename V::R s) {
+  const auto x0 = V::load(x), x1 = V::load(x + V::W);
+  const auto re = V::template shuffle<0x88>(x0, x1), im = V::template shuffle<0xDD>(x0, x1);
+  const auto yr = INVERSE ? V::fmadd(c, re, s * im) : V::fmsub(c, re, s * im);
+  const auto yi = INVERSE ? V::fnmadd(s, re, c * im) : V::fmadd(s, re, c * im);
+  V::store(y, V::unpacklo(yr, yi));
+  V::store(y + V::W, V::unpackhi(yr, yi));
 }
 
 // Rows tt < n of a tile: a -> ya and b -> yb (either may be null), `pairs` pairs from the row
 // start; cos/sin: the tile's first trig row at the segment's first block, rows trig_ld apart.
-template <bool INVERSE>
+template <bool INVERSE, class V = SimdOps>
 void rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t trig_ld, int64_t D,
                  int64_t rows_after, const float* a, const float* b, float* ya, float* yb) {
   const RowPrefetcher ahead(D, rows_after, {a, b}, {ya, yb});
-  const int full = pairs / 8 * 8;
+  const int full = pairs / V::W * V::W;
   for (int tt = 0; tt < n; ++tt) {
     ahead.row(tt);
     const float* cr = cos + tt * trig_ld;
     const float* sr = sin + tt * trig_ld;
     const int64_t o = tt * D;
-    for (int j = 0; j < full; j += 8) {
-      const __m256 c = pair_order(_mm256_loadu_ps(cr + j)), s = pair_order(_mm256_loadu_ps(sr + j));
-      if (a) rotate8<INVERSE>(a + o + 2 * j, ya + o + 2 * j, c, s);
-      if (b) rotate8<INVERSE>(b + o + 2 * j, yb + o + 2 * j, c, s);
+    for (int j = 0; j < full; j += V::W) {
+      const auto c = V::to_pair_order(V::load(cr + j)), s = V::to_pair_order(V::load(sr + j));
+      if (a) rotate_pairs<V, INVERSE>(a + o + 2 * j, ya + o + 2 * j, c, s);
+      if (b) rotate_pairs<V, INVERSE>(b + o + 2 * j, yb + o + 2 * j, c, s);
     }
     for (int j = full; j < pairs; ++j)
       for (int io = 0; io < 2; ++io) {
@@ -510,195 +604,158 @@ void rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t t
   }
 }
 
-}  // namespace rot8
+}  // namespace rot
 
-// ---------------------------------------------------------------------------------------------
-// Order-2 blocks in the interleaved layout, float, AVX2: the hot path of Jordan-RoPE m = 2.
-// Eight blocks at a time in structure-of-arrays registers: the four loads (re0, im0, re1, im1)
-// x 8 blocks are transposed in-lane into re0, im0, re1, im1 vectors whose elements are the blocks
-// [0, 2, 4, 6 | 1, 3, 5, 7] ("lane order"). Every per-block scalar (cos, sin, damping, eta) is
-// then one plain vector load, the arithmetic needs no shuffles, and the parameter gradients
-// accumulate per block without horizontal sums. The transposes cost two shuffles per register
-// each way. Damping needs no per-tile series: at evenly spaced positions the factor of token tt
-// is e0 (float64 anchor at the tile's first token, carried from tile to tile) times e^{+-gamma d
-// tt} (a per-head table), so the whole tile costs one vector multiply per token and group.
-namespace m2x8 {
+namespace m2 {
 
-constexpr int kPad = 8;  // rows of lane-order tables are padded: a partial group reads 8 floats
+constexpr int kPad = 16;  // rows of lane-order tables are padded: a partial group reads W floats
 
-// Slot of segment block b in lane order.
-inline int lane_slot(int b) {
-  constexpr int slot[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-  return (b & ~7) | slot[b & 7];
-}
-inline __m256 to_lane_order(__m256 v) {
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
-}
-inline __m256 to_natural_order(__m256 v) {
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
+template <class V>
 struct Group {
-  __m256 r0, i0, r1, i1;  // slot 0 and slot 1 of 8 blocks, lane order
+  typename V::R r0, i0, r1, i1;  // slot 0 and slot 1 of a group's blocks, lane order
 };
 
-// Loads and stores of one group of 8 blocks; a partial group (r < 8 blocks) is masked.
-template <bool FULL>
+// Loads and stores of one group of V::W blocks; a partial group (r < W blocks) is masked.
+template <class V, bool FULL>
 struct GroupIO {
-  __m256i vec_mask[4], block_mask;
+  using R = typename V::R;
+  typename V::Mask m;
   explicit GroupIO(int r) {
-    if constexpr (!FULL) {
-      const __m256i rv = _mm256_set1_epi32(r);
-      block_mask = _mm256_cmpgt_epi32(rv, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      for (int j = 0; j < 4; ++j) {
-        const int a = 2 * j, b = 2 * j + 1;
-        vec_mask[j] = _mm256_cmpgt_epi32(rv, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
-      }
-    } else {
-      (void)r;
-    }
+    if constexpr (!FULL) m = V::mask(r);
+    else (void)r;
   }
-  __m256 load(const float* p, int j) const {
-    if constexpr (FULL) return _mm256_loadu_ps(p + 8 * j);
-    else return _mm256_maskload_ps(p + 8 * j, vec_mask[j]);
+  R load(const float* p, int j) const {
+    if constexpr (FULL) return V::load(p + V::W * j);
+    else return V::load_masked(p + V::W * j, m.vec[j]);
   }
-  void store(float* p, int j, __m256 v) const {
-    if constexpr (FULL) _mm256_storeu_ps(p + 8 * j, v);
-    else _mm256_maskstore_ps(p + 8 * j, vec_mask[j], v);
+  void store(float* p, int j, R v) const {
+    if constexpr (FULL) V::store(p + V::W * j, v);
+    else V::store_masked(p + V::W * j, m.vec[j], v);
   }
-  // 8 per-block values stored in block order, returned in lane order
-  __m256 blocks(const float* p) const {
-    if constexpr (FULL) return to_lane_order(_mm256_loadu_ps(p));
-    else return to_lane_order(_mm256_maskload_ps(p, block_mask));
+  // W per-block values stored in block order, returned in lane order
+  R blocks(const float* p) const {
+    if constexpr (FULL) return V::to_lane_order(V::load(p));
+    else return V::to_lane_order(V::load_masked(p, m.blocks));
   }
-  Group load_group(const float* x) const {
-    const __m256 x0 = load(x, 0), x1 = load(x, 1), x2 = load(x, 2), x3 = load(x, 3);
-    const __m256 t0 = _mm256_unpacklo_ps(x0, x1), t1 = _mm256_unpackhi_ps(x0, x1);
-    const __m256 t2 = _mm256_unpacklo_ps(x2, x3), t3 = _mm256_unpackhi_ps(x2, x3);
-    return {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
-            _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+  Group<V> load_group(const float* x) const {
+    const R x0 = load(x, 0), x1 = load(x, 1), x2 = load(x, 2), x3 = load(x, 3);
+    const R t0 = V::unpacklo(x0, x1), t1 = V::unpackhi(x0, x1);
+    const R t2 = V::unpacklo(x2, x3), t3 = V::unpackhi(x2, x3);
+    return {V::template shuffle<0x44>(t0, t2), V::template shuffle<0xEE>(t0, t2),
+            V::template shuffle<0x44>(t1, t3), V::template shuffle<0xEE>(t1, t3)};
   }
-  void store_group(float* y, const Group& v) const {
-    const __m256 u0 = _mm256_unpacklo_ps(v.r0, v.i0), u1 = _mm256_unpackhi_ps(v.r0, v.i0);
-    const __m256 u2 = _mm256_unpacklo_ps(v.r1, v.i1), u3 = _mm256_unpackhi_ps(v.r1, v.i1);
-    store(y, 0, _mm256_shuffle_ps(u0, u2, 0x44));
-    store(y, 1, _mm256_shuffle_ps(u0, u2, 0xEE));
-    store(y, 2, _mm256_shuffle_ps(u1, u3, 0x44));
-    store(y, 3, _mm256_shuffle_ps(u1, u3, 0xEE));
+  void store_group(float* y, const Group<V>& v) const {
+    const R u0 = V::unpacklo(v.r0, v.i0), u1 = V::unpackhi(v.r0, v.i0);
+    const R u2 = V::unpacklo(v.r1, v.i1), u3 = V::unpackhi(v.r1, v.i1);
+    store(y, 0, V::template shuffle<0x44>(u0, u2));
+    store(y, 1, V::template shuffle<0xEE>(u0, u2));
+    store(y, 2, V::template shuffle<0x44>(u1, u3));
+    store(y, 3, V::template shuffle<0xEE>(u1, u3));
   }
 };
 
 // z = R x (forward maps) and w = R^T g (their transposes), R = rotation by the table's angle.
-inline Group rotate(const Group& x, __m256 c, __m256 s) {
-  return {_mm256_fmsub_ps(c, x.r0, _mm256_mul_ps(s, x.i0)), _mm256_fmadd_ps(s, x.r0, _mm256_mul_ps(c, x.i0)),
-          _mm256_fmsub_ps(c, x.r1, _mm256_mul_ps(s, x.i1)), _mm256_fmadd_ps(s, x.r1, _mm256_mul_ps(c, x.i1))};
+template <class V>
+inline Group<V> rotate(const Group<V>& x, typename V::R c, typename V::R s) {
+  return {V::fmsub(c, x.r0, s * x.i0), V::fmadd(s, x.r0, c * x.i0), V::fmsub(c, x.r1, s * x.i1),
+          V::fmadd(s, x.r1, c * x.i1)};
 }
-inline Group rotate_back(const Group& g, __m256 c, __m256 s) {
-  return {_mm256_fmadd_ps(c, g.r0, _mm256_mul_ps(s, g.i0)), _mm256_fmsub_ps(c, g.i0, _mm256_mul_ps(s, g.r0)),
-          _mm256_fmadd_ps(c, g.r1, _mm256_mul_ps(s, g.i1)), _mm256_fmsub_ps(c, g.i1, _mm256_mul_ps(s, g.r1))};
+template <class V>
+inline Group<V> rotate_back(const Group<V>& g, typename V::R c, typename V::R s) {
+  return {V::fmadd(c, g.r0, s * g.i0), V::fmsub(c, g.i0, s * g.r0), V::fmadd(c, g.r1, s * g.i1),
+          V::fmsub(c, g.i1, s * g.r1)};
 }
-// <a_sa, b_sb> per block, slots sa, sb in {0, 1}
-inline __m256 dot(__m256 ar, __m256 ai, __m256 br, __m256 bi) {
-  return _mm256_fmadd_ps(ar, br, _mm256_mul_ps(ai, bi));
+// <a, b> of one complex slot per block
+template <class V>
+inline typename V::R dot(typename V::R ar, typename V::R ai, typename V::R br, typename V::R bi) {
+  return V::fmadd(ar, br, ai * bi);
 }
 
-// One tile of one segment, prepared once per tile (lane order within each group of 8 blocks).
+// One tile of one segment, prepared once per tile (lane order within each group of W blocks).
 // Key map: y0 = e0 R x0 + e1 R x1, y1 = e0 R x1; query map: y0 = f0 R x0, y1 = f0 R x1 - f1 R x0,
 // with e0 = e^{+gamma p}, f0 = e^{-gamma p}, e1 = e0 eta u, f1 = f0 eta u (Jordan-RoPE Prop. 1).
 struct Tile {
-  int n = 0, ld = 0;                     // tokens; row length of the per-token tables
-  const float *e0k, *e0q, *eta;          // per block: damping at the first token (or 1), eta (or 0)
-  const float *pk, *pq;                  // [tt][ld]: damping of token tt relative to e0k / e0q
-  const float* gmask = nullptr;          // [tt][ld]: 0 where the exponent clamp binds, or null
-  const float *u, *p;                    // per token: shear time u and position p - c0
-  const float *cos, *sin;                // trig rows of the first token at the segment's blocks
-  int64_t trig_ld = 0, D = 0;            // row strides of the trig table and of the tensors
-  int64_t rows_after = 0;
+  int n = 0, ld = 0;             // tokens; row length of the per-token tables
+  const float *e0k, *e0q, *eta;  // per block: damping at the first token (or 1), eta (or 0)
+  const float *pk, *pq;          // [tt][ld]: damping of token tt relative to e0k / e0q
+  const float* gmask = nullptr;  // [tt][ld]: 0 where the exponent clamp binds, or null
+  const float *u, *p;            // per token: shear time u and position p - c0
+  const float *cos, *sin;        // trig rows of the first token at the segment's blocks
+  int64_t trig_ld = 0, D = 0;    // row strides of the trig table and of the tensors
+  int64_t rows_after = 0;        // rows from the tile's first to the end of the tensors
 };
 
 // Token tt of group g (r blocks).
-template <bool FULL>
+template <class V, bool FULL>
 inline void forward_group(const Tile& t, int tt, int g, int r, const float* q, const float* k,
                           float* qo, float* ko) {
-  const GroupIO<FULL> io(r);
-  const int lb = 8 * g;
-  const __m256 c = io.blocks(t.cos + tt * t.trig_ld + lb), s = io.blocks(t.sin + tt * t.trig_ld + lb);
-  const __m256 sh = _mm256_mul_ps(_mm256_loadu_ps(t.eta + lb), _mm256_set1_ps(t.u[tt]));
-  const int64_t o = tt * t.D + 32 * g;
+  using R = typename V::R;
+  const GroupIO<V, FULL> io(r);
+  const int lb = V::W * g;
+  const R c = io.blocks(t.cos + tt * t.trig_ld + lb), s = io.blocks(t.sin + tt * t.trig_ld + lb);
+  const R sh = V::load(t.eta + lb) * V::set1(t.u[tt]);
+  const int64_t o = tt * t.D + 4 * V::W * g;
   if (k) {
-    const __m256 e0 = _mm256_mul_ps(_mm256_loadu_ps(t.e0k + lb), _mm256_loadu_ps(t.pk + tt * t.ld + lb));
-    const __m256 e1 = _mm256_mul_ps(e0, sh);
-    const Group z = rotate(io.load_group(k + o), c, s);
-    io.store_group(ko + o, {_mm256_fmadd_ps(e1, z.r1, _mm256_mul_ps(e0, z.r0)),
-                            _mm256_fmadd_ps(e1, z.i1, _mm256_mul_ps(e0, z.i0)),
-                            _mm256_mul_ps(e0, z.r1), _mm256_mul_ps(e0, z.i1)});
+    const R e0 = V::load(t.e0k + lb) * V::load(t.pk + tt * t.ld + lb), e1 = e0 * sh;
+    const Group<V> z = rotate<V>(io.load_group(k + o), c, s);
+    io.store_group(ko + o, {V::fmadd(e1, z.r1, e0 * z.r0), V::fmadd(e1, z.i1, e0 * z.i0), e0 * z.r1, e0 * z.i1});
   }
   if (q) {
-    const __m256 f0 = _mm256_mul_ps(_mm256_loadu_ps(t.e0q + lb), _mm256_loadu_ps(t.pq + tt * t.ld + lb));
-    const __m256 f1 = _mm256_mul_ps(f0, sh);
-    const Group z = rotate(io.load_group(q + o), c, s);
-    io.store_group(qo + o, {_mm256_mul_ps(f0, z.r0), _mm256_mul_ps(f0, z.i0),
-                            _mm256_fnmadd_ps(f1, z.r0, _mm256_mul_ps(f0, z.r1)),
-                            _mm256_fnmadd_ps(f1, z.i0, _mm256_mul_ps(f0, z.i1))});
+    const R f0 = V::load(t.e0q + lb) * V::load(t.pq + tt * t.ld + lb), f1 = f0 * sh;
+    const Group<V> z = rotate<V>(io.load_group(q + o), c, s);
+    io.store_group(qo + o, {f0 * z.r0, f0 * z.i0, V::fnmadd(f1, z.r0, f0 * z.r1), V::fnmadd(f1, z.i0, f0 * z.i1)});
   }
 }
 
 // Transposed maps for the input gradients and, when acc is given, the parameter gradients:
 // acc_gamma += p (dl_k - dl_q), acc_eta += u (de_k - de_q) per block (lane order), with dl =
 // dL/d(exponent) and de = dL/d(eta u) of each map.
-template <bool FULL>
+template <class V, bool FULL>
 inline void backward_group(const Tile& t, int tt, int g, int r, const float* q, const float* k,
                            const float* gqo, const float* gko, float* gq, float* gk, float* acc) {
-  const GroupIO<FULL> io(r);
-  const int lb = 8 * g;
-  const __m256 c = io.blocks(t.cos + tt * t.trig_ld + lb), s = io.blocks(t.sin + tt * t.trig_ld + lb);
-  const __m256 sh = _mm256_mul_ps(_mm256_loadu_ps(t.eta + lb), _mm256_set1_ps(t.u[tt]));
-  const int64_t o = tt * t.D + 32 * g;
-  __m256 dl = _mm256_setzero_ps(), de = _mm256_setzero_ps();
+  using R = typename V::R;
+  const GroupIO<V, FULL> io(r);
+  const int lb = V::W * g;
+  const R c = io.blocks(t.cos + tt * t.trig_ld + lb), s = io.blocks(t.sin + tt * t.trig_ld + lb);
+  const R sh = V::load(t.eta + lb) * V::set1(t.u[tt]);
+  const int64_t o = tt * t.D + 4 * V::W * g;
+  R dl = V::zero(), de = V::zero();
   if (gko) {
-    const __m256 e0 = _mm256_mul_ps(_mm256_loadu_ps(t.e0k + lb), _mm256_loadu_ps(t.pk + tt * t.ld + lb));
-    const __m256 e1 = _mm256_mul_ps(e0, sh);
-    const Group w = rotate_back(io.load_group(gko + o), c, s);
-    if (gk)
-      io.store_group(gk + o, {_mm256_mul_ps(e0, w.r0), _mm256_mul_ps(e0, w.i0),
-                              _mm256_fmadd_ps(e1, w.r0, _mm256_mul_ps(e0, w.r1)),
-                              _mm256_fmadd_ps(e1, w.i0, _mm256_mul_ps(e0, w.i1))});
+    const R e0 = V::load(t.e0k + lb) * V::load(t.pk + tt * t.ld + lb), e1 = e0 * sh;
+    const Group<V> w = rotate_back<V>(io.load_group(gko + o), c, s);
+    if (gk) io.store_group(gk + o, {e0 * w.r0, e0 * w.i0, V::fmadd(e1, w.r0, e0 * w.r1), V::fmadd(e1, w.i0, e0 * w.i1)});
     if (k && acc) {
-      const Group x = io.load_group(k + o);
-      const __m256 d1 = dot(w.r0, w.i0, x.r1, x.i1);
-      const __m256 d0 = _mm256_add_ps(dot(w.r0, w.i0, x.r0, x.i0), dot(w.r1, w.i1, x.r1, x.i1));
-      dl = _mm256_fmadd_ps(e1, d1, _mm256_mul_ps(e0, d0));
-      de = _mm256_mul_ps(e0, d1);
+      const Group<V> x = io.load_group(k + o);
+      const R d1 = dot<V>(w.r0, w.i0, x.r1, x.i1);
+      const R d0 = dot<V>(w.r0, w.i0, x.r0, x.i0) + dot<V>(w.r1, w.i1, x.r1, x.i1);
+      dl = V::fmadd(e1, d1, e0 * d0);
+      de = e0 * d1;
     }
   }
   if (gqo) {
-    const __m256 f0 = _mm256_mul_ps(_mm256_loadu_ps(t.e0q + lb), _mm256_loadu_ps(t.pq + tt * t.ld + lb));
-    const __m256 f1 = _mm256_mul_ps(f0, sh);
-    const Group w = rotate_back(io.load_group(gqo + o), c, s);
-    if (gq)
-      io.store_group(gq + o, {_mm256_fnmadd_ps(f1, w.r1, _mm256_mul_ps(f0, w.r0)),
-                              _mm256_fnmadd_ps(f1, w.i1, _mm256_mul_ps(f0, w.i0)),
-                              _mm256_mul_ps(f0, w.r1), _mm256_mul_ps(f0, w.i1)});
+    const R f0 = V::load(t.e0q + lb) * V::load(t.pq + tt * t.ld + lb), f1 = f0 * sh;
+    const Group<V> w = rotate_back<V>(io.load_group(gqo + o), c, s);
+    if (gq) io.store_group(gq + o, {V::fnmadd(f1, w.r1, f0 * w.r0), V::fnmadd(f1, w.i1, f0 * w.i0), f0 * w.r1, f0 * w.i1});
     if (q && acc) {
-      const Group x = io.load_group(q + o);
-      const __m256 d1 = dot(w.r1, w.i1, x.r0, x.i0);
-      const __m256 d0 = _mm256_add_ps(dot(w.r0, w.i0, x.r0, x.i0), dot(w.r1, w.i1, x.r1, x.i1));
-      dl = _mm256_sub_ps(dl, _mm256_fnmadd_ps(f1, d1, _mm256_mul_ps(f0, d0)));
-      de = _mm256_fnmadd_ps(f0, d1, de);
+      const Group<V> x = io.load_group(q + o);
+      const R d1 = dot<V>(w.r1, w.i1, x.r0, x.i0);
+      const R d0 = dot<V>(w.r0, w.i0, x.r0, x.i0) + dot<V>(w.r1, w.i1, x.r1, x.i1);
+      dl = dl - V::fnmadd(f1, d1, f0 * d0);
+      de = V::fnmadd(f0, d1, de);
     }
   }
   if (!acc) return;
-  __m256 pv = _mm256_set1_ps(t.p[tt]);
-  if (t.gmask) pv = _mm256_mul_ps(pv, _mm256_loadu_ps(t.gmask + tt * t.ld + lb));
+  R pv = V::set1(t.p[tt]);
+  if (t.gmask) pv = pv * V::load(t.gmask + tt * t.ld + lb);
   float* ag = acc + 2 * lb;
-  _mm256_storeu_ps(ag, _mm256_fmadd_ps(pv, dl, _mm256_loadu_ps(ag)));
-  _mm256_storeu_ps(ag + 8, _mm256_fmadd_ps(_mm256_set1_ps(t.u[tt]), de, _mm256_loadu_ps(ag + 8)));
+  V::store(ag, V::fmadd(pv, dl, V::load(ag)));
+  V::store(ag + V::W, V::fmadd(V::set1(t.u[tt]), de, V::load(ag + V::W)));
 }
 
 // Fills `t` for one segment of the current tile, or returns false for the general path (jet
 // gates). Damping: float64 anchors and per-head power tables at evenly spaced positions where no
 // clamp can bind; otherwise the exact (clamped) per-token values of tile_series.
-template <class T>
+template <class T, class V = SimdOps>
 bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int NB, int n,
              Scratch<T>& sc, Tile* t) {
   if (s.shear == ShearMode::Gates) return false;
@@ -709,11 +766,11 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
     sc.f_u[tt] = static_cast<float>(sc.u[tt]);
     sc.f_p[tt] = static_cast<float>(sc.pos[tt]);
   }
-  const int padded = (nb + 7) / 8 * 8;
+  const int padded = (nb + V::W - 1) / V::W * V::W;
   float* eta = sc.f_eta.data() + fb;
   std::fill(eta, eta + padded, 0.0f);
   if (s.shear == ShearMode::Exponential)
-    for (int b = 0; b < nb; ++b) eta[lane_slot(b)] = static_cast<float>(P.eta[off + b]);
+    for (int b = 0; b < nb; ++b) eta[V::lane_slot(b)] = static_cast<float>(P.eta[off + b]);
   *t = Tile{};
   t->n = n;
   t->ld = ld;
@@ -737,8 +794,8 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
         for (int tt = 0; tt < kTile; ++tt, ak *= rk, aq *= rq) {
           pk[tt * ld + fb + b] = ak;
           pq[tt * ld + fb + b] = aq;
-          sc.f_pk[tt * ld + fb + lane_slot(b)] = static_cast<float>(ak);
-          sc.f_pq[tt * ld + fb + lane_slot(b)] = static_cast<float>(aq);
+          sc.f_pk[tt * ld + fb + V::lane_slot(b)] = static_cast<float>(ak);
+          sc.f_pq[tt * ld + fb + V::lane_slot(b)] = static_cast<float>(aq);
         }
       }
       sc.pw_h[fb] = h;
@@ -756,8 +813,8 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
       const double aq = sc.contiguous ? ql * pq[ld + fb + b] : std::exp(-gb * sc.pos[0]);
       kl = ak * pk[(n - 1) * ld + fb + b];  // carried to the next tile
       ql = aq * pq[(n - 1) * ld + fb + b];
-      e0k[lane_slot(b)] = static_cast<float>(ak);
-      e0q[lane_slot(b)] = static_cast<float>(aq);
+      e0k[V::lane_slot(b)] = static_cast<float>(ak);
+      e0q[V::lane_slot(b)] = static_cast<float>(aq);
     }
     t->e0k = e0k;
     t->e0q = e0q;
@@ -769,7 +826,7 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
   tile_series<T, 2>(s, P, h, H, NB, n, sc);
   for (int tt = 0; tt < n; ++tt)
     for (int b = 0; b < nb; ++b) {
-      const int i = tt * ld + fb + lane_slot(b);
+      const int i = tt * ld + fb + V::lane_slot(b);
       sc.f_sk[i] = static_cast<float>(sc.ek[tt * nb + b]);
       sc.f_sq[i] = static_cast<float>(sc.eq[tt * nb + b]);
       sc.f_gm[i] = sc.clamped[tt * nb + b] ? 0.0f : 1.0f;
@@ -782,39 +839,41 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
 
 // Forward / backward of one prepared tile: token by token (the order of memory), every group of
 // the segment per token.
-inline void forward_tile(const Tile& t, int nb, const float* q, const float* k, float* qo, float* ko) {
+template <class V = SimdOps>
+void forward_tile(const Tile& t, int nb, const float* q, const float* k, float* qo, float* ko) {
   const RowPrefetcher ahead(t.D, t.rows_after, {q, k}, {qo, ko});
   for (int tt = 0; tt < t.n; ++tt) {
     ahead.row(tt);
     int g = 0;
-    for (; 8 * (g + 1) <= nb; ++g) forward_group<true>(t, tt, g, 8, q, k, qo, ko);
-    if (8 * g < nb) forward_group<false>(t, tt, g, nb - 8 * g, q, k, qo, ko);
+    for (; V::W * (g + 1) <= nb; ++g) forward_group<V, true>(t, tt, g, V::W, q, k, qo, ko);
+    if (V::W * g < nb) forward_group<V, false>(t, tt, g, nb - V::W * g, q, k, qo, ko);
   }
 }
-// acc (if given): [group][gamma x 8 | eta x 8] float sums over the tile, lane order; returned
-// summed per block in block order as dgamma[b], deta[b].
-inline void backward_tile(const Tile& t, int nb, const float* q, const float* k, const float* gqo,
-                          const float* gko, float* gq, float* gk, float* acc, float* dgamma,
-                          float* deta) {
-  const int groups = (nb + 7) / 8;
-  if (acc) std::fill(acc, acc + 16 * groups, 0.0f);
+// acc (if given): [group][gamma x W | eta x W] float sums over the tile, lane order; returned
+// per block in block order as dgamma[b], deta[b].
+template <class V = SimdOps>
+void backward_tile(const Tile& t, int nb, const float* q, const float* k, const float* gqo,
+                   const float* gko, float* gq, float* gk, float* acc, float* dgamma, float* deta) {
+  const int groups = (nb + V::W - 1) / V::W;
+  if (acc) std::fill(acc, acc + 2 * V::W * groups, 0.0f);
   const RowPrefetcher ahead(t.D, t.rows_after, {gqo, gko, acc ? q : nullptr, acc ? k : nullptr}, {gq, gk});
   for (int tt = 0; tt < t.n; ++tt) {
     ahead.row(tt);
     int g = 0;
-    for (; 8 * (g + 1) <= nb; ++g) backward_group<true>(t, tt, g, 8, q, k, gqo, gko, gq, gk, acc);
-    if (8 * g < nb) backward_group<false>(t, tt, g, nb - 8 * g, q, k, gqo, gko, gq, gk, acc);
+    for (; V::W * (g + 1) <= nb; ++g) backward_group<V, true>(t, tt, g, V::W, q, k, gqo, gko, gq, gk, acc);
+    if (V::W * g < nb) backward_group<V, false>(t, tt, g, nb - V::W * g, q, k, gqo, gko, gq, gk, acc);
   }
   if (!acc) return;
   for (int g = 0; g < groups; ++g) {
-    float gs[8], es[8];
-    _mm256_storeu_ps(gs, to_natural_order(_mm256_loadu_ps(acc + 16 * g)));
-    _mm256_storeu_ps(es, to_natural_order(_mm256_loadu_ps(acc + 16 * g + 8)));
-    for (int j = 0; j < std::min(8, nb - 8 * g); ++j) dgamma[8 * g + j] = gs[j], deta[8 * g + j] = es[j];
+    float gs[V::W], es[V::W];
+    V::store(gs, V::to_block_order(V::load(acc + 2 * V::W * g)));
+    V::store(es, V::to_block_order(V::load(acc + 2 * V::W * g + V::W)));
+    for (int j = 0; j < std::min(V::W, nb - V::W * g); ++j)
+      dgamma[V::W * g + j] = gs[j], deta[V::W * g + j] = es[j];
   }
 }
 
-}  // namespace m2x8
+}  // namespace m2
 #endif
 
 // Calls f.template operator()<M>() with the segment's order as a compile-time constant.
@@ -892,7 +951,7 @@ struct FastTile {
   }
   template <class P>
   P* at(P* p) const { return p ? p + x0 : nullptr; }
-  void fill(m2x8::Tile* t) const {
+  void fill(m2::Tile* t) const {
     t->cos = cos;
     t->sin = sin;
     t->trig_ld = NB;
@@ -920,17 +979,17 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
           if constexpr (std::is_same_v<T, float> && M == 1 && LY == Layout::Interleaved) {
             if (plain_rotation(s)) {
               const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
-              rot8::rotate_tile<false>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after, ft.at(q),
+              rot::rotate_tile<false>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after, ft.at(q),
                                        ft.at(k), ft.at(q ? qo : nullptr), ft.at(k ? ko : nullptr));
               return;
             }
           }
           if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
-            m2x8::Tile t;
-            if (m2x8::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
+            m2::Tile t;
+            if (m2::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
               const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
               ft.fill(&t);
-              m2x8::forward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(q ? qo : nullptr),
+              m2::forward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(q ? qo : nullptr),
                                  ft.at(k ? ko : nullptr));
               return;
             }
@@ -986,20 +1045,20 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
           if constexpr (std::is_same_v<T, float> && M == 1 && LY == Layout::Interleaved) {
             if (plain_rotation(s)) {
               const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
-              rot8::rotate_tile<true>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after,
+              rot::rotate_tile<true>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after,
                                       ft.at(gx[0] ? gy[0] : nullptr), ft.at(gx[1] ? gy[1] : nullptr),
                                       ft.at(gx[0]), ft.at(gx[1]));
               return;
             }
           }
           if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
-            m2x8::Tile t;
-            if (m2x8::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
+            m2::Tile t;
+            if (m2::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
               const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
               ft.fill(&t);
               float* dg = sc.part.data();
               float* dk = sc.dl.data();
-              m2x8::backward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(gy[0]), ft.at(gy[1]),
+              m2::backward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(gy[0]), ft.at(gy[1]),
                                   ft.at(gx[0]), ft.at(gx[1]), a ? sc.f_acc.data() : nullptr, dg, dk);
               if (a) {
                 const size_t off = static_cast<size_t>(h) * NB + s.first_block;
