@@ -1,5 +1,11 @@
 #include "torch/transform_function.hpp"
 
+#include <cstdint>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace relpos::nn {
 
 namespace {
@@ -58,6 +64,22 @@ Geometry geometry(const torch::Tensor& q, const torch::Tensor& positions, double
   return g;
 }
 
+// An output buffer the kernel will fill. Large ones are advised as transparent huge pages before
+// their first write: a fresh 16 MiB tensor otherwise costs 4096 page faults taken by the kernel's
+// threads at once, which on the development VM varied between 1 and 30 ms per call, more than
+// the kernel itself (see docs/performance.md). Harmless where THP is off or the memory reused.
+torch::Tensor output_like(const torch::Tensor& t) {
+  auto out = torch::empty_like(t);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(out.data_ptr());
+  const auto end = begin + static_cast<uintptr_t>(out.nbytes());
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#endif
+  return out;
+}
+
 class TransformQK : public torch::autograd::Function<TransformQK> {
  public:
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& q,
@@ -68,7 +90,7 @@ class TransformQK : public torch::autograd::Function<TransformQK> {
                                std::vector<double> plan_code, double center) {
     const auto plan = decode(plan_code);
     const auto g = geometry(q, positions, center);
-    auto qo = torch::empty_like(q), ko = torch::empty_like(k);
+    auto qo = output_like(q), ko = output_like(k);
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_transform_forward", [&] {
       kernels::transform_forward<scalar_t>(
           plan, g.dims, g.pos,
@@ -92,8 +114,8 @@ class TransformQK : public torch::autograd::Function<TransformQK> {
     const auto gqo = grad_out[0].defined() ? grad_out[0].contiguous() : torch::zeros_like(q);
     const auto gko = grad_out[1].defined() ? grad_out[1].contiguous() : torch::zeros_like(k);
     torch::Tensor gq, gk, ggamma, geta, ggates, galpha0;
-    if (ctx->needs_input_grad(0)) gq = torch::empty_like(q);
-    if (ctx->needs_input_grad(1)) gk = torch::empty_like(k);
+    if (ctx->needs_input_grad(0)) gq = output_like(q);
+    if (ctx->needs_input_grad(1)) gk = output_like(k);
     if (ctx->needs_input_grad(2)) ggamma = torch::zeros_like(gamma);
     if (ctx->needs_input_grad(3)) geta = torch::zeros_like(eta);
     if (ctx->needs_input_grad(4)) ggates = torch::zeros_like(gates);
