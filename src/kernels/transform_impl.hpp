@@ -761,10 +761,17 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
   if (s.shear == ShearMode::Gates) return false;
   const int nb = s.blocks, fb = s.first_block, ld = NB + kPad;
   const int64_t off = h * NB + fb;
-  for (int tt = 0; tt < n; ++tt) {
-    sc.u[tt] = s.shear_scale * chart_value(s.chart, -sc.pos[tt], s.L);
-    sc.f_u[tt] = static_cast<float>(sc.u[tt]);
-    sc.f_p[tt] = static_cast<float>(sc.pos[tt]);
+  {  // per token: shear time and position (locals: the loops then vectorise)
+    const double* pos = sc.pos.data();
+    double* u = sc.u.data();
+    float* fu = sc.f_u.data();
+    float* fp = sc.f_p.data();
+    if (s.chart == Chart::Raw) {
+      for (int tt = 0; tt < n; ++tt) u[tt] = s.shear_scale * -pos[tt];
+    } else {
+      for (int tt = 0; tt < n; ++tt) u[tt] = s.shear_scale * chart_value(s.chart, -pos[tt], s.L);
+    }
+    for (int tt = 0; tt < n; ++tt) fu[tt] = static_cast<float>(u[tt]), fp[tt] = static_cast<float>(pos[tt]);
   }
   const int padded = (nb + V::W - 1) / V::W * V::W;
   float* eta = sc.f_eta.data() + fb;
@@ -783,7 +790,11 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
   const T* g = P.gamma + off;
   double gmax = 0, pmax = 0;
   for (int b = 0; b < nb; ++b) gmax = std::max(gmax, std::abs(static_cast<double>(g[b])));
-  for (int tt = 0; tt < n; ++tt) pmax = std::max(pmax, std::abs(sc.pos[tt]));
+  if (sc.even) {  // evenly spaced: the extremes are the ends
+    pmax = std::max(std::abs(sc.pos[0]), std::abs(sc.pos[n - 1]));
+  } else {
+    for (int tt = 0; tt < n; ++tt) pmax = std::max(pmax, std::abs(sc.pos[tt]));
+  }
   if (sc.even && gmax * pmax * (1 + 1e-12) <= s.max_exponent) {
     double* pk = sc.pw_k.data();
     double* pq = sc.pw_q.data();
