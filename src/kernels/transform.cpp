@@ -4,7 +4,6 @@
 #include <cstdlib>
 #include <string>
 
-
 namespace relpos::kernels {
 
 TransformPlan TransformPlan::from(const Mechanism& m, Layout layout) {
@@ -25,16 +24,16 @@ TransformPlan TransformPlan::from(const Mechanism& m, Layout layout) {
 namespace {
 
 // Declarations of the per-ISA builds (transform_isa.inc).
-#define RELPOS_DECLARE_ISA(NS)                                                                  \
-  namespace NS {                                                                               \
-  template <class T>                                                                           \
-  void fill_trig(const TransformPlan&, Dims, const Positions&, T*, T*);                        \
-  template <class T>                                                                           \
-  void forward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>,    \
-               const T*, const T*, T*, T*);                                                    \
-  template <class T>                                                                           \
-  void backward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>,   \
-                const T*, const T*, const T*, const T*, T*, T*, const ParamGrads<T>&);         \
+#define RELPOS_DECLARE_ISA(NS)                                                               \
+  namespace NS {                                                                             \
+  template <class T>                                                                         \
+  void fill_trig(const TransformPlan&, Dims, const Positions&, T*, T*);                      \
+  template <class T>                                                                         \
+  void forward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>,  \
+               const T*, const T*, T*, T*);                                                  \
+  template <class T>                                                                         \
+  void backward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>, \
+                const T*, const T*, const T*, const T*, T*, T*, const ParamGrads<T>&);       \
   }
 }  // namespace
 RELPOS_DECLARE_ISA(isa_base)
@@ -56,16 +55,20 @@ Isa selected_isa() {
     Isa best = Isa::Baseline;
 #if defined(__x86_64__)
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::Avx2;
-    if (best == Isa::Avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
+    if (best == Isa::Avx2 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512vl"))
       best = Isa::Avx512;
 #endif
     const char* cap = std::getenv("RELPOS_KERNEL_ISA");
     if (!cap || !*cap) return best;
     const std::string c = cap;
-    const Isa want = c == "baseline" ? Isa::Baseline
-                     : c == "avx2"   ? Isa::Avx2
-                     : c == "avx512" ? Isa::Avx512
-                                     : throw InputError("RELPOS_KERNEL_ISA must be baseline, avx2 or avx512, got '" + c + "'");
+    const Isa want =
+        c == "baseline" ? Isa::Baseline
+        : c == "avx2"   ? Isa::Avx2
+        : c == "avx512"
+            ? Isa::Avx512
+            : throw InputError("RELPOS_KERNEL_ISA must be baseline, avx2 or avx512, got '" + c +
+                               "'");
     return std::min(want, best);
   }();
   return isa;
@@ -82,21 +85,27 @@ void check_plan(const TransformPlan& plan) {
 
 const char* kernel_isa() {
   switch (selected_isa()) {
-    case Isa::Avx512: return "avx512";
-    case Isa::Avx2: return "avx2+fma";
-    case Isa::Baseline: break;
+    case Isa::Avx512:
+      return "avx512";
+    case Isa::Avx2:
+      return "avx2+fma";
+    case Isa::Baseline:
+      break;
   }
   return "baseline";
 }
 
 // Calls the selected build's function NAME with the given arguments.
 #if defined(__x86_64__)
-#define RELPOS_DISPATCH(NAME, ...)                                                   \
-  switch (selected_isa()) {                                                         \
-    case Isa::Avx512: return isa_avx512::NAME(__VA_ARGS__);                          \
-    case Isa::Avx2: return isa_avx2::NAME(__VA_ARGS__);                              \
-    case Isa::Baseline: break;                                                      \
-  }                                                                                 \
+#define RELPOS_DISPATCH(NAME, ...)          \
+  switch (selected_isa()) {                 \
+    case Isa::Avx512:                       \
+      return isa_avx512::NAME(__VA_ARGS__); \
+    case Isa::Avx2:                         \
+      return isa_avx2::NAME(__VA_ARGS__);   \
+    case Isa::Baseline:                     \
+      break;                                \
+  }                                         \
   return isa_base::NAME(__VA_ARGS__)
 #else
 #define RELPOS_DISPATCH(NAME, ...) return isa_base::NAME(__VA_ARGS__)
@@ -123,8 +132,8 @@ TrigTable<T> build_trig_table(const TransformPlan& plan, Dims dims, const Positi
 
 template <class T>
 void transform_forward(const TransformPlan& plan, Dims dims, const Positions& pos,
-                       const Params<T>& params, TrigView<T> trig, const T* q, const T* k,
-                       T* q_out, T* k_out) {
+                       const Params<T>& params, TrigView<T> trig, const T* q, const T* k, T* q_out,
+                       T* k_out) {
   check_plan(plan);
   RELPOS_DISPATCH(forward<T>, plan, dims, pos, params, trig, q, k, q_out, k_out);
 }
@@ -138,14 +147,14 @@ void transform_backward(const TransformPlan& plan, Dims dims, const Positions& p
   RELPOS_DISPATCH(backward<T>, plan, dims, pos, params, trig, q, k, gq_out, gk_out, gq, gk, grads);
 }
 
-#define RELPOS_INSTANTIATE(T)                                                                    \
-  template TrigTable<T> build_trig_table<T>(const TransformPlan&, Dims, const Positions&);       \
-  template void fill_trig_table<T>(const TransformPlan&, Dims, const Positions&, T*, T*);        \
-  template void transform_forward<T>(const TransformPlan&, Dims, const Positions&,               \
-                                     const Params<T>&, TrigView<T>, const T*, const T*, T*, T*); \
-  template void transform_backward<T>(const TransformPlan&, Dims, const Positions&,              \
-                                      const Params<T>&, TrigView<T>, const T*, const T*,         \
-                                      const T*, const T*, T*, T*, const ParamGrads<T>&);
+#define RELPOS_INSTANTIATE(T)                                                                      \
+  template TrigTable<T> build_trig_table<T>(const TransformPlan&, Dims, const Positions&);         \
+  template void fill_trig_table<T>(const TransformPlan&, Dims, const Positions&, T*, T*);          \
+  template void transform_forward<T>(const TransformPlan&, Dims, const Positions&,                 \
+                                     const Params<T>&, TrigView<T>, const T*, const T*, T*, T*);   \
+  template void transform_backward<T>(const TransformPlan&, Dims, const Positions&,                \
+                                      const Params<T>&, TrigView<T>, const T*, const T*, const T*, \
+                                      const T*, T*, T*, const ParamGrads<T>&);
 RELPOS_INSTANTIATE(float)
 RELPOS_INSTANTIATE(double)
 #undef RELPOS_INSTANTIATE

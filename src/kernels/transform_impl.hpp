@@ -35,7 +35,6 @@ int covered_pairs(const TransformPlan& plan) {
   return n;
 }
 
-
 // Tokens of one (batch, head) processed together: the per-token, per-block scalars (damping,
 // coefficient series) are computed for a whole tile in loops of kTile * blocks elements, which
 // vectorise well and amortise loop overheads that dominated when done token by token.
@@ -65,14 +64,42 @@ struct Scratch {
   std::vector<int64_t> pw_h;
   explicit Scratch(int blocks)
       : nb(std::max(1, blocks)),
-        ek(kTile * nb), eq(kTile * nb), x(kTile * nb), ck(kMaxOrder * kTile * nb),
-        cq(kMaxOrder * kTile * nb), dl(kTile * nb), de(kTile * nb), dser(kMaxOrder * kTile * nb), part(nb),
-        ekd(kTile * nb), eqd(kTile * nb), pos(kTile), u(kTile), clamped(kTile * nb),
-        ek_last(nb), eq_last(nb), rk(nb), rq(nb), rk_d(nb), rk_bh(nb, -1), f_u(kTile), f_p(kTile),
-        f_eta(nb + 16), f_e0k(nb + 16), f_e0q(nb + 16), f_ones(kTile * (nb + 16), 1.0f),
-        f_pk(kTile * (nb + 16)), f_pq(kTile * (nb + 16)), f_sk(kTile * (nb + 16)), f_sq(kTile * (nb + 16)),
-        f_gm(kTile * (nb + 16)), f_acc(2 * (nb + 16)), pw_k(kTile * (nb + 16)), pw_q(kTile * (nb + 16)),
-        pw_d(nb, std::numeric_limits<double>::quiet_NaN()), pw_h(nb, -1) {}
+        ek(kTile * nb),
+        eq(kTile * nb),
+        x(kTile * nb),
+        ck(kMaxOrder * kTile * nb),
+        cq(kMaxOrder * kTile * nb),
+        dl(kTile * nb),
+        de(kTile * nb),
+        dser(kMaxOrder * kTile * nb),
+        part(nb),
+        ekd(kTile * nb),
+        eqd(kTile * nb),
+        pos(kTile),
+        u(kTile),
+        clamped(kTile * nb),
+        ek_last(nb),
+        eq_last(nb),
+        rk(nb),
+        rq(nb),
+        rk_d(nb),
+        rk_bh(nb, -1),
+        f_u(kTile),
+        f_p(kTile),
+        f_eta(nb + 16),
+        f_e0k(nb + 16),
+        f_e0q(nb + 16),
+        f_ones(kTile * (nb + 16), 1.0f),
+        f_pk(kTile * (nb + 16)),
+        f_pq(kTile * (nb + 16)),
+        f_sk(kTile * (nb + 16)),
+        f_sq(kTile * (nb + 16)),
+        f_gm(kTile * (nb + 16)),
+        f_acc(2 * (nb + 16)),
+        pw_k(kTile * (nb + 16)),
+        pw_q(kTile * (nb + 16)),
+        pw_d(nb, std::numeric_limits<double>::quiet_NaN()),
+        pw_h(nb, -1) {}
 
   // Called once per tile after pos[0..n) is filled: may the damping continue the last tile's?
   void begin_tile(int64_t tile, int64_t tile_bh, int n) {
@@ -80,8 +107,8 @@ struct Scratch {
     even = n > 1;
     d = n > 1 ? pos[1] - pos[0] : 0.0;
     for (int tt = 2; tt < n && even; ++tt) even = pos[tt] - pos[tt - 1] == d;
-    contiguous = even && bh == last_bh && d == last_d && tile == last_tile + 1 && pos[0] - last_p == d && run < kTileRun &&
-                 !force_fresh;
+    contiguous = even && bh == last_bh && d == last_d && tile == last_tile + 1 &&
+                 pos[0] - last_p == d && run < kTileRun && !force_fresh;
     run = contiguous ? run + 1 : 0;
     force_fresh = false;
     last_tile = tile;
@@ -224,8 +251,8 @@ void tile_series(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H,
 // Forward of one segment on one token row for q and k, with the tile's series at token tt.
 // key:   y_r = e_k sum_{c>=r} c_{c-r}  R z_c      query: y_r = e_q sum_{c<=r} ic_{r-c} R z_c
 template <class T, int M, Layout LY>
-void forward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr,
-                     const T* ck, const T* cq, int stride, const T* q, const T* k, T* qo, T* ko) {
+void forward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr, const T* ck,
+                     const T* cq, int stride, const T* q, const T* k, T* qo, T* ko) {
   using A = Addr<LY>;
   const T* cs = cosr + s.first_block;
   const T* sn = sinr + s.first_block;
@@ -358,8 +385,8 @@ void backward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr,
 
 // Parameter gradients of one segment from a tile's dl/de/dser, accumulated in float64.
 template <class T, int M>
-void accumulate_param_grads(const SegmentDesc& s, int64_t h, int NB, int n,
-                            bool key, Scratch<T>& sc, double* acc, const GradSlots& slot) {
+void accumulate_param_grads(const SegmentDesc& s, int64_t h, int NB, int n, bool key,
+                            Scratch<T>& sc, double* acc, const GradSlots& slot) {
   const int nb = s.blocks, stride = n * nb;
   const size_t off = static_cast<size_t>(h) * NB + s.first_block;
   // partial sums over the tile's tokens in T (at most kTile terms), then into float64
@@ -477,7 +504,8 @@ class RowPrefetcher {
 
 struct Avx2Ops {
   using R = __m256;
-  static constexpr int W = 8;  // floats per register = blocks per order-2 group = pairs per rotation step
+  static constexpr int W =
+      8;  // floats per register = blocks per order-2 group = pairs per rotation step
   static R set1(float x) { return _mm256_set1_ps(x); }
   static R zero() { return _mm256_setzero_ps(); }
   static R load(const float* p) { return _mm256_loadu_ps(p); }
@@ -501,18 +529,26 @@ struct Avx2Ops {
   }
   static R load_masked(const float* p, __m256i m) { return _mm256_maskload_ps(p, m); }
   static void store_masked(float* p, __m256i m, R v) { _mm256_maskstore_ps(p, m, v); }
-  static R to_lane_order(R v) { return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)); }
-  static R to_block_order(R v) { return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); }
+  static R to_lane_order(R v) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+  }
+  static R to_block_order(R v) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
   static int lane_slot(int b) {
     constexpr int slot[8] = {0, 4, 1, 5, 2, 6, 3, 7};
     return (b & ~7) | slot[b & 7];
   }
-  static R to_pair_order(R v) { return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7)); }
+  static R to_pair_order(R v) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+  }
   // the in-lane shuffles below are the same instructions at both widths
   static R unpacklo(R a, R b) { return _mm256_unpacklo_ps(a, b); }
   static R unpackhi(R a, R b) { return _mm256_unpackhi_ps(a, b); }
   template <int IMM>
-  static R shuffle(R a, R b) { return _mm256_shuffle_ps(a, b, IMM); }
+  static R shuffle(R a, R b) {
+    return _mm256_shuffle_ps(a, b, IMM);
+  }
 };
 
 #if defined(__AVX512F__)
@@ -545,17 +581,21 @@ struct Avx512Ops {
   // lane l of a transposed register holds blocks l, l + 4, l + 8, l + 12: a 4x4 transpose of
   // the block index, its own inverse
   static R to_lane_order(R v) {
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+    return _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
   }
   static R to_block_order(R v) { return to_lane_order(v); }
   static int lane_slot(int b) { return (b & ~15) | ((b & 3) * 4 + ((b & 15) >> 2)); }
   static R to_pair_order(R v) {
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15), v);
+    return _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15), v);
   }
   static R unpacklo(R a, R b) { return _mm512_unpacklo_ps(a, b); }
   static R unpackhi(R a, R b) { return _mm512_unpackhi_ps(a, b); }
   template <int IMM>
-  static R shuffle(R a, R b) { return _mm512_shuffle_ps(a, b, IMM); }
+  static R shuffle(R a, R b) {
+    return _mm512_shuffle_ps(a, b, IMM);
+  }
 };
 using SimdOps = Avx512Ops;
 #else
@@ -597,7 +637,8 @@ void rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t t
         const float* x = io ? b : a;
         float* y = io ? yb : ya;
         if (!x) continue;
-        const float xr = x[o + 2 * j], xi = x[o + 2 * j + 1], c = cr[j], s = INVERSE ? -sr[j] : sr[j];
+        const float xr = x[o + 2 * j], xi = x[o + 2 * j + 1], c = cr[j],
+                    s = INVERSE ? -sr[j] : sr[j];
         y[o + 2 * j] = xr * c - xi * s;
         y[o + 2 * j + 1] = xr * s + xi * c;
       }
@@ -621,21 +662,29 @@ struct GroupIO {
   using R = typename V::R;
   typename V::Mask m;
   explicit GroupIO(int r) {
-    if constexpr (!FULL) m = V::mask(r);
-    else (void)r;
+    if constexpr (!FULL)
+      m = V::mask(r);
+    else
+      (void)r;
   }
   R load(const float* p, int j) const {
-    if constexpr (FULL) return V::load(p + V::W * j);
-    else return V::load_masked(p + V::W * j, m.vec[j]);
+    if constexpr (FULL)
+      return V::load(p + V::W * j);
+    else
+      return V::load_masked(p + V::W * j, m.vec[j]);
   }
   void store(float* p, int j, R v) const {
-    if constexpr (FULL) V::store(p + V::W * j, v);
-    else V::store_masked(p + V::W * j, m.vec[j], v);
+    if constexpr (FULL)
+      V::store(p + V::W * j, v);
+    else
+      V::store_masked(p + V::W * j, m.vec[j], v);
   }
   // W per-block values stored in block order, returned in lane order
   R blocks(const float* p) const {
-    if constexpr (FULL) return V::to_lane_order(V::load(p));
-    else return V::to_lane_order(V::load_masked(p, m.blocks));
+    if constexpr (FULL)
+      return V::to_lane_order(V::load(p));
+    else
+      return V::to_lane_order(V::load_masked(p, m.blocks));
   }
   Group<V> load_group(const float* x) const {
     const R x0 = load(x, 0), x1 = load(x, 1), x2 = load(x, 2), x3 = load(x, 3);
@@ -698,12 +747,14 @@ inline void forward_group(const Tile& t, int tt, int g, int r, const float* q, c
   if (k) {
     const R e0 = V::load(t.e0k + lb) * V::load(t.pk + tt * t.ld + lb), e1 = e0 * sh;
     const Group<V> z = rotate<V>(io.load_group(k + o), c, s);
-    io.store_group(ko + o, {V::fmadd(e1, z.r1, e0 * z.r0), V::fmadd(e1, z.i1, e0 * z.i0), e0 * z.r1, e0 * z.i1});
+    io.store_group(ko + o, {V::fmadd(e1, z.r1, e0 * z.r0), V::fmadd(e1, z.i1, e0 * z.i0), e0 * z.r1,
+                            e0 * z.i1});
   }
   if (q) {
     const R f0 = V::load(t.e0q + lb) * V::load(t.pq + tt * t.ld + lb), f1 = f0 * sh;
     const Group<V> z = rotate<V>(io.load_group(q + o), c, s);
-    io.store_group(qo + o, {f0 * z.r0, f0 * z.i0, V::fnmadd(f1, z.r0, f0 * z.r1), V::fnmadd(f1, z.i0, f0 * z.i1)});
+    io.store_group(qo + o, {f0 * z.r0, f0 * z.i0, V::fnmadd(f1, z.r0, f0 * z.r1),
+                            V::fnmadd(f1, z.i0, f0 * z.i1)});
   }
 }
 
@@ -723,7 +774,9 @@ inline void backward_group(const Tile& t, int tt, int g, int r, const float* q, 
   if (gko) {
     const R e0 = V::load(t.e0k + lb) * V::load(t.pk + tt * t.ld + lb), e1 = e0 * sh;
     const Group<V> w = rotate_back<V>(io.load_group(gko + o), c, s);
-    if (gk) io.store_group(gk + o, {e0 * w.r0, e0 * w.i0, V::fmadd(e1, w.r0, e0 * w.r1), V::fmadd(e1, w.i0, e0 * w.i1)});
+    if (gk)
+      io.store_group(gk + o, {e0 * w.r0, e0 * w.i0, V::fmadd(e1, w.r0, e0 * w.r1),
+                              V::fmadd(e1, w.i0, e0 * w.i1)});
     if (k && acc) {
       const Group<V> x = io.load_group(k + o);
       const R d1 = dot<V>(w.r0, w.i0, x.r1, x.i1);
@@ -735,7 +788,9 @@ inline void backward_group(const Tile& t, int tt, int g, int r, const float* q, 
   if (gqo) {
     const R f0 = V::load(t.e0q + lb) * V::load(t.pq + tt * t.ld + lb), f1 = f0 * sh;
     const Group<V> w = rotate_back<V>(io.load_group(gqo + o), c, s);
-    if (gq) io.store_group(gq + o, {V::fnmadd(f1, w.r1, f0 * w.r0), V::fnmadd(f1, w.i1, f0 * w.i0), f0 * w.r1, f0 * w.i1});
+    if (gq)
+      io.store_group(gq + o, {V::fnmadd(f1, w.r1, f0 * w.r0), V::fnmadd(f1, w.i1, f0 * w.i0),
+                              f0 * w.r1, f0 * w.i1});
     if (q && acc) {
       const Group<V> x = io.load_group(q + o);
       const R d1 = dot<V>(w.r1, w.i1, x.r0, x.i0);
@@ -771,7 +826,8 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
     } else {
       for (int tt = 0; tt < n; ++tt) u[tt] = s.shear_scale * chart_value(s.chart, -pos[tt], s.L);
     }
-    for (int tt = 0; tt < n; ++tt) fu[tt] = static_cast<float>(u[tt]), fp[tt] = static_cast<float>(pos[tt]);
+    for (int tt = 0; tt < n; ++tt)
+      fu[tt] = static_cast<float>(u[tt]), fp[tt] = static_cast<float>(pos[tt]);
   }
   const int padded = (nb + V::W - 1) / V::W * V::W;
   float* eta = sc.f_eta.data() + fb;
@@ -800,7 +856,8 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
     double* pq = sc.pw_q.data();
     if (sc.pw_h[fb] != h || sc.pw_d[fb] != sc.d) {  // e^{+-gamma d tt}, once per head
       for (int b = 0; b < nb; ++b) {
-        const double gb = static_cast<double>(g[b]), rk = std::exp(gb * sc.d), rq = std::exp(-gb * sc.d);
+        const double gb = static_cast<double>(g[b]), rk = std::exp(gb * sc.d),
+                     rq = std::exp(-gb * sc.d);
         double ak = 1, aq = 1;
         for (int tt = 0; tt < kTile; ++tt, ak *= rk, aq *= rq) {
           pk[tt * ld + fb + b] = ak;
@@ -867,12 +924,15 @@ void backward_tile(const Tile& t, int nb, const float* q, const float* k, const 
                    const float* gko, float* gq, float* gk, float* acc, float* dgamma, float* deta) {
   const int groups = (nb + V::W - 1) / V::W;
   if (acc) std::fill(acc, acc + 2 * V::W * groups, 0.0f);
-  const RowPrefetcher ahead(t.D, t.rows_after, {gqo, gko, acc ? q : nullptr, acc ? k : nullptr}, {gq, gk});
+  const RowPrefetcher ahead(t.D, t.rows_after, {gqo, gko, acc ? q : nullptr, acc ? k : nullptr},
+                            {gq, gk});
   for (int tt = 0; tt < t.n; ++tt) {
     ahead.row(tt);
     int g = 0;
-    for (; V::W * (g + 1) <= nb; ++g) backward_group<V, true>(t, tt, g, V::W, q, k, gqo, gko, gq, gk, acc);
-    if (V::W * g < nb) backward_group<V, false>(t, tt, g, nb - V::W * g, q, k, gqo, gko, gq, gk, acc);
+    for (; V::W * (g + 1) <= nb; ++g)
+      backward_group<V, true>(t, tt, g, V::W, q, k, gqo, gko, gq, gk, acc);
+    if (V::W * g < nb)
+      backward_group<V, false>(t, tt, g, nb - V::W * g, q, k, gqo, gko, gq, gk, acc);
   }
   if (!acc) return;
   for (int g = 0; g < groups; ++g) {
@@ -891,15 +951,32 @@ void backward_tile(const Tile& t, int nb, const float* q, const float* k, const 
 template <class F>
 void dispatch_order(int order, F&& f) {
   switch (order) {
-    case 1: f.template operator()<1>(); break;
-    case 2: f.template operator()<2>(); break;
-    case 3: f.template operator()<3>(); break;
-    case 4: f.template operator()<4>(); break;
-    case 5: f.template operator()<5>(); break;
-    case 6: f.template operator()<6>(); break;
-    case 7: f.template operator()<7>(); break;
-    case 8: f.template operator()<8>(); break;
-    default: throw InputError("kernel supports Jordan orders 1..8, got " + std::to_string(order));
+    case 1:
+      f.template operator()<1>();
+      break;
+    case 2:
+      f.template operator()<2>();
+      break;
+    case 3:
+      f.template operator()<3>();
+      break;
+    case 4:
+      f.template operator()<4>();
+      break;
+    case 5:
+      f.template operator()<5>();
+      break;
+    case 6:
+      f.template operator()<6>();
+      break;
+    case 7:
+      f.template operator()<7>();
+      break;
+    case 8:
+      f.template operator()<8>();
+      break;
+    default:
+      throw InputError("kernel supports Jordan orders 1..8, got " + std::to_string(order));
   }
 }
 
@@ -938,7 +1015,9 @@ TileInfo start_tile(int64_t tile, const Tiling& tiling, Dims dims, const Positio
   return ti;
 }
 
-bool plain_rotation(const SegmentDesc& s) { return s.order == 1 && !s.damped; }
+bool plain_rotation(const SegmentDesc& s) {
+  return s.order == 1 && !s.damped;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Where one segment of one tile lies for the fast paths: tensor offset of its first row and
@@ -961,7 +1040,9 @@ struct FastTile {
     }
   }
   template <class P>
-  P* at(P* p) const { return p ? p + x0 : nullptr; }
+  P* at(P* p) const {
+    return p ? p + x0 : nullptr;
+  }
   void fill(m2::Tile* t) const {
     t->cos = cos;
     t->sin = sin;
@@ -991,7 +1072,7 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
             if (plain_rotation(s)) {
               const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
               rot::rotate_tile<false>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after, ft.at(q),
-                                       ft.at(k), ft.at(q ? qo : nullptr), ft.at(k ? ko : nullptr));
+                                      ft.at(k), ft.at(q ? qo : nullptr), ft.at(k ? ko : nullptr));
               return;
             }
           }
@@ -1001,7 +1082,7 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
               const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
               ft.fill(&t);
               m2::forward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(q ? qo : nullptr),
-                                 ft.at(k ? ko : nullptr));
+                               ft.at(k ? ko : nullptr));
               return;
             }
           }
@@ -1026,7 +1107,6 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
     }
   }
 }
-
 
 template <class T, Layout LY>
 void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
@@ -1057,8 +1137,8 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
             if (plain_rotation(s)) {
               const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
               rot::rotate_tile<true>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after,
-                                      ft.at(gx[0] ? gy[0] : nullptr), ft.at(gx[1] ? gy[1] : nullptr),
-                                      ft.at(gx[0]), ft.at(gx[1]));
+                                     ft.at(gx[0] ? gy[0] : nullptr), ft.at(gx[1] ? gy[1] : nullptr),
+                                     ft.at(gx[0]), ft.at(gx[1]));
               return;
             }
           }
@@ -1070,12 +1150,13 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
               float* dg = sc.part.data();
               float* dk = sc.dl.data();
               m2::backward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(gy[0]), ft.at(gy[1]),
-                                  ft.at(gx[0]), ft.at(gx[1]), a ? sc.f_acc.data() : nullptr, dg, dk);
+                                ft.at(gx[0]), ft.at(gx[1]), a ? sc.f_acc.data() : nullptr, dg, dk);
               if (a) {
                 const size_t off = static_cast<size_t>(h) * NB + s.first_block;
                 for (int blk = 0; blk < s.blocks; ++blk) {
                   if (s.damped) a[slot.gamma(off + blk)] += static_cast<double>(dg[blk]);
-                  if (s.shear == ShearMode::Exponential) a[slot.eta(off + blk)] += static_cast<double>(dk[blk]);
+                  if (s.shear == ShearMode::Exponential)
+                    a[slot.eta(off + blk)] += static_cast<double>(dk[blk]);
                 }
               }
               return;

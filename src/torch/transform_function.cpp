@@ -35,11 +35,10 @@ kernels::TransformPlan decode(const std::vector<double>& v) {
   p.gate_rows = static_cast<int>(v[i++]);
   const auto nseg = static_cast<size_t>(v[i++]);
   for (size_t s = 0; s < nseg; ++s, i += 10)
-    p.segments.push_back({static_cast<int>(v[i]), static_cast<int>(v[i + 1]),
-                          static_cast<int>(v[i + 2]), static_cast<int>(v[i + 3]),
-                          static_cast<Chart>(static_cast<int>(v[i + 4])), v[i + 5], v[i + 6],
-                          v[i + 7], static_cast<ShearMode>(static_cast<int>(v[i + 8])),
-                          v[i + 9] != 0});
+    p.segments.push_back(
+        {static_cast<int>(v[i]), static_cast<int>(v[i + 1]), static_cast<int>(v[i + 2]),
+         static_cast<int>(v[i + 3]), static_cast<Chart>(static_cast<int>(v[i + 4])), v[i + 5],
+         v[i + 6], v[i + 7], static_cast<ShearMode>(static_cast<int>(v[i + 8])), v[i + 9] != 0});
   p.omega.assign(v.begin() + static_cast<std::ptrdiff_t>(i), v.end());
   return p;
 }
@@ -82,12 +81,12 @@ torch::Tensor output_like(const torch::Tensor& t) {
 
 class TransformQK : public torch::autograd::Function<TransformQK> {
  public:
-  static variable_list forward(AutogradContext* ctx, const torch::Tensor& q,
-                               const torch::Tensor& k, const torch::Tensor& gamma,
-                               const torch::Tensor& eta, const torch::Tensor& gates,
-                               const torch::Tensor& alpha0, const torch::Tensor& positions,
-                               const torch::Tensor& cos, const torch::Tensor& sin,
-                               std::vector<double> plan_code, double center) {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& gamma, const torch::Tensor& eta,
+                               const torch::Tensor& gates, const torch::Tensor& alpha0,
+                               const torch::Tensor& positions, const torch::Tensor& cos,
+                               const torch::Tensor& sin, std::vector<double> plan_code,
+                               double center) {
     const auto plan = decode(plan_code);
     const auto g = geometry(q, positions, center);
     auto qo = output_like(q), ko = output_like(k);
@@ -106,9 +105,8 @@ class TransformQK : public torch::autograd::Function<TransformQK> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     const auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &k = saved[1], &gamma = saved[2], &eta = saved[3],
-               &gates = saved[4], &alpha0 = saved[5], &positions = saved[6], &cos = saved[7],
-               &sin = saved[8];
+    const auto &q = saved[0], &k = saved[1], &gamma = saved[2], &eta = saved[3], &gates = saved[4],
+               &alpha0 = saved[5], &positions = saved[6], &cos = saved[7], &sin = saved[8];
     const auto plan = decode(ctx->saved_data["plan"].toDoubleVector());
     const auto g = geometry(q, positions, ctx->saved_data["center"].toDouble());
     const auto gqo = grad_out[0].defined() ? grad_out[0].contiguous() : torch::zeros_like(q);
@@ -130,8 +128,17 @@ class TransformQK : public torch::autograd::Function<TransformQK> {
           {mptr<scalar_t>(ggamma), mptr<scalar_t>(geta), mptr<scalar_t>(ggates),
            mptr<scalar_t>(galpha0)});
     });
-    return {gq,       gk,       ggamma,         geta,           ggates, galpha0,
-            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {gq,
+            gk,
+            ggamma,
+            geta,
+            ggates,
+            galpha0,
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -156,12 +163,12 @@ std::vector<torch::Tensor> trig_table(const kernels::TransformPlan& plan, int64_
 std::vector<torch::Tensor> transform_qk(const kernels::TransformPlan& plan, const torch::Tensor& q,
                                         const torch::Tensor& k, const torch::Tensor& gamma,
                                         const torch::Tensor& eta, const torch::Tensor& gates,
-                                        const torch::Tensor& alpha0,
-                                        const torch::Tensor& positions, double center,
-                                        const std::vector<torch::Tensor>& trig) {
+                                        const torch::Tensor& alpha0, const torch::Tensor& positions,
+                                        double center, const std::vector<torch::Tensor>& trig) {
   const auto pos = positions.to(torch::kDouble).contiguous();
-  const auto table =
-      trig.size() == 2 ? trig : trig_table(plan, q.size(0), q.size(2), pos, center, q.scalar_type());
+  const auto table = trig.size() == 2
+                         ? trig
+                         : trig_table(plan, q.size(0), q.size(2), pos, center, q.scalar_type());
   const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
   const kernels::Positions P{pos.data_ptr<double>(), pos.dim() == 2, center};
   if (table[0].numel() != kernels::trig_table_size(plan, dims, P) ||

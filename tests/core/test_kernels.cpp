@@ -44,7 +44,8 @@ std::vector<double> make_positions(std::mt19937_64& rng, int64_t rows, int64_t T
 
 Problem make_problem(const std::string& spec, int D, int64_t B, int64_t H, int64_t T, Layout layout,
                      bool per_batch, std::mt19937_64& rng) {
-  Problem pr{build_mechanism(spec, D, static_cast<int>(H)), {}, layout, {B, H, T}, {}, per_batch, 0.0};
+  Problem pr{
+      build_mechanism(spec, D, static_cast<int>(H)), {}, layout, {B, H, T}, {}, per_batch, 0.0};
   pr.params = random_params(pr.mech, rng);
   pr.pos = make_positions(rng, per_batch ? B : 1, T);
   pr.center = std::round(test::uniform(rng, 0.0, 20.0)) + 0.5;
@@ -64,8 +65,8 @@ struct RowErrors {
 
 // max over rows of ||kernel - reference|| / ||reference|| for queries and keys.
 template <class T>
-RowErrors compare_with_reference(const Problem& pr, const std::vector<T>& q, const std::vector<T>& k,
-                                 const test::Outputs<T>& out) {
+RowErrors compare_with_reference(const Problem& pr, const std::vector<T>& q,
+                                 const std::vector<T>& k, const test::Outputs<T>& out) {
   const ParamValues pv = sizeof(T) == 4 ? rounded_to_float(pr.params) : pr.params;
   const int D = pr.D();
   RowErrors e;
@@ -98,8 +99,8 @@ void check_forward(const std::string& spec, double tol, uint64_t seed) {
       const int64_t B = Bs[n % 3], H = Hs[(n / 2) % 2], Tn = Ts[(n + seed) % 3];
       ++n;
       SCOPED_TRACE(spec + " " + test::layout_name(layout) + " D=" + std::to_string(D) +
-                   " B=" + std::to_string(B) + " H=" + std::to_string(H) + " T=" +
-                   std::to_string(Tn) + (per_batch ? " per-batch" : " shared"));
+                   " B=" + std::to_string(B) + " H=" + std::to_string(H) +
+                   " T=" + std::to_string(Tn) + (per_batch ? " per-batch" : " shared"));
       const Problem pr = make_problem(spec, D, B, H, Tn, layout, per_batch, rng);
       const auto q = test::cast_vec<T>(test::normal_vec(pr.size(), rng));
       const auto k = test::cast_vec<T>(test::normal_vec(pr.size(), rng));
@@ -143,7 +144,8 @@ TEST(KernelForward, Float32MatchesReferenceMaps) {
 namespace {
 
 // max |table - long double sin/cos of -omega (p - c0)| over a table.
-double trig_table_error(const kernels::TransformPlan& plan, kernels::Dims dims, const kernels::Positions& P) {
+double trig_table_error(const kernels::TransformPlan& plan, kernels::Dims dims,
+                        const kernels::Positions& P) {
   const auto tab = kernels::build_trig_table<double>(plan, dims, P);
   const int64_t NB = plan.total_blocks, rows = P.per_batch ? dims.B : 1;
   EXPECT_EQ(kernels::trig_table_size(plan, dims, P), rows * dims.T * NB);
@@ -152,8 +154,8 @@ double trig_table_error(const kernels::TransformPlan& plan, kernels::Dims dims, 
     for (int64_t t = 0; t < dims.T; ++t)
       for (int64_t b = 0; b < NB; ++b) {
         // omega * (p - c0) in a 64-bit mantissa: off by < 2e-15 rad for |p - c0| < 4e4
-        const long double a = static_cast<long double>(plan.omega[b]) *
-                              static_cast<long double>(P.at(r, t, dims.T));
+        const long double a =
+            static_cast<long double>(plan.omega[b]) * static_cast<long double>(P.at(r, t, dims.T));
         const int64_t i = (r * dims.T + t) * NB + b;
         worst = std::max(worst, std::abs(tab.cos[i] - static_cast<double>(std::cos(a))));
         worst = std::max(worst, std::abs(tab.sin[i] + static_cast<double>(std::sin(a))));
@@ -179,8 +181,10 @@ TEST(KernelForward, TrigTableRotatesByMinusOmegaP) {
         const int64_t B = per_batch ? 3 : 1;
         std::vector<double> pos;
         for (int64_t b = 0; b < B; ++b)
-          for (int64_t t = 0; t < T; ++t) pos.push_back(30000.0 + 7.0 * b + step * static_cast<double>(t));
-        SCOPED_TRACE("T=" + std::to_string(T) + " step=" + std::to_string(step) + (per_batch ? " per-batch" : ""));
+          for (int64_t t = 0; t < T; ++t)
+            pos.push_back(30000.0 + 7.0 * b + step * static_cast<double>(t));
+        SCOPED_TRACE("T=" + std::to_string(T) + " step=" + std::to_string(step) +
+                     (per_batch ? " per-batch" : ""));
         EXPECT_LT(trig_table_error(plan, {B, 2, T}, {pos.data(), per_batch, -200.0}), 5e-14);
         // same positions with one row perturbed (not arithmetic any more)
         pos[pos.size() / 2] += 0.25;
@@ -196,23 +200,28 @@ TEST(KernelForward, TrigTableRotatesByMinusOmegaP) {
 // Long arithmetic windows (the kernel may fill the trig table by recurrences there).
 TEST(KernelForward, ArithmeticPositionWindowsMatchReferenceMaps) {
   std::mt19937_64 rng(22);
-  for (const std::string spec : {"rope", "jordan(m=3, regime=raw)", "damped_rope", "jetmix(m=3, gates=0.1/0.05)",
-                                 "jordan(m=2, regime=scaled, L=64, c=1.5)"})
+  for (const std::string spec :
+       {"rope", "jordan(m=3, regime=raw)", "damped_rope", "jetmix(m=3, gates=0.1/0.05)",
+        "jordan(m=2, regime=scaled, L=64, c=1.5)"})
     for (const bool per_batch : {false, true}) {
       SCOPED_TRACE(spec + (per_batch ? " per-batch" : " shared"));
       const int64_t B = 2, T = per_batch ? 97 : 301;
-      Problem pr = make_problem(spec, test::fitting_head_dims(spec, 1, 1).at(0) * 2, B, 1, T,
-                                per_batch ? Layout::HalfSplit : Layout::Interleaved, per_batch, rng);
+      Problem pr =
+          make_problem(spec, test::fitting_head_dims(spec, 1, 1).at(0) * 2, B, 1, T,
+                       per_batch ? Layout::HalfSplit : Layout::Interleaved, per_batch, rng);
       pr.pos.clear();
       for (int64_t b = 0; b < (per_batch ? B : 1); ++b)
-        for (int64_t t = 0; t < T; ++t) pr.pos.push_back(-30.0 + 3.0 * b + 0.75 * static_cast<double>(t));
+        for (int64_t t = 0; t < T; ++t)
+          pr.pos.push_back(-30.0 + 3.0 * b + 0.75 * static_cast<double>(t));
       pr.center = 12.0;
       const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
-      const auto err = compare_with_reference<double>(pr, q, k, test::run_forward<double>(pr, pr.params, q, k));
+      const auto err =
+          compare_with_reference<double>(pr, q, k, test::run_forward<double>(pr, pr.params, q, k));
       EXPECT_LT(err.q, 1e-12);
       EXPECT_LT(err.k, 1e-12);
       const auto qf = test::cast_vec<float>(q), kf = test::cast_vec<float>(k);
-      const auto errf = compare_with_reference<float>(pr, qf, kf, test::run_forward<float>(pr, pr.params, qf, kf));
+      const auto errf = compare_with_reference<float>(
+          pr, qf, kf, test::run_forward<float>(pr, pr.params, qf, kf));
       EXPECT_LT(errf.q, 1e-5);
       EXPECT_LT(errf.k, 1e-5);
     }
@@ -240,13 +249,13 @@ TEST(KernelForward, RejectsUnsupportedPlans) {
   auto plan = kernels::TransformPlan::from(m, Layout::Interleaved);
   const auto trig = kernels::build_trig_table<double>(plan, {1, 1, 1}, P);
   plan.segments[0].order = 9;  // beyond the kernel's orders 1..8
-  EXPECT_THROW(kernels::transform_forward<double>(plan, {1, 1, 1}, P, tp.view(), trig.view(), x.data(),
-                                                  x.data(), y.data(), y.data()),
+  EXPECT_THROW(kernels::transform_forward<double>(plan, {1, 1, 1}, P, tp.view(), trig.view(),
+                                                  x.data(), x.data(), y.data(), y.data()),
                InputError);
   auto odd = kernels::TransformPlan::from(build_mechanism("nope", 8, 1), Layout::Interleaved);
   odd.head_dim = 7;
-  EXPECT_THROW(kernels::transform_forward<double>(odd, {1, 1, 1}, P, tp.view(), trig.view(), x.data(),
-                                                  nullptr, y.data(), nullptr),
+  EXPECT_THROW(kernels::transform_forward<double>(odd, {1, 1, 1}, P, tp.view(), trig.view(),
+                                                  x.data(), nullptr, y.data(), nullptr),
                InputError);
 }
 
@@ -271,19 +280,21 @@ struct Analytic {
   ParamValues g;  // gradients in the ParamValues layout
 };
 
-Analytic analytic_grads(const Problem& pr, const std::vector<double>& q, const std::vector<double>& k,
-                        const Loss& L, double prefill = 0.0) {
+Analytic analytic_grads(const Problem& pr, const std::vector<double>& q,
+                        const std::vector<double>& k, const Loss& L, double prefill = 0.0) {
   Analytic a;
   a.gq.assign(q.size(), 0.0);
   a.gk.assign(k.size(), 0.0);
   a.g = pr.params;
-  for (auto* v : {&a.g.gamma, &a.g.eta, &a.g.gates, &a.g.alpha0}) std::fill(v->begin(), v->end(), prefill);
+  for (auto* v : {&a.g.gamma, &a.g.eta, &a.g.gates, &a.g.alpha0})
+    std::fill(v->begin(), v->end(), prefill);
   const auto plan = pr.plan();
   const auto P = pr.positions();
   const test::TypedParams<double> tp(pr.params);
   const auto trig = kernels::build_trig_table<double>(plan, pr.dims, P);
   const kernels::ParamGrads<double> G{a.g.gamma.data(), a.g.eta.data(),
-                                      a.g.gates.empty() ? nullptr : a.g.gates.data(), a.g.alpha0.data()};
+                                      a.g.gates.empty() ? nullptr : a.g.gates.data(),
+                                      a.g.alpha0.data()};
   kernels::transform_backward<double>(plan, pr.dims, P, tp.view(), trig.view(), q.data(), k.data(),
                                       L.wq.data(), L.wk.data(), a.gq.data(), a.gk.data(), G);
   return a;
@@ -366,7 +377,8 @@ TEST(KernelBackward, ParameterGradientsAccumulate) {
 
 TEST(KernelBackward, ParameterGradientsWithoutInputGradients) {
   std::mt19937_64 rng(7);
-  const Problem pr = make_problem("jordan(m=3, regime=raw)", 12, 2, 3, 5, Layout::HalfSplit, true, rng);
+  const Problem pr =
+      make_problem("jordan(m=3, regime=raw)", 12, 2, 3, 5, Layout::HalfSplit, true, rng);
   const auto q = test::normal_vec(pr.size(), rng), k = test::normal_vec(pr.size(), rng);
   const Loss L{test::normal_vec(pr.size(), rng), test::normal_vec(pr.size(), rng)};
   const Analytic full = analytic_grads(pr, q, k, L);
@@ -392,7 +404,8 @@ TEST(KernelBackward, ParameterGradientsWithoutInputGradients) {
   const Analytic keys = analytic_grads(pr, q, k, Lk);
   for (size_t i = 0; i < gk_only.size(); ++i)
     EXPECT_NEAR(gk_only[i], keys.g.gamma[i], 1e-12 * (1 + std::abs(gk_only[i]))) << i;
-  for (size_t i = 0; i < gk.size(); ++i) EXPECT_NEAR(gk[i], full.gk[i], 1e-13 * (1 + std::abs(gk[i]))) << i;
+  for (size_t i = 0; i < gk.size(); ++i)
+    EXPECT_NEAR(gk[i], full.gk[i], 1e-13 * (1 + std::abs(gk[i]))) << i;
 }
 
 TEST(KernelBackward, Float32AgreesWithFloat64) {
@@ -421,7 +434,8 @@ TEST(KernelBackward, Float32AgreesWithFloat64) {
     const auto qf = test::cast_vec<float>(q), kf = test::cast_vec<float>(k);
     const auto wqf = test::cast_vec<float>(L.wq), wkf = test::cast_vec<float>(L.wk);
     std::vector<double> qd(qf.begin(), qf.end()), kd(kf.begin(), kf.end());
-    const Loss Ld{std::vector<double>(wqf.begin(), wqf.end()), std::vector<double>(wkf.begin(), wkf.end())};
+    const Loss Ld{std::vector<double>(wqf.begin(), wqf.end()),
+                  std::vector<double>(wkf.begin(), wkf.end())};
     const Analytic ref = analytic_grads(prf, qd, kd, Ld);
     const auto plan = prf.plan();
     const auto P = prf.positions();
@@ -429,13 +443,15 @@ TEST(KernelBackward, Float32AgreesWithFloat64) {
     const auto trig = kernels::build_trig_table<float>(plan, prf.dims, P);
     std::vector<float> gq(qf.size(), 0.f), gk(kf.size(), 0.f), gg(pf.gamma.size(), 0.f),
         ge(pf.eta.size(), 0.f), ga(pf.alpha0.size(), 0.f), gt(pf.gates.size(), 0.f);
-    kernels::transform_backward<float>(plan, prf.dims, P, tp.view(), trig.view(), qf.data(), kf.data(),
-                                       wqf.data(), wkf.data(), gq.data(), gk.data(),
-                                       {gg.data(), ge.data(), gt.empty() ? nullptr : gt.data(), ga.data()});
-    const auto close = [](const std::vector<float>& f, const std::vector<double>& d, const char* what) {
+    kernels::transform_backward<float>(
+        plan, prf.dims, P, tp.view(), trig.view(), qf.data(), kf.data(), wqf.data(), wkf.data(),
+        gq.data(), gk.data(), {gg.data(), ge.data(), gt.empty() ? nullptr : gt.data(), ga.data()});
+    const auto close = [](const std::vector<float>& f, const std::vector<double>& d,
+                          const char* what) {
       double scale = 0;  // largest entry of the float64 gradient
       for (double v : d) scale = std::max(scale, std::abs(v));
-      for (size_t i = 0; i < d.size(); ++i) EXPECT_NEAR(f[i], d[i], 1e-5 * scale + 1e-9) << what << "[" << i << "]";
+      for (size_t i = 0; i < d.size(); ++i)
+        EXPECT_NEAR(f[i], d[i], 1e-5 * scale + 1e-9) << what << "[" << i << "]";
     };
     close(gq, ref.gq, "gq");
     close(gk, ref.gk, "gk");
@@ -452,10 +468,9 @@ TEST(KernelFastPaths, Float32MatchesFloat64AcrossShapesAndPositions) {
   // positions, exact per-token values otherwise, a clamp that binds in some tiles). Head dims
   // give full and partial groups; T = 150 gives full and partial 64-token tiles.
   std::mt19937_64 rng(31);
-  const std::vector<std::string> specs = {"rope", "jordan(m=2, regime=raw)",
-                                          "jordan(m=2, regime=scaled, L=64, eta0=0.5, eta_max=1)",
-                                          "jordan(m=2, regime=stabilized, L=64)",
-                                          "jordan(m=2, regime=raw, max_exp=2)"};
+  const std::vector<std::string> specs = {
+      "rope", "jordan(m=2, regime=raw)", "jordan(m=2, regime=scaled, L=64, eta0=0.5, eta_max=1)",
+      "jordan(m=2, regime=stabilized, L=64)", "jordan(m=2, regime=raw, max_exp=2)"};
   for (const auto& spec : specs)
     for (const int D : {64, 44, 12})
       for (const bool even : {true, false})
@@ -467,7 +482,8 @@ TEST(KernelFastPaths, Float32MatchesFloat64AcrossShapesAndPositions) {
           if (even) {
             pr.pos.clear();
             for (int64_t b = 0; b < (per_batch ? B : 1); ++b)
-              for (int64_t t = 0; t < T; ++t) pr.pos.push_back(-40.0 + 7.0 * b + 1.0 * static_cast<double>(t));
+              for (int64_t t = 0; t < T; ++t)
+                pr.pos.push_back(-40.0 + 7.0 * b + 1.0 * static_cast<double>(t));
           }
           // damping strong enough to matter over the window (|gamma p| up to ~3.5), so that
           // max_exp=2 binds at the window's ends and not near its centre
@@ -494,7 +510,8 @@ TEST(KernelFastPaths, Float32MatchesFloat64AcrossShapesAndPositions) {
 
           const auto wqf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
           const auto wkf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
-          const Loss Ld{std::vector<double>(wqf.begin(), wqf.end()), std::vector<double>(wkf.begin(), wkf.end())};
+          const Loss Ld{std::vector<double>(wqf.begin(), wqf.end()),
+                        std::vector<double>(wkf.begin(), wkf.end())};
           const Analytic ref = analytic_grads(pr, qd, kd, Ld);
           const auto plan = pr.plan();
           const auto P = pr.positions();
@@ -502,10 +519,11 @@ TEST(KernelFastPaths, Float32MatchesFloat64AcrossShapesAndPositions) {
           const auto trig = kernels::build_trig_table<float>(plan, pr.dims, P);
           std::vector<float> gq(qf.size()), gk(kf.size()), gg(pr.params.gamma.size(), 0.f),
               ge(pr.params.eta.size(), 0.f);
-          kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), qf.data(), kf.data(),
-                                             wqf.data(), wkf.data(), gq.data(), gk.data(),
-                                             {gg.data(), ge.data(), nullptr, nullptr});
-          const auto close = [](const std::vector<float>& f, const std::vector<double>& d, const char* what) {
+          kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), qf.data(),
+                                             kf.data(), wqf.data(), wkf.data(), gq.data(),
+                                             gk.data(), {gg.data(), ge.data(), nullptr, nullptr});
+          const auto close = [](const std::vector<float>& f, const std::vector<double>& d,
+                                const char* what) {
             double scale = 0;
             for (double v : d) scale = std::max(scale, std::abs(v));
             for (size_t i = 0; i < d.size(); ++i)
@@ -517,13 +535,14 @@ TEST(KernelFastPaths, Float32MatchesFloat64AcrossShapesAndPositions) {
           close(ge, ref.g.eta, "eta");
           // in place, and q-only / k-only calls, give the same bits as the two-tensor call
           std::vector<float> qi = qf, ki = kf;
-          kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(), qi.data(), ki.data(),
-                                            qi.data(), ki.data());
+          kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(), qi.data(),
+                                            ki.data(), qi.data(), ki.data());
           EXPECT_EQ(qi, out.q);
           EXPECT_EQ(ki, out.k);
           std::vector<float> gk_only(kf.size());
-          kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), nullptr, kf.data(),
-                                             nullptr, wkf.data(), nullptr, gk_only.data(), {});
+          kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), nullptr,
+                                             kf.data(), nullptr, wkf.data(), nullptr,
+                                             gk_only.data(), {});
           EXPECT_EQ(gk_only, gk);
         }
 }
@@ -533,8 +552,13 @@ TEST(KernelFastPaths, Float32MatchesFloat64AcrossShapesAndPositions) {
 
 TEST(KernelClamp, ForwardSaturatesAndGammaGradientVanishes) {
   // one order-2 block (D = 4), gamma 0.1, max_exp 5: |gamma p| = 6..10 > 5 at every position
-  Problem pr{build_mechanism("jordan(m=2, regime=raw, max_exp=5)", 4, 1), {}, Layout::Interleaved,
-             {1, 1, 4}, {-100.0, -60.0, 60.0, 100.0}, false, 0.0};
+  Problem pr{build_mechanism("jordan(m=2, regime=raw, max_exp=5)", 4, 1),
+             {},
+             Layout::Interleaved,
+             {1, 1, 4},
+             {-100.0, -60.0, 60.0, 100.0},
+             false,
+             0.0};
   pr.params = default_params(pr.mech);
   pr.params.gamma = {0.1};
   pr.params.eta = {0.05};
@@ -548,8 +572,10 @@ TEST(KernelClamp, ForwardSaturatesAndGammaGradientVanishes) {
     const double key_scale = std::exp(p > 0 ? 5.0 : -5.0), query_scale = 1.0 / key_scale;
     const Eigen::Map<const Eigen::Vector4d> qx(q.data() + 4 * t), kx(k.data() + 4 * t);
     const Eigen::Map<const Eigen::Vector4d> qy(out.q.data() + 4 * t), ky(out.k.data() + 4 * t);
-    const Eigen::Vector4d kw = key_scale * reference::key_map(pr.mech, undamped, 0, p, pr.layout) * kx;
-    const Eigen::Vector4d qw = query_scale * reference::query_map(pr.mech, undamped, 0, p, pr.layout) * qx;
+    const Eigen::Vector4d kw =
+        key_scale * reference::key_map(pr.mech, undamped, 0, p, pr.layout) * kx;
+    const Eigen::Vector4d qw =
+        query_scale * reference::query_map(pr.mech, undamped, 0, p, pr.layout) * qx;
     EXPECT_LT((ky - kw).norm(), 1e-13 * kw.norm()) << "p " << p;
     EXPECT_LT((qy - qw).norm(), 1e-13 * qw.norm()) << "p " << p;
     // the unclamped map is really different here
@@ -560,13 +586,19 @@ TEST(KernelClamp, ForwardSaturatesAndGammaGradientVanishes) {
   const Analytic a = analytic_grads(pr, q, k, L);
   EXPECT_EQ(a.g.gamma[0], 0.0);
   EXPECT_NE(a.g.eta[0], 0.0);
-  EXPECT_NEAR(a.g.eta[0], fd_param(pr, L, q, k, &ParamValues::eta, 0, 1e-6), 1e-6 * (1 + std::abs(a.g.eta[0])));
+  EXPECT_NEAR(a.g.eta[0], fd_param(pr, L, q, k, &ParamValues::eta, 0, 1e-6),
+              1e-6 * (1 + std::abs(a.g.eta[0])));
   EXPECT_NEAR(fd_param(pr, L, q, k, &ParamValues::gamma, 0, 1e-6), 0.0, 1e-6);
 }
 
 TEST(KernelClamp, MixedWindowGammaGradientCountsOnlyUnclampedPositions) {
-  Problem pr{build_mechanism("jordan(m=3, regime=raw, max_exp=5)", 12, 2), {}, Layout::HalfSplit,
-             {2, 2, 6}, {-90.0, -20.0, -3.5, 0.0, 12.0, 75.0}, false, 0.0};
+  Problem pr{build_mechanism("jordan(m=3, regime=raw, max_exp=5)", 12, 2),
+             {},
+             Layout::HalfSplit,
+             {2, 2, 6},
+             {-90.0, -20.0, -3.5, 0.0, 12.0, 75.0},
+             false,
+             0.0};
   std::mt19937_64 rng(9);
   pr.params = random_params(pr.mech, rng);
   for (auto& g : pr.params.gamma) g = test::uniform(rng, 0.08, 0.12);  // binds at |p| = 75, 90 only
@@ -585,8 +617,13 @@ TEST(KernelClamp, LongWindowsEnterAndLeaveTheClamp) {
   for (const bool arithmetic : {true, false}) {
     SCOPED_TRACE(arithmetic ? "arithmetic positions" : "irregular positions");
     const int64_t B = 2, H = 3, T = 151;
-    Problem pr{build_mechanism("jordan(m=2, regime=raw, max_exp=5)", 4, H), {}, Layout::Interleaved,
-               {B, H, T}, {}, false, 0.0};
+    Problem pr{build_mechanism("jordan(m=2, regime=raw, max_exp=5)", 4, H),
+               {},
+               Layout::Interleaved,
+               {B, H, T},
+               {},
+               false,
+               0.0};
     for (int64_t t = 0; t < T; ++t)
       pr.pos.push_back(-75.0 + static_cast<double>(t) + (!arithmetic && t % 7 == 3 ? 0.25 : 0.0));
     pr.params = default_params(pr.mech);
@@ -605,13 +642,16 @@ TEST(KernelClamp, LongWindowsEnterAndLeaveTheClamp) {
       const double a = pr.params.gamma[h] * p, ac = std::clamp(a, -5.0, 5.0);
       clamped += a != ac;
       const Eigen::Map<const Eigen::Vector4d> qx(q.data() + 4 * row), kx(k.data() + 4 * row);
-      const Eigen::Map<const Eigen::Vector4d> qy(out.q.data() + 4 * row), ky(out.k.data() + 4 * row);
-      const Eigen::Vector4d kw = std::exp(ac) * reference::key_map(pr.mech, undamped, h, p, pr.layout) * kx;
-      const Eigen::Vector4d qw = std::exp(-ac) * reference::query_map(pr.mech, undamped, h, p, pr.layout) * qx;
+      const Eigen::Map<const Eigen::Vector4d> qy(out.q.data() + 4 * row),
+          ky(out.k.data() + 4 * row);
+      const Eigen::Vector4d kw =
+          std::exp(ac) * reference::key_map(pr.mech, undamped, h, p, pr.layout) * kx;
+      const Eigen::Vector4d qw =
+          std::exp(-ac) * reference::query_map(pr.mech, undamped, h, p, pr.layout) * qx;
       worst = std::max({worst, (ky - kw).norm() / kw.norm(), (qy - qw).norm() / qw.norm()});
     }
-    EXPECT_GT(clamped, 100);                  // the clamp really binds on many rows ...
-    EXPECT_LT(clamped, pr.rows() - 100);      // ... and not on many others
+    EXPECT_GT(clamped, 100);              // the clamp really binds on many rows ...
+    EXPECT_LT(clamped, pr.rows() - 100);  // ... and not on many others
     EXPECT_LT(worst, 1e-12);
   }
 }
