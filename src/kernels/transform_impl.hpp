@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -948,36 +949,15 @@ void backward_tile(const Tile& t, int nb, const float* q, const float* k, const 
 #endif
 
 // Calls f.template operator()<M>() with the segment's order as a compile-time constant.
+template <class F, int... M>
+void dispatch_order_in(int order, F&& f, std::integer_sequence<int, M...>) {
+  const bool called = ((order == M && (f.template operator()<M>(), true)) || ...);
+  if (!called) throw InputError("kernel supports Jordan orders 1..8, got " + std::to_string(order));
+}
 template <class F>
 void dispatch_order(int order, F&& f) {
-  switch (order) {
-    case 1:
-      f.template operator()<1>();
-      break;
-    case 2:
-      f.template operator()<2>();
-      break;
-    case 3:
-      f.template operator()<3>();
-      break;
-    case 4:
-      f.template operator()<4>();
-      break;
-    case 5:
-      f.template operator()<5>();
-      break;
-    case 6:
-      f.template operator()<6>();
-      break;
-    case 7:
-      f.template operator()<7>();
-      break;
-    case 8:
-      f.template operator()<8>();
-      break;
-    default:
-      throw InputError("kernel supports Jordan orders 1..8, got " + std::to_string(order));
-  }
+  static_assert(kMaxOrder == 8);
+  dispatch_order_in(order, f, std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7, 8>{});
 }
 
 // Identity on the complex coordinates no segment covers.
