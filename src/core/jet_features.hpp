@@ -8,17 +8,21 @@
 // the probe dictionaries (src/probes) are built from it, and mechanism lag features can be too.
 #pragma once
 
+#include <limits>
+
 #include "core/types.hpp"
 
 namespace relpos {
 
 struct JetChart {
-  Chart chart = Chart::Raw;         // sigma: Raw (exact / scaled), Bounded (stabilized), LightconeBeta
-  double L = 1024.0;                // chart scale
-  double shear_scale = 1.0;         // s (1/L gives the normalised coordinate d/L or tau(d)/L)
-  double gamma = 0.0;               // damping e^{-gamma d}
-  Chart phase_chart = Chart::Raw;   // Raw: angle omega d; LightconePhi: angle omega L asinh(d/L)
-  bool factorial = true;            // u^r / r! (jet) or u^r (monomial)
+  Chart chart = Chart::Raw;  // sigma: Raw (exact / scaled), Bounded (stabilized), LightconeBeta
+  double L = 1024.0;         // chart scale
+  double shear_scale = 1.0;  // s (1/L gives the normalised coordinate d/L or tau(d)/L)
+  double gamma = 0.0;        // damping e^{-gamma d}
+  Chart phase_chart = Chart::Raw;  // Raw: angle omega d; LightconePhi: angle omega L asinh(d/L)
+  bool factorial = true;           // u^r / r! (jet) or u^r (monomial)
+  // |gamma d| is clamped here before exp, as the kernels clamp |gamma p| (none by default)
+  double max_exponent = std::numeric_limits<double>::infinity();
 };
 
 struct JetValue {

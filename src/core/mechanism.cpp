@@ -52,6 +52,11 @@ double Mechanism::resolve_center(double pmin, double pmax) const {
   return 0.0;
 }
 
+double Mechanism::window_center(double pmin, double pmax) const {
+  if (center_auto && center == CenterMode::Fixed) return std::floor(0.5 * (pmin + pmax));
+  return resolve_center(pmin, pmax);
+}
+
 ParamValues default_params(const Mechanism& m) {
   ParamValues p;
   p.heads = m.heads;
@@ -130,6 +135,18 @@ void inverse_series(int order, const double* c, double* ic) {
   }
 }
 
+double clamp_ratio(const Mechanism& m, const ParamValues& p, double t, int head) {
+  double r = 0;
+  for (const auto& s : m.segments) {
+    if (!s.damped) continue;
+    for (int h = head < 0 ? 0 : head; h < (head < 0 ? p.heads : head + 1); ++h)
+      for (int b = 0; b < s.blocks; ++b)
+        r = std::max(r, std::abs(p.gamma[static_cast<size_t>(h) * p.blocks + s.first_block + b]) *
+                            std::abs(t) / s.max_exponent);
+  }
+  return r;
+}
+
 std::vector<LagFeature> lag_features(const Mechanism& m, const ParamValues& p, int head, double d) {
   std::vector<LagFeature> out;
   const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
@@ -137,7 +154,8 @@ std::vector<LagFeature> lag_features(const Mechanism& m, const ParamValues& p, i
     const auto& s = m.segments[si];
     for (int b = 0; b < s.blocks; ++b) {
       const size_t i = static_cast<size_t>(head) * p.blocks + s.first_block + b;
-      const JetChart chart{s.chart, s.L, s.shear_scale, p.gamma[i], Chart::Raw, true};
+      const JetChart chart{s.chart,    s.L,  s.shear_scale, p.gamma[i],
+                           Chart::Raw, true, s.max_exponent};
       for (int r = 0; r < s.order; ++r) {
         // coefficient of the unit jet J_r in U(d): eta^r (exponential shear) or g_r / alpha_0
         double coef = 1.0;

@@ -1,8 +1,9 @@
-// A mechanism as plain data: which Jordan-block segments act on which complex coordinates of a head,
-// which additive biases are added to the logits, and how parameters are initialised. Built from a
-// spec string by the registry (core/registry.hpp); consumed by kernels, diagnostics and the torch
-// modules. Every transform in the first three papers' baselines (RoPE, damped RoPE, Jordan blocks
-// of any order, real unipotent blocks, jet gates and spectra, direct sums) is a list of segments.
+// A mechanism as plain data: which Jordan-block segments act on which complex coordinates of a
+// head, which additive biases are added to the logits, and how parameters are initialised. Built
+// from a spec string by the registry (core/registry.hpp); consumed by kernels, diagnostics and the
+// torch modules. Every transform in the first three papers' baselines (RoPE, damped RoPE, Jordan
+// blocks of any order, real unipotent blocks, jet gates and spectra, direct sums) is a list of
+// segments.
 #pragma once
 
 #include <optional>
@@ -15,15 +16,17 @@
 namespace relpos {
 
 // How the factorization centre c0 is chosen: scores use A(i-c0)^{-1} A(j-c0) (Jordan-RoPE App. A).
+// The centre must be the same for every call whose keys and queries are scored together (a
+// prefill and its decode steps): only None and Fixed guarantee that.
 enum class CenterMode {
   None,   // c0 = 0: the reference repository's convention
-  Mid,    // c0 = middle of the position window of each call
-  Fixed,  // c0 = a given value (streaming decode needs a fixed centre)
+  Mid,    // c0 = middle of the position window of each call (one-shot use only)
+  Fixed,  // c0 = a given value; center=auto gives floor(L/2) for exact damped maps
 };
 
 // One family of order-m Jordan blocks over `blocks` consecutive groups of m complex coordinates.
-// Block b (global index first_block + b) has frequency omega[b]; its parameters gamma, eta (or gates
-// and alpha0) are per head and per block. Relative operator of one block (complex form):
+// Block b (global index first_block + b) has frequency omega[b]; its parameters gamma, eta (or
+// gates and alpha0) are per head and per block. Relative operator of one block (complex form):
 //   G(d) = e^{(-gamma + i omega) d} * U(d),  U(d) = sum_r c_r(s sigma(d)) N^r,
 // keys get G(-p), queries get G(-p)^{-T} (Jordan-RoPE Proposition 1).
 struct JordanSegment {
@@ -36,7 +39,7 @@ struct JordanSegment {
   double L = 1024.0;         // chart scale
   double shear_scale = 1.0;  // s: 1 for raw / stabilized, 1/L for scaled-exact and jet gates
   ShearMode shear = ShearMode::None;
-  bool damped = false;        // gamma present (false: gamma == 0)
+  bool damped = false;         // gamma present (false: gamma == 0)
   double max_exponent = 30.0;  // |gamma p| clamp before exp (reference: 30)
 
   // Parameterisation (used by the torch modules and by verify's random draws).
@@ -70,6 +73,7 @@ struct Mechanism {
   std::optional<AlibiBias> alibi;
   CenterMode center = CenterMode::None;
   double center_value = 0.0;
+  bool center_auto = false;  // the spec left center=auto
 
   int total_blocks() const;
   int gate_rows() const;  // max order - 1 over gate segments (rows of the gates array)
@@ -79,6 +83,10 @@ struct Mechanism {
   std::string exactness() const;
   // Centre for a call whose positions span [pmin, pmax].
   double resolve_center(double pmin, double pmax) const;
+  // Centre for a diagnostic that scores one window [pmin, pmax] on its own (verify): the window's
+  // middle when the spec left center=auto on an exact map (one window is consistent with itself,
+  // and the middle keeps |gamma (p - c0)| smallest), else resolve_center.
+  double window_center(double pmin, double pmax) const;
 };
 
 // Concrete parameter values of one layer, float64. Layout shared with kernels and torch modules:
@@ -95,17 +103,23 @@ ParamValues random_params(const Mechanism& m, std::mt19937_64& rng);
 
 // Nilpotent coefficient series of a block at chart argument u = s * sigma(t):
 // c_0..c_{m-1} (key, primal) and the power-series inverse ic_0..ic_{m-1} (query, contragredient).
-void shear_coefficients(ShearMode mode, int order, double eta, const double* gates, size_t gate_stride,
-                        double alpha0, double u, double* c);
+void shear_coefficients(ShearMode mode, int order, double eta, const double* gates,
+                        size_t gate_stride, double alpha0, double u, double* c);
 void inverse_series(int order, const double* c, double* ic);
 
 // Primitive lag feature of one block and jet order r at lag d (both real components):
 //   e^{-gamma d} * coef_r(d) * (cos omega d, sin omega d), coef_r the U(d) coefficient of N^r.
-// With eta = 1 (exponential mode) this is the paper's basis (s sigma(d))^r / r! e^{-gamma d} e^{i w d}.
+// With eta = 1 (exponential mode) this is the paper's basis (s sigma(d))^r / r! e^{-gamma d} e^{i w
+// d}.
 struct LagFeature {
   std::string name;
   double value;
 };
+// Features at lag d with |gamma d| clamped at each segment's max_exp, as the kernels clamp.
 std::vector<LagFeature> lag_features(const Mechanism& m, const ParamValues& p, int head, double d);
+
+// max over damped segments (and heads, or one head when head >= 0) of |gamma| * t / max_exp:
+// above 1 the exponent clamp binds at distance t from the centre.
+double clamp_ratio(const Mechanism& m, const ParamValues& p, double t, int head = -1);
 
 }  // namespace relpos

@@ -8,31 +8,63 @@
 #include <set>
 
 #include "core/charts.hpp"
+#include "core/parse.hpp"
 #include "core/spec.hpp"
 
 namespace relpos {
 
 namespace {
 
+// Allowed ranges of the numeric options, by key (the same key means the same quantity in every
+// mechanism). Bounds keep every accepted value representable: e^{max_exp} in float64, positions
+// and centres exactly representable, frequency bases that give decreasing frequencies.
+struct KeyRange {
+  const char* key;
+  double min, max;
+};
+constexpr KeyRange kRanges[] = {
+    {"theta", 1.0, 1e12},
+    {"L", 1e-3, 1e12},
+    {"c", 0.0, 1e3},
+    {"gamma0", 0.0, 100.0},
+    {"gamma_min", 0.0, 100.0},
+    {"max_exp", 1e-3, 709.0},
+    {"eta0", -1e3, 1e3},
+    {"eta_max", 1e-12, 1e3},
+    {"gate_max", 1e-12, 1e3},
+    {"center", -1e15, 1e15},
+    {"m", 1, 8},
+};
+
+std::vector<OptionInfo> with_ranges(std::vector<OptionInfo> opts) {
+  for (auto& o : opts)
+    for (const auto& r : kRanges)
+      if (o.key == r.key) {
+        o.min = r.min;
+        o.max = r.max;
+      }
+  return opts;
+}
+
 // Resolved options of one term, with typed getters whose errors name the term and key.
 class Args {
  public:
-  Args(std::string term, std::map<std::string, std::string> v) : term_(std::move(term)), v_(v) {}
+  Args(std::string term, std::map<std::string, std::string> v, const std::vector<OptionInfo>& info)
+      : term_(std::move(term)), v_(std::move(v)), info_(info) {}
   bool has(const std::string& k) const { return v_.count(k) > 0; }
   const std::string& str(const std::string& k) const { return at(k); }
   bool is_auto(const std::string& k) const { return at(k) == "auto"; }
   double num(const std::string& k) const {
     const std::string& s = at(k);
-    size_t used = 0;
-    double x = 0;
-    try {
-      x = std::stod(s, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != s.size() || !std::isfinite(x))
-      throw InputError(fmt::format("{}: option {}='{}' is not a finite number", term_, k, s));
-    return x;
+    const auto x = parse_finite_double(s);
+    if (!x)
+      throw InputError(
+          fmt::format("{}: option {}='{}' is not a finite number", term_, k, brief(s)));
+    for (const auto& o : info_)
+      if (o.key == k && o.has_range() && !(*x >= o.min && *x <= o.max))
+        throw InputError(fmt::format("{}: option {}={} is outside its range [{:g}, {:g}]", term_, k,
+                                     brief(s), o.min, o.max));
+    return *x;
   }
   double positive(const std::string& k) const {
     const double x = num(k);
@@ -45,44 +77,43 @@ class Args {
     return x;
   }
   int integer(const std::string& k, int lo, int hi) const {
-    const double x = num(k);
-    if (x != std::floor(x) || x < lo || x > hi)
-      throw InputError(
-          fmt::format("{}: option {} must be an integer in [{}, {}], got {}", term_, k, lo, hi, x));
-    return static_cast<int>(x);
+    const std::string& s = at(k);
+    const auto x = parse_finite_double(s);
+    if (!x || *x != std::floor(*x) || *x < lo || *x > hi)
+      throw InputError(fmt::format("{}: option {} must be an integer in [{}, {}], got '{}'", term_,
+                                   k, lo, hi, brief(s)));
+    return static_cast<int>(*x);
   }
   bool flag(const std::string& k) const {
     const std::string& s = at(k);
     if (s == "true" || s == "1" || s == "yes") return true;
     if (s == "false" || s == "0" || s == "no") return false;
-    throw InputError(fmt::format("{}: option {} must be true or false, got '{}'", term_, k, s));
+    throw InputError(
+        fmt::format("{}: option {} must be true or false, got '{}'", term_, k, brief(s)));
   }
   std::string choice(const std::string& k, const std::vector<std::string>& allowed) const {
     const std::string& s = at(k);
     for (const auto& a : allowed)
       if (s == a) return s;
-    throw InputError(fmt::format("{}: option {}='{}' is not one of: {}", term_, k, s,
+    throw InputError(fmt::format("{}: option {}='{}' is not one of: {}", term_, k, brief(s),
                                  fmt::join(allowed, ", ")));
   }
-  std::vector<double> list(const std::string& k) const {
+  // Numbers separated by '/', each finite and inside [-bound, bound].
+  std::vector<double> list(const std::string& k, double bound = 1e3) const {
     std::vector<double> out;
     const std::string& s = at(k);
     size_t a = 0;
     while (a <= s.size()) {
       auto b = s.find('/', a);
       if (b == std::string::npos) b = s.size();
-      const std::string item = s.substr(a, b - a);
-      size_t used = 0;
-      double x = 0;
-      try {
-        x = std::stod(item, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (item.empty() || used != item.size() || !std::isfinite(x))
-        throw InputError(fmt::format("{}: option {}='{}' must be numbers separated by '/'", term_,
-                                     k, s));
-      out.push_back(x);
+      const auto x = parse_finite_double(std::string_view(s).substr(a, b - a));
+      if (!x || std::abs(*x) > bound)
+        throw InputError(
+            fmt::format("{}: option {}='{}' must be numbers in [-{:g}, {:g}] separated by '/'",
+                        term_, k, brief(s), bound, bound));
+      out.push_back(*x);
+      if (out.size() > 64)
+        throw InputError(fmt::format("{}: option {} has more than 64 values", term_, k));
       a = b + 1;
     }
     return out;
@@ -97,6 +128,7 @@ class Args {
   }
   std::string term_;
   std::map<std::string, std::string> v_;
+  const std::vector<OptionInfo>& info_;
 };
 
 struct Builder {
@@ -119,14 +151,23 @@ struct TermDef {
 
 void require_divisible(const Args& a, int head_dim, int by, const std::string& why) {
   if (head_dim <= 0 || head_dim % by != 0)
-    throw InputError(fmt::format("{}: head dim {} is not divisible by {} ({})", a.term(), head_dim,
-                                 by, why));
+    throw InputError(
+        fmt::format("{}: head dim {} is not divisible by {} ({})", a.term(), head_dim, by, why));
 }
 
+// center=auto: exact damped maps get a fixed centre in the middle of the training context [0, L]
+// (keys and queries of every call share it, so prefill and decode calls compose); approximate
+// maps keep the reference convention c0 = 0, where the centre changes the scores.
 void set_center(const Args& a, Mechanism& m, bool exact) {
   const std::string c = a.str("center");
   if (c == "auto") {
-    m.center = exact ? CenterMode::Mid : CenterMode::None;
+    m.center_auto = true;
+    if (exact) {
+      m.center = CenterMode::Fixed;
+      m.center_value = std::floor(0.5 * a.positive("L"));
+    } else {
+      m.center = CenterMode::None;
+    }
   } else if (c == "none") {
     m.center = CenterMode::None;
   } else if (c == "mid") {
@@ -151,7 +192,8 @@ std::vector<OptionInfo> jordan_common_options(const std::string& regime_default)
       {"zero_gamma", "false", "force gamma = 0 (no damping)"},
       {"max_exp", "30", "clamp |gamma p| before exp (reference: 30); verify reports when it binds"},
       {"center", "auto",
-       "factorization centre c0: auto (mid for exact, none otherwise), none, mid, or a number"},
+       "factorization centre c0: auto (floor(L/2) for exact maps, none otherwise), none, mid (per "
+       "call: keys and queries of different calls do not compose), or a number"},
   };
 }
 
@@ -173,8 +215,8 @@ JordanSegment jordan_base(const Args& a, int order, bool scaled_damping = false)
   s.gamma_min = a.is_auto("gamma_min") ? (per_L ? 0.0 : 1e-4) : a.nonneg("gamma_min");
   s.gamma_init = a.is_auto("gamma0") ? (per_L ? c / s.L : 1e-4) : a.nonneg("gamma0");
   if (s.gamma_init < s.gamma_min)
-    throw InputError(fmt::format("{}: gamma0 {} is below gamma_min {}", a.term(), s.gamma_init,
-                                 s.gamma_min));
+    throw InputError(
+        fmt::format("{}: gamma0 {} is below gamma_min {}", a.term(), s.gamma_init, s.gamma_min));
   // verify's random range; kept so that |gamma p| < 30 over centred windows of 32768
   s.gamma_random_max = per_L ? std::max(1.5, c) / s.L : std::max(5e-4, s.gamma_init);
   s.max_exponent = a.positive("max_exp");
@@ -184,27 +226,34 @@ JordanSegment jordan_base(const Args& a, int order, bool scaled_damping = false)
 const std::vector<TermDef>& term_defs() {
   static const std::vector<TermDef> defs = [] {
     std::vector<TermDef> d;
-    d.push_back({{"nope", "transform", "no positional transform", "exact", "baseline", {}, {"nope"}},
-                 [](const Args&, Builder&) {}});
     d.push_back(
-        {{"rope", "transform", "rotary embedding, D/2 frequencies theta^(-2k/D)", "exact",
-          "RoFormer; Jordan-RoPE 3.2",
-          {{"theta", "10000", "frequency base"}},
-          {"rope"}},
-         [](const Args& a, Builder& b) {
-           const int D = b.m.head_dim;
-           require_divisible(a, D, 2, "rotary pairs");
-           JordanSegment s;
-           s.order = 1;
-           s.blocks = D / 2;
-           // RoFormer / reference convention: q and k rotate by +omega p, i.e. G(d) = R(-omega d);
-           // as a segment (maps rotate by -omega p) that is a negated frequency
-           s.omega = rope_frequencies(a.positive("theta"), D, s.blocks);
-           for (auto& w : s.omega) w = -w;
-           b.add(s);
-         }});
-    d.push_back({{"alibi", "bias", "additive recency bias -slope_h (i-j), reference slopes",
-                  "augmented exact (unipotent lift)", "ALiBi; Jordan-RoPE Table 1",
+        {{"nope", "transform", "no positional transform", "exact", "baseline", {}, {"nope"}},
+         [](const Args&, Builder&) {}});
+    d.push_back({{"rope",
+                  "transform",
+                  "rotary embedding, D/2 frequencies theta^(-2k/D)",
+                  "exact",
+                  "RoFormer; Jordan-RoPE 3.2",
+                  {{"theta", "10000", "frequency base"}},
+                  {"rope"}},
+                 [](const Args& a, Builder& b) {
+                   const int D = b.m.head_dim;
+                   require_divisible(a, D, 2, "rotary pairs");
+                   JordanSegment s;
+                   s.order = 1;
+                   s.blocks = D / 2;
+                   // RoFormer / reference convention: q and k rotate by +omega p, i.e. G(d) =
+                   // R(-omega d); as a segment (maps rotate by -omega p) that is a negated
+                   // frequency
+                   s.omega = rope_frequencies(a.positive("theta"), D, s.blocks);
+                   for (auto& w : s.omega) w = -w;
+                   b.add(s);
+                 }});
+    d.push_back({{"alibi",
+                  "bias",
+                  "additive recency bias -slope_h (i-j), reference slopes",
+                  "augmented exact (unipotent lift)",
+                  "ALiBi; Jordan-RoPE Table 1",
                   {},
                   {"alibi", "rope_alibi", "<any>_alibi"}},
                  {}});
@@ -214,9 +263,13 @@ const std::vector<TermDef>& term_defs() {
           {"theta", "10000", "frequency base"}};
       for (auto& o : jordan_common_options("raw"))
         if (o.key != "regime" && o.key != "c") opts.push_back(o);
-      d.push_back({{"damped_rope", "transform",
+      d.push_back({{"damped_rope",
+                    "transform",
                     "e^{-gamma d} RoPE; m=2 (reference) uses D/4 frequencies, each on two pairs",
-                    "exact", "Jordan-RoPE 3.2, 5; spec 1.5", opts, {"damped_rope"}},
+                    "exact",
+                    "Jordan-RoPE 3.2, 5; spec 1.5",
+                    opts,
+                    {"damped_rope"}},
                    [](const Args& a, Builder& b) {
                      const int m = a.integer("m", 1, 2);
                      require_divisible(a, b.m.head_dim, 2 * m, "2m real coordinates per block");
@@ -243,10 +296,12 @@ const std::vector<TermDef>& term_defs() {
                                      std::abs(s.eta_init), s.eta_max));
       s.learn_eta = a.flag("learn_eta");
     };
-    d.push_back({{"real_jordan", "transform",
+    d.push_back({{"real_jordan",
+                  "transform",
                   "real unipotent/Jordan distance block (omega = 0), order 2",
                   "exact (raw, scaled); approximate (stabilized, the default)",
-                  "Jordan-RoPE 3.2", shear_options(jordan_common_options("stabilized")),
+                  "Jordan-RoPE 3.2",
+                  shear_options(jordan_common_options("stabilized")),
                   {"real_jordan"}},
                  [set_shear](const Args& a, Builder& b) {
                    require_divisible(a, b.m.head_dim, 4, "order-2 real blocks");
@@ -260,10 +315,13 @@ const std::vector<TermDef>& term_defs() {
     {
       auto opts = shear_options(jordan_common_options("stabilized"));
       opts.insert(opts.begin(), {"theta", "10000", "RoPE half frequency base"});
-      d.push_back({{"direct_sum", "transform",
+      d.push_back({{"direct_sum",
+                    "transform",
                     "RoPE on the first D/2 (grid theta^(-2k/(D/2))) (+) real Jordan on the rest",
                     "exact (raw, scaled); approximate (stabilized, the default)",
-                    "Jordan-RoPE 3.2; spec 1.7", opts, {"direct_sum"}},
+                    "Jordan-RoPE 3.2; spec 1.7",
+                    opts,
+                    {"direct_sum"}},
                    [set_shear](const Args& a, Builder& b) {
                      const int D = b.m.head_dim;
                      require_divisible(a, D, 8, "half RoPE, half order-2 real blocks");
@@ -288,28 +346,31 @@ const std::vector<TermDef>& term_defs() {
       opts.push_back({"grid", "prefix",
                       "prefix: first D/(2m) of theta^(-2k/D) (reference); span: theta^(-2km/D)"});
       opts.push_back({"zero_omega", "false", "force omega = 0 (real Jordan block)"});
-      d.push_back(
-          {{"jordan", "transform",
-            "complex Jordan block of order m: e^{(-gamma+i omega)d} sum_r (eta s sigma(d))^r/r! N^r",
-            "exact (raw, scaled); approximate (stabilized, the default)",
-            "Jordan-RoPE 3.3-4.3, App. A", opts,
-            {"jordan_rope", "jordan_raw_tau", "jordan_no_gamma", "jordan_etaNNN", "jordan_mM",
-             "jordan_exact[_mM][_cCCC][_etaEEE][_eta1]"}},
-           [set_shear](const Args& a, Builder& b) {
-             const int m = a.integer("m", 1, 8);
-             const int D = b.m.head_dim;
-             require_divisible(a, D, 2 * m, fmt::format("order {} blocks of {} coordinates", m, 2 * m));
-             JordanSegment s = jordan_base(a, m);
-             set_shear(a, s);
-             s.blocks = D / (2 * m);
-             const double theta = a.positive("theta");
-             s.omega = a.choice("grid", {"prefix", "span"}) == "prefix"
-                           ? rope_frequencies(theta, D, s.blocks)
-                           : spanning_frequencies(theta, D, m);
-             if (a.flag("zero_omega")) s.omega.assign(s.blocks, 0.0);
-             b.add(s);
-             set_center(a, b.m, s.exact());
-           }});
+      d.push_back({{"jordan",
+                    "transform",
+                    "complex Jordan block of order m: e^{(-gamma+i omega)d} sum_r (eta s "
+                    "sigma(d))^r/r! N^r",
+                    "exact (raw, scaled); approximate (stabilized, the default)",
+                    "Jordan-RoPE 3.3-4.3, App. A",
+                    opts,
+                    {"jordan_rope", "jordan_raw_tau", "jordan_no_gamma", "jordan_etaNNN",
+                     "jordan_mM", "jordan_exact[_mM][_cCCC][_etaEEE][_eta1]"}},
+                   [set_shear](const Args& a, Builder& b) {
+                     const int m = a.integer("m", 1, 8);
+                     const int D = b.m.head_dim;
+                     require_divisible(a, D, 2 * m,
+                                       fmt::format("order {} blocks of {} coordinates", m, 2 * m));
+                     JordanSegment s = jordan_base(a, m);
+                     set_shear(a, s);
+                     s.blocks = D / (2 * m);
+                     const double theta = a.positive("theta");
+                     s.omega = a.choice("grid", {"prefix", "span"}) == "prefix"
+                                   ? rope_frequencies(theta, D, s.blocks)
+                                   : spanning_frequencies(theta, D, m);
+                     if (a.flag("zero_omega")) s.omega.assign(s.blocks, 0.0);
+                     b.add(s);
+                     set_center(a, b.m, s.exact());
+                   }});
     }
     // Jet gates and spectra: U(t) = alpha_0 I + sum_k g_k (s sigma(t))^k/k! N^k, s = 1/L.
     const auto gate_options = [](const std::string& m, const std::string& list_key,
@@ -337,9 +398,11 @@ const std::vector<TermDef>& term_defs() {
       s.omega = rope_frequencies(a.positive("theta"), D, s.blocks);
       return s;
     };
-    d.push_back({{"jetmix", "transform",
+    d.push_back({{"jetmix",
+                  "transform",
                   "jet gates: alpha_0 = 1, learnable g_k (tanh-bounded), bounded tau / L",
-                  "approximate", "Jordan-RoPE 4.5, 5.6; spec 1.8",
+                  "approximate",
+                  "Jordan-RoPE 4.5, 5.6; spec 1.8",
                   gate_options("3", "gates", "0.1/0.05", "1"),
                   {"jordan_jetmix_mM_cCCC_gG1_..."}},
                  [gate_segment](const Args& a, Builder& b) {
@@ -359,51 +422,58 @@ const std::vector<TermDef>& term_defs() {
                    b.add(s);
                    set_center(a, b.m, false);
                  }});
-    d.push_back({{"jetmixfull", "transform",
-                  "jet gates with a learnable alpha_0 too (only ratios g_k/alpha_0 reach the score)",
-                  "approximate", "Jordan-RoPE 4.5; spec 1.8",
-                  gate_options("4", "alpha", "1/0.5/0.3/0.2", "2"),
-                  {"jordan_jetmixfull_mM_cCCC_gG0_..."}},
-                 [gate_segment](const Args& a, Builder& b) {
-                   const int m = a.integer("m", 2, 8);
-                   JordanSegment s = gate_segment(a, b, m);
-                   const auto al = a.list("alpha");
-                   s.gate_max = a.positive("gate_max");
-                   if (static_cast<int>(al.size()) != m)
-                     throw InputError(fmt::format("jetmixfull: alpha needs m = {} values, got {}", m,
-                                                  al.size()));
-                   for (double g : al)
-                     if (std::abs(g) >= s.gate_max)
-                       throw InputError(fmt::format(
-                           "jetmixfull: |alpha| {} must be below gate_max {}", g, s.gate_max));
-                   if (al[0] <= 0) throw InputError("jetmixfull: alpha_0 must be > 0");
-                   s.alpha0_init = al[0];
-                   s.gate_init.assign(al.begin() + 1, al.end());
-                   s.learn_gates = s.learn_alpha0 = true;
-                   b.add(s);
-                   set_center(a, b.m, false);
-                 }});
+    d.push_back(
+        {{"jetmixfull",
+          "transform",
+          "jet gates with a learnable alpha_0 too (only ratios g_k/alpha_0 reach the score)",
+          "approximate",
+          "Jordan-RoPE 4.5; spec 1.8",
+          gate_options("4", "alpha", "1/0.5/0.3/0.2", "2"),
+          {"jordan_jetmixfull_mM_cCCC_gG0_..."}},
+         [gate_segment](const Args& a, Builder& b) {
+           const int m = a.integer("m", 2, 8);
+           JordanSegment s = gate_segment(a, b, m);
+           const auto al = a.list("alpha");
+           s.gate_max = a.positive("gate_max");
+           if (static_cast<int>(al.size()) != m)
+             throw InputError(
+                 fmt::format("jetmixfull: alpha needs m = {} values, got {}", m, al.size()));
+           for (double g : al)
+             if (std::abs(g) >= s.gate_max)
+               throw InputError(
+                   fmt::format("jetmixfull: |alpha| {} must be below gate_max {}", g, s.gate_max));
+           if (al[0] <= 0) throw InputError("jetmixfull: alpha_0 must be > 0");
+           s.alpha0_init = al[0];
+           s.gate_init.assign(al.begin() + 1, al.end());
+           s.learn_gates = s.learn_alpha0 = true;
+           b.add(s);
+           set_center(a, b.m, false);
+         }});
     {
       auto o = gate_options("3", "alpha", "0.7/0.2/0.1", "");
       o.push_back({"learn", "false", "false: fixed spectrum; true: alpha = softmax(logits)"});
-      d.push_back({{"jetspec", "transform",
+      d.push_back({{"jetspec",
+                    "transform",
                     "normalized jet spectrum: alpha_r >= 0, sum 1, on (base phase, jets 1..m-1)",
-                    "approximate", "Jordan-RoPE 4.5, Tables 9/14/15 (Norm-jet)", o,
+                    "approximate",
+                    "Jordan-RoPE 4.5, Tables 9/14/15 (Norm-jet)",
+                    o,
                     {}},
                    [gate_segment](const Args& a, Builder& b) {
                      const int m = a.integer("m", 2, 8);
                      JordanSegment s = gate_segment(a, b, m);
                      const auto al = a.list("alpha");
                      if (static_cast<int>(al.size()) != m)
-                       throw InputError(fmt::format("jetspec: alpha needs m = {} values, got {}",
-                                                    m, al.size()));
+                       throw InputError(
+                           fmt::format("jetspec: alpha needs m = {} values, got {}", m, al.size()));
                      double sum = 0;
                      for (double x : al) {
                        if (x < 0) throw InputError("jetspec: alpha must be non-negative");
                        sum += x;
                      }
                      if (std::abs(sum - 1.0) > 1e-6)
-                       throw InputError(fmt::format("jetspec: alpha must sum to 1, sums to {}", sum));
+                       throw InputError(
+                           fmt::format("jetspec: alpha must sum to 1, sums to {}", sum));
                      if (al[0] <= 0) throw InputError("jetspec: alpha_0 must be > 0");
                      s.alpha0_init = al[0];
                      s.gate_init.assign(al.begin() + 1, al.end());
@@ -414,6 +484,7 @@ const std::vector<TermDef>& term_defs() {
                      set_center(a, b.m, false);
                    }});
     }
+    for (auto& x : d) x.info.options = with_ranges(std::move(x.info.options));
     return d;
   }();
   return defs;
@@ -443,8 +514,13 @@ const std::vector<MechanismInfo>& mechanism_catalog() {
 }
 
 Mechanism build_mechanism(const std::string& spec_in, int head_dim, int heads) {
-  if (head_dim <= 0) throw InputError(fmt::format("head dim must be positive, got {}", head_dim));
-  if (heads <= 0) throw InputError(fmt::format("head count must be positive, got {}", heads));
+  if (head_dim <= 0 || head_dim > kMaxHeadDim)
+    throw InputError(fmt::format("head dim must be in [1, {}], got {}", kMaxHeadDim, head_dim));
+  if (heads <= 0 || heads > kMaxHeads)
+    throw InputError(fmt::format("head count must be in [1, {}], got {}", kMaxHeads, heads));
+  if (spec_in.size() > kMaxSpecLength)
+    throw InputError(
+        fmt::format("spec '{}' is longer than {} characters", brief(spec_in), kMaxSpecLength));
   std::string spec = spec_in;
   if (const std::string alias = expand_reference_alias(spec); !alias.empty()) spec = alias;
   const auto terms = parse_spec(spec);
@@ -467,32 +543,34 @@ Mechanism build_mechanism(const std::string& spec_in, int head_dim, int heads) {
   for (const auto& t : expanded) {
     const TermDef* def = find_term(t.name);
     if (!def)
-      throw InputError(fmt::format("unknown mechanism '{}' in spec '{}' (valid: {}; reference "
-                                   "method names such as jordan_exact_c010 are accepted too)",
-                                   t.name, spec_in, valid_names()));
+      throw InputError(
+          fmt::format("unknown mechanism '{}' in spec '{}' (valid: {}; reference "
+                      "method names such as jordan_exact_c010 are accepted too)",
+                      brief(t.name), brief(spec_in), valid_names()));
     std::map<std::string, std::string> vals;
     for (const auto& o : def->info.options) vals[o.key] = o.default_value;
     for (const auto& [k, v] : t.args) {
       if (!vals.count(k)) {
         std::vector<std::string> keys;
         for (const auto& o : def->info.options) keys.push_back(o.key);
-        throw InputError(fmt::format("unknown option '{}' for '{}' (valid: {})", k, t.name,
-                                     keys.empty() ? "none" : fmt::format("{}", fmt::join(keys, ", "))));
+        throw InputError(
+            fmt::format("unknown option '{}' for '{}' (valid: {})", brief(k), t.name,
+                        keys.empty() ? "none" : fmt::format("{}", fmt::join(keys, ", "))));
       }
       vals[k] = v;
     }
     if (def->info.kind == "bias") {
-      if (m.alibi) throw InputError(fmt::format("spec '{}' names alibi twice", spec_in));
+      if (m.alibi) throw InputError(fmt::format("spec '{}' names alibi twice", brief(spec_in)));
       m.alibi = AlibiBias{alibi_slopes(heads)};
     } else {
       if (have_transform)
-        throw InputError(fmt::format(
-            "spec '{}' has two position transforms; combine one transform with biases "
-            "(use direct_sum for a RoPE (+) distance split)",
-            spec_in));
+        throw InputError(
+            fmt::format("spec '{}' has two position transforms; combine one transform with biases "
+                        "(use direct_sum for a RoPE (+) distance split)",
+                        brief(spec_in)));
       have_transform = true;
       if (m.name.empty()) m.name = t.name;
-      def->build(Args(t.name, vals), b);
+      def->build(Args(t.name, vals, def->info.options), b);
     }
     std::vector<std::string> kv;
     for (const auto& o : def->info.options) kv.push_back(o.key + "=" + vals[o.key]);
@@ -500,8 +578,8 @@ Mechanism build_mechanism(const std::string& spec_in, int head_dim, int heads) {
   }
   if (m.name.empty()) m.name = expanded.front().name;
   if (b.next_pair * 2 > head_dim)
-    throw InputError(fmt::format("spec '{}' needs {} dims, head has {}", spec_in, b.next_pair * 2,
-                                 head_dim));
+    throw InputError(fmt::format("spec '{}' needs {} dims, head has {}", brief(spec_in),
+                                 b.next_pair * 2, head_dim));
   m.spec = fmt::format("{}", fmt::join(canon, " + "));
   return m;
 }

@@ -3,6 +3,8 @@
 // means one entry in registry.cpp's table.
 #pragma once
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -14,7 +16,18 @@ struct OptionInfo {
   std::string key;
   std::string default_value;
   std::string doc;
+  // Allowed range of a numeric option (checked when a spec is built; shown by `relpos list`).
+  // Keeps every accepted value inside what the float64 references and kernels can represent.
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  bool has_range() const { return std::isfinite(min) || std::isfinite(max); }
 };
+
+// Largest head dimension and head count a mechanism may be built for.
+inline constexpr int kMaxHeadDim = 1 << 16;
+inline constexpr int kMaxHeads = 1 << 16;
+// Longest spec string accepted (no meaningful composition comes near it).
+inline constexpr size_t kMaxSpecLength = 16384;
 
 struct MechanismInfo {
   std::string name;

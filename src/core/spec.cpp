@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cctype>
 #include <optional>
+#include <string_view>
 
+#include "core/parse.hpp"
 #include "core/types.hpp"
 
 namespace relpos {
@@ -27,7 +29,7 @@ bool is_ident(const std::string& s) {
 }
 
 [[noreturn]] void fail(const std::string& spec, const std::string& why) {
-  throw InputError(fmt::format("malformed spec '{}': {}", spec, why));
+  throw InputError(fmt::format("malformed spec '{}': {}", brief(spec), why));
 }
 
 }  // namespace
@@ -88,24 +90,85 @@ std::vector<SpecTerm> parse_spec(const std::string& spec) {
 
 namespace {
 
-std::string fixed(double v) { return fmt::format("{:g}", v); }
-
-// name == prefix followed by one or more digits
-bool prefixed_digits(const std::string& name, const std::string& prefix) {
-  return name.size() > prefix.size() && name.starts_with(prefix) &&
-         std::all_of(name.begin() + static_cast<std::ptrdiff_t>(prefix.size()), name.end(),
-                     [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+std::string fixed(double v) {
+  return fmt::format("{:g}", v);
 }
 
-// First "<prefix><digits>" token (exact match of the whole token) or nullopt.
-std::optional<std::string> token_digits(const std::vector<std::string>& toks,
-                                        const std::string& prefix, size_t min_digits = 1) {
-  for (const auto& t : toks) {
-    if (t.size() < prefix.size() + min_digits || t.compare(0, prefix.size(), prefix) != 0) continue;
-    const std::string rest = t.substr(prefix.size());
-    if (std::all_of(rest.begin(), rest.end(), [](char c) { return std::isdigit(c); })) return rest;
+// Digits of a name token, as a number: at most 9 digits (every reference name has 1-4), so that
+// `jordan_m99999999999` is a named error rather than an overflow.
+double token_number(const std::string& alias, const std::string& token, size_t skip) {
+  const std::string digits = token.substr(skip);
+  const auto v = parse_int64(digits, 0, 999999999);
+  if (!v)
+    throw InputError(
+        fmt::format("reference method name '{}': number in token '{}' is not 1 to 9 "
+                    "decimal digits",
+                    brief(alias), brief(token)));
+  return static_cast<double>(*v);
+}
+
+bool all_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isdigit(static_cast<unsigned char>(c)) != 0;
+  });
+}
+
+std::vector<std::string> split_underscores(const std::string& s) {
+  std::vector<std::string> toks;
+  size_t a = 0;
+  while (a <= s.size()) {
+    auto e = s.find('_', a);
+    if (e == std::string::npos) e = s.size();
+    toks.push_back(s.substr(a, e - a));
+    a = e + 1;
   }
-  return std::nullopt;
+  return toks;
+}
+
+// The option tokens of a parametrised reference name (`jordan_exact_m3_c050_eta100_eta1`,
+// `jordan_jetmix_m3_c150_g010_g005`). Every token must be one the family knows, each at most once
+// (gates repeat); anything else is an error naming the token: a typo must never be read as a
+// default.
+struct NameTokens {
+  std::optional<std::string> m;  // digits, range-checked by the registry
+  std::optional<double> c, eta;
+  bool eta1 = false;
+  std::vector<double> gates;
+};
+
+NameTokens parse_name_tokens(const std::string& alias, const std::vector<std::string>& toks,
+                             bool exact_family) {
+  NameTokens t;
+  const auto once = [&](bool seen, const std::string& tok) {
+    if (seen)
+      throw InputError(fmt::format("reference method name '{}': token '{}' repeats an option",
+                                   brief(alias), tok));
+  };
+  for (const auto& tok : toks) {
+    if (tok.size() > 1 && tok[0] == 'm' && all_digits(tok.substr(1))) {
+      once(t.m.has_value(), tok);
+      t.m = fmt::format("{}", static_cast<int64_t>(token_number(alias, tok, 1)));
+    } else if (tok.size() > 1 && tok[0] == 'c' && all_digits(tok.substr(1))) {
+      once(t.c.has_value(), tok);
+      t.c = token_number(alias, tok, 1) / 100.0;
+    } else if (exact_family && tok == "eta1") {
+      once(t.eta1, tok);
+      t.eta1 = true;
+    } else if (exact_family && tok.size() >= 6 && tok.starts_with("eta") &&
+               all_digits(tok.substr(3))) {
+      once(t.eta.has_value(), tok);
+      t.eta = token_number(alias, tok, 3) / 1000.0;
+    } else if (exact_family && tok == "scaled") {
+      // `jordan_exact_scaled`: the reference's name for the default c = 1
+    } else if (!exact_family && tok.size() > 1 && tok[0] == 'g' && all_digits(tok.substr(1))) {
+      t.gates.push_back(token_number(alias, tok, 1) / 100.0);
+    } else {
+      throw InputError(fmt::format(
+          "reference method name '{}': unknown token '{}' (expected {})", brief(alias), brief(tok),
+          exact_family ? "mM, cCCC, etaEEE (3+ digits), eta1 or scaled" : "mM, cCCC or gGGG"));
+    }
+  }
+  return t;
 }
 
 }  // namespace
@@ -120,23 +183,10 @@ std::string expand_reference_alias(const std::string& name_in) {
     name = name.substr(0, name.size() - 6);
     suffix = " + alibi";
   }
-  std::vector<std::string> toks;
-  {
-    size_t s = 0;
-    while (s <= name.size()) {
-      auto e = name.find('_', s);
-      if (e == std::string::npos) e = name.size();
-      toks.push_back(name.substr(s, e - s));
-      s = e + 1;
-    }
-  }
-  const auto order = [&](int dflt) {
-    const auto m = token_digits(toks, "m");
-    return m ? std::stoi(*m) : dflt;
-  };
-  const auto c_value = [&]() {
-    const auto c = token_digits(toks, "c");
-    return c ? std::stod(*c) / 100.0 : 1.0;
+  const auto toks = split_underscores(name);
+  // the option tokens after a family prefix of `skip` underscore-separated words
+  const auto rest = [&](size_t skip) {
+    return std::vector<std::string>(toks.begin() + skip, toks.end());
   };
   std::string out;
   if (name == "rope" && !suffix.empty()) {
@@ -147,28 +197,29 @@ std::string expand_reference_alias(const std::string& name_in) {
     out = "jordan(m=2, regime=stabilized, zero_gamma=true)";
   } else if (name == "jordan_raw_tau") {
     out = "jordan(m=2, regime=raw)";
-  } else if (prefixed_digits(name, "jordan_m")) {
-    out = fmt::format("jordan(m={}, regime=stabilized)", order(2));
-  } else if (prefixed_digits(name, "jordan_eta")) {
+  } else if (toks.size() == 2 && toks[0] == "jordan" && toks[1].size() > 1 && toks[1][0] == 'm' &&
+             all_digits(toks[1].substr(1))) {
+    out = fmt::format("jordan(m={}, regime=stabilized)",
+                      static_cast<int64_t>(token_number(name_in, toks[1], 1)));
+  } else if (toks.size() == 2 && toks[0] == "jordan" && toks[1].size() > 3 &&
+             toks[1].starts_with("eta") && all_digits(toks[1].substr(3))) {
     out = fmt::format("jordan(m=2, regime=stabilized, eta0={})",
-                      fixed(std::stod(name.substr(10)) / 1000.0));
-  } else if (name.starts_with("jordan_exact")) {
-    const auto eta = token_digits(toks, "eta", 3);
-    const bool eta1 = name.ends_with("_eta1") || name.find("_eta1_") != std::string::npos;
-    out = fmt::format("jordan(m={}, regime=scaled, c={}, eta0={}, eta_max={})", order(2),
-                      fixed(c_value()), fixed(eta ? std::stod(*eta) / 1000.0 : 0.0),
-                      eta1 ? "1" : "0.1");
-  } else if (name.starts_with("jordan_jetmixfull") || name.starts_with("jordan_jetmix")) {
-    const bool full = name.starts_with("jordan_jetmixfull");
+                      fixed(token_number(name_in, toks[1], 3) / 1000.0));
+  } else if (toks.size() >= 2 && toks[0] == "jordan" && toks[1] == "exact") {
+    const NameTokens t = parse_name_tokens(name_in, rest(2), /*exact_family=*/true);
+    out = fmt::format("jordan(m={}, regime=scaled, c={}, eta0={}, eta_max={})", t.m.value_or("2"),
+                      fixed(t.c.value_or(1.0)), fixed(t.eta.value_or(0.0)), t.eta1 ? "1" : "0.1");
+  } else if (toks.size() >= 2 && toks[0] == "jordan" &&
+             (toks[1] == "jetmix" || toks[1] == "jetmixfull")) {
+    const bool full = toks[1] == "jetmixfull";
+    const NameTokens t = parse_name_tokens(name_in, rest(2), /*exact_family=*/false);
     std::vector<std::string> g;
-    for (const auto& t : toks)
-      if (t.size() > 1 && t[0] == 'g' &&
-          std::all_of(t.begin() + 1, t.end(), [](char c) { return std::isdigit(c); }))
-        g.push_back(fixed(std::stod(t.substr(1)) / 100.0));
-    std::string list;
-    for (size_t i = 0; i < g.size(); ++i) list += (i ? "/" : "") + g[i];
-    out = fmt::format("{}(m={}, c={}, {}={})", full ? "jetmixfull" : "jetmix", order(4),
-                      fixed(c_value()), full ? "alpha" : "gates", list);
+    for (double x : t.gates) g.push_back(fixed(x));
+    out = fmt::format("{}(m={}, c={}, {}={})", full ? "jetmixfull" : "jetmix", t.m.value_or("4"),
+                      fixed(t.c.value_or(1.0)), full ? "alpha" : "gates", fmt::join(g, "/"));
+    if (g.empty())
+      throw InputError(
+          fmt::format("reference method name '{}' has no gate tokens gGGG", brief(name_in)));
   } else if (!suffix.empty() && (name == "damped_rope" || name == "real_jordan" ||
                                  name == "direct_sum" || name == "nope")) {
     out = name;

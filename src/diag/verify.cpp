@@ -140,7 +140,7 @@ VerifyRow run_one(const std::string& spec, const Mechanism& m, const ParamValues
   row.transform_exact = m.transform_exact();
   row.dtype = sizeof(T) == 8 ? "f64" : "f32";
   const double pmin = pos.front(), pmax = pos.back();
-  row.center = m.resolve_center(pmin, pmax);
+  row.center = m.window_center(pmin, pmax);
   const auto a = apply<T>(m, pv, o.layout, pos, row.center, q, k);
   const auto res = relative_law(m, pv, o.layout, pos, q, k, a);
   row.residual = res.rel;
@@ -246,7 +246,7 @@ std::vector<VerifyRow> verify_spec(const std::string& spec, const VerifyOptions&
 double wrong_contragredient_residual(const std::string& spec, const VerifyOptions& o) {
   Sample s = make_sample(spec, o);
   const ParamValues pv = random_params(s.m, s.rng);
-  const double c = s.m.resolve_center(s.pos.front(), s.pos.back());
+  const double c = s.m.window_center(s.pos.front(), s.pos.back());
   const auto a = apply<double>(s.m, pv, o.layout, s.pos, c, s.q, s.k, /*wrong_query=*/true);
   return relative_law(s.m, pv, o.layout, s.pos, s.q, s.k, a).rel;
 }

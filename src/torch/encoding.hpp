@@ -5,6 +5,8 @@
 
 #include <torch/torch.h>
 
+#include <optional>
+
 #include "core/mechanism.hpp"
 #include "kernels/transform.hpp"
 
@@ -29,7 +31,9 @@ class PositionEncodingImpl : public torch::nn::Module {
   struct Output {
     torch::Tensor q, k;
   };
-  // q, k: [B, H, T, D]; positions: [T] or [B, T] (any real values), default 0..T-1.
+  // q, k: [B, H, T, D]; positions: [T] or [B, T] (any real values; float64 or int64 keep every
+  // position exact), default 0..T-1. Warns once per module when the exponent clamp binds, when
+  // float32 positions have lost resolution, or when center=mid moves between calls.
   Output forward(const torch::Tensor& q, const torch::Tensor& k,
                  const torch::Tensor& positions = {});
 
@@ -38,14 +42,23 @@ class PositionEncodingImpl : public torch::nn::Module {
   // ALiBi slopes [H] (undefined tensor when the mechanism has no ALiBi term).
   torch::Tensor alibi_slopes() const;
   // Materialised additive bias [H, Tq, Tk] = -slope_h (i - j) (reference attention only).
-  torch::Tensor logit_bias(const torch::Tensor& q_positions, const torch::Tensor& k_positions) const;
+  torch::Tensor logit_bias(const torch::Tensor& q_positions,
+                           const torch::Tensor& k_positions) const;
 
   const Mechanism& mechanism() const { return mech_; }
+  // Which once-per-module warnings forward() has issued so far.
+  struct Warnings {
+    bool clamp = false, resolution = false, center = false;
+  };
+  const Warnings& warnings_issued() const { return warned_; }
   const kernels::TransformPlan& plan() const { return plan_; }
   double center_for(const torch::Tensor& positions) const;
 
  private:
   torch::Tensor make(const std::string& name, torch::Tensor value, bool learnable);
+  void check_exponent_range(torch::ScalarType dt) const;
+  void warn_once(const torch::Tensor& user_positions, const torch::Tensor& pos, double center,
+                 const KernelParams& kp);
 
   Mechanism mech_;
   kernels::TransformPlan plan_;
@@ -63,6 +76,8 @@ class PositionEncodingImpl : public torch::nn::Module {
     torch::ScalarType dtype = torch::kFloat;
     std::vector<torch::Tensor> table;
   } trig_cache_;
+  Warnings warned_;
+  std::optional<double> last_center_;
 };
 TORCH_MODULE(PositionEncoding);
 

@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "core/charts.hpp"
 #include "core/mechanism.hpp"
+#include "core/parse.hpp"
 #include "core/registry.hpp"
 #include "core/spec.hpp"
 
@@ -27,7 +29,8 @@ void expect_input_error(const std::string& spec, int head_dim, int heads,
     ADD_FAILURE() << "no InputError";
   } catch (const InputError& e) {
     const std::string msg = e.what();
-    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
+    for (const auto& n : needles)
+      EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
   } catch (const std::exception& e) {
     ADD_FAILURE() << "wrong exception type: " << e.what();
   }
@@ -41,7 +44,8 @@ void expect_parse_error(const std::string& spec, const std::string& needle) {
   } catch (const InputError& e) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find(needle), std::string::npos) << msg;
-    EXPECT_NE(msg.find("'" + spec + "'"), std::string::npos) << "message must quote the spec: " << msg;
+    EXPECT_NE(msg.find("'" + spec + "'"), std::string::npos)
+        << "message must quote the spec: " << msg;
   }
 }
 
@@ -194,7 +198,9 @@ TEST(SpecAliases, RawTauNoGammaAndEta) {
     EXPECT_DOUBLE_EQ(s.gamma_min, 1e-4);
     EXPECT_DOUBLE_EQ(s.eta_max, 0.1);
     EXPECT_TRUE(m.transform_exact());
-    EXPECT_EQ(m.center, CenterMode::Mid);  // exact: centred by default
+    // exact: a fixed centre in the middle of the training context by default
+    EXPECT_EQ(m.center, CenterMode::Fixed);
+    EXPECT_DOUBLE_EQ(m.center_value, 512.0);
   }
   {
     const auto m = build_mechanism("jordan_no_gamma", 32, 2);
@@ -270,7 +276,8 @@ TEST(SpecAliases, ScaledExact) {
     EXPECT_EQ(m.name, "jordan");
   }
   {  // options of the spec form reach the segment (spec 5: L 20 gives gamma 0.5/20)
-    const auto& s = only_segment(build_mechanism("jordan(m=2, regime=scaled, c=0.5, L=20, eta0=0.005)", 8, 1));
+    const auto& s =
+        only_segment(build_mechanism("jordan(m=2, regime=scaled, c=0.5, L=20, eta0=0.005)", 8, 1));
     EXPECT_DOUBLE_EQ(s.gamma_init, 0.5 / 20);
     EXPECT_DOUBLE_EQ(s.shear_scale, 1.0 / 20);
     EXPECT_DOUBLE_EQ(s.eta_init, 0.005);
@@ -327,14 +334,15 @@ TEST(SpecAliases, JetGates) {
 // Spec 1.4 table / section 5: jetmix and jetmixfull have gamma init c/L and gamma_min 0
 // (`jordan_jetmix_m4_c150_g050_g030_g020` at L 20 gives gamma 1.5/20), like scaled-exact.
 TEST(SpecAliases, JetGateDampingIsCOverL) {
-  for (const std::string spec : {"jordan_jetmix_m3_c150_g010_g005",
-                                 "jordan_jetmixfull_m4_c150_g100_g050_g030_g020",
-                                 "jetmix(m=3, c=1.5, gates=0.1/0.05)"}) {
+  for (const std::string spec :
+       {"jordan_jetmix_m3_c150_g010_g005", "jordan_jetmixfull_m4_c150_g100_g050_g030_g020",
+        "jetmix(m=3, c=1.5, gates=0.1/0.05)"}) {
     const auto& s = only_segment(build_mechanism(spec, 48, 2));
     EXPECT_DOUBLE_EQ(s.gamma_init, 1.5 / 1024) << spec;
     EXPECT_DOUBLE_EQ(s.gamma_min, 0.0) << spec;
   }
-  const auto& s = only_segment(build_mechanism("jetmix(m=4, c=1.5, L=20, gates=0.5/0.3/0.2)", 48, 2));
+  const auto& s =
+      only_segment(build_mechanism("jetmix(m=4, c=1.5, L=20, gates=0.5/0.3/0.2)", 48, 2));
   EXPECT_DOUBLE_EQ(s.gamma_init, 1.5 / 20);
 }
 
@@ -414,14 +422,26 @@ TEST(SpecAliases, DirectSumLayout) {
 }
 
 TEST(SpecBuild, CentreModes) {
-  EXPECT_EQ(build_mechanism("jordan(m=2, regime=raw)", 8, 1).center, CenterMode::Mid);
+  // auto on an exact map: fixed floor(L/2), the same for every call (prefill + decode compose)
+  const auto a = build_mechanism("jordan(m=2, regime=raw)", 8, 1);
+  EXPECT_EQ(a.center, CenterMode::Fixed);
+  EXPECT_TRUE(a.center_auto);
+  EXPECT_DOUBLE_EQ(a.resolve_center(0, 100), 512.0);
+  EXPECT_DOUBLE_EQ(a.resolve_center(5000, 5001), 512.0);
+  EXPECT_DOUBLE_EQ(build_mechanism("jordan(m=2, regime=raw, L=101)", 8, 1).resolve_center(0, 9),
+                   50.0);
+  // a diagnostic over one window centres it there
+  EXPECT_DOUBLE_EQ(a.window_center(10, 21), 15.0);
   EXPECT_EQ(build_mechanism("jordan(m=2, regime=raw, center=none)", 8, 1).center, CenterMode::None);
-  EXPECT_EQ(build_mechanism("jordan(m=2, regime=stabilized, center=mid)", 8, 1).center, CenterMode::Mid);
+  EXPECT_EQ(build_mechanism("jordan(m=2, regime=stabilized, center=mid)", 8, 1).center,
+            CenterMode::Mid);
   const auto f = build_mechanism("jordan(m=2, regime=raw, center=12.5)", 8, 1);
   EXPECT_EQ(f.center, CenterMode::Fixed);
   EXPECT_DOUBLE_EQ(f.resolve_center(0, 100), 12.5);
-  const auto mid = build_mechanism("damped_rope", 8, 1);
+  const auto mid = build_mechanism("damped_rope(center=mid)", 8, 1);
   EXPECT_DOUBLE_EQ(mid.resolve_center(10, 21), 15.0);  // floor((10 + 21) / 2)
+  EXPECT_DOUBLE_EQ(build_mechanism("damped_rope", 8, 1).resolve_center(10, 21), 512.0);
+  EXPECT_DOUBLE_EQ(f.window_center(0, 100), 12.5);  // an explicit centre is kept
   EXPECT_DOUBLE_EQ(build_mechanism("jordan_rope", 8, 1).resolve_center(10, 21), 0.0);
 }
 
@@ -441,7 +461,7 @@ TEST(SpecBuild, UnknownKeyListsValidKeys) {
 }
 
 TEST(SpecBuild, BadValues) {
-  expect_input_error("jordan(L=0)", 64, 4, {"L", "> 0"});
+  expect_input_error("jordan(L=0)", 64, 4, {"L", "range"});
   expect_input_error("jordan(L=-5)", 64, 4, {"L"});
   expect_input_error("jordan(L=abc)", 64, 4, {"L", "abc"});
   expect_input_error("jordan(L=12abc)", 64, 4, {"12abc"});
@@ -453,6 +473,69 @@ TEST(SpecBuild, BadValues) {
   expect_input_error("jordan(c=-1, regime=scaled)", 64, 4, {"c"});
   expect_input_error("rope", 0, 4, {"head dim"});
   expect_input_error("rope", 64, 0, {"head count"});
+}
+
+// Regression (issue 7): values outside what the references and kernels can represent.
+TEST(SpecBuild, NumericOptionsHaveRanges) {
+  expect_input_error("jordan(regime=scaled, c=1e308)", 64, 4, {"c=1e308", "range"});
+  expect_input_error("jordan(L=1e-300)", 64, 4, {"L=1e-300", "range"});
+  expect_input_error("rope(theta=1e-300)", 64, 4, {"theta=1e-300", "range"});
+  expect_input_error("jordan(regime=raw, center=1e308)", 64, 4, {"center=1e308", "range"});
+  expect_input_error("damped_rope(max_exp=710)", 64, 4, {"max_exp", "range"});
+  expect_input_error("jordan(gamma0=1e5)", 64, 4, {"gamma0", "range"});
+  expect_input_error("jordan(m=1e300)", 64, 4, {"m", "integer"});
+  expect_input_error("jetmix(m=3, gates=1e300/0.1)", 48, 4, {"gates"});
+  expect_input_error("jordan(L=1024x)", 64, 4, {"1024x"});
+  expect_input_error("jordan(L=0x10)", 64, 4, {"0x10"});
+  expect_input_error("rope", kMaxHeadDim + 2, 4, {"head dim"});
+  expect_input_error("rope", 64, kMaxHeads + 1, {"head count"});
+  EXPECT_NO_THROW(build_mechanism("damped_rope(gamma0=10, max_exp=700)", 16, 1));
+  EXPECT_NO_THROW(build_mechanism("jordan(L=+2048, c=+1, regime=scaled)", 64, 1));
+  // every catalogued numeric option shows its range
+  for (const auto& m : mechanism_catalog())
+    for (const auto& o : m.options) {
+      if (o.key == "L" || o.key == "theta" || o.key == "max_exp" || o.key == "center") {
+        EXPECT_TRUE(o.has_range()) << m.name << " " << o.key;
+      }
+    }
+}
+
+// Regression (issue 7): reference names are parsed strictly; a typo is never read as a default.
+TEST(SpecAliases, TrailingJunkIsAnError) {
+  expect_input_error("jordan_exact_m3_c05O", 48, 4, {"c05O", "unknown token"});
+  expect_input_error("jordan_exact_m3_c050_zzz", 48, 4, {"zzz"});
+  expect_input_error("jordan_exact_c010_c020", 48, 4, {"c020", "repeats"});
+  expect_input_error("jordan_exact_eta05", 48, 4, {"eta05"});  // eta needs 3+ digits
+  expect_input_error("jordan_exactly", 48, 4, {"unknown mechanism", "jordan_exactly"});
+  expect_input_error("jordan_jetmixXYZ_m3_g010_g005", 48, 4, {"unknown mechanism"});
+  expect_input_error("jordan_jetmix_m3_g010_g005x", 48, 4, {"g005x"});
+  expect_input_error("jordan_jetmix_m3_c150", 48, 4, {"no gate tokens"});
+  expect_input_error("jordan_m99999999999", 48, 4, {"m99999999999", "9 decimal digits"});
+  expect_input_error("jordan_exact_m99999999999", 48, 4, {"m99999999999"});
+  expect_input_error("jordan_eta99999999999999999999", 48, 4, {"eta99999999999999999999"});
+  expect_input_error("jordan_m9", 48, 4, {"m", "[1, 8]"});
+  expect_input_error("jordan_exact_m3_c050_alibi_alibi", 48, 4, {"unknown token 'alibi'"});
+  // what the reference accepts still expands
+  EXPECT_EQ(expand_reference_alias("jordan_exact_scaled"),
+            "jordan(m=2, regime=scaled, c=1, eta0=0, eta_max=0.1)");
+  EXPECT_EQ(expand_reference_alias("jordan_exact_m3_c050_eta100_eta1_alibi"),
+            "jordan(m=3, regime=scaled, c=0.5, eta0=0.1, eta_max=1) + alibi");
+  EXPECT_EQ(expand_reference_alias("jordan_jetmixfull_m4_c150_g100_g050_g030_g020"),
+            "jetmixfull(m=4, c=1.5, alpha=1/0.5/0.3/0.2)");
+}
+
+// Regression (issue 7): a 100 KB spec is named in a message by its start and length only.
+TEST(SpecBuild, LongSpecsAreShortenedInMessages) {
+  const std::string huge = "rope(theta=" + std::string(100000, '1') + ")";
+  for (const std::string& spec :
+       {huge, std::string(100000, 'x'), "rope + " + std::string(50000, '(')}) {
+    try {
+      build_mechanism(spec, 64, 4);
+      ADD_FAILURE() << "no error";
+    } catch (const InputError& e) {
+      EXPECT_LT(std::string(e.what()).size(), 1000u);
+    }
+  }
 }
 
 TEST(SpecBuild, HeadDimMustDivideByTwoM) {
@@ -469,7 +552,8 @@ TEST(SpecBuild, OneTransformOnly) {
   expect_input_error("rope + jordan", 64, 4, {"two position transforms"});
   expect_input_error("rope_alibi + damped_rope", 64, 4, {"two position transforms"});
   expect_input_error("alibi + alibi", 64, 4, {"alibi twice"});
-  EXPECT_TRUE(build_mechanism("jordan(m=2, regime=scaled, c=0.1) + alibi", 64, 4).alibi.has_value());
+  EXPECT_TRUE(
+      build_mechanism("jordan(m=2, regime=scaled, c=0.1) + alibi", 64, 4).alibi.has_value());
   EXPECT_TRUE(build_mechanism("alibi + rope", 64, 4).alibi.has_value());
 }
 
@@ -526,8 +610,7 @@ TEST(SpecBuild, EveryDefaultSpecBuildsWithItsCatalogEntry) {
   for (const auto& info : mechanism_catalog()) names.push_back(info.name);
   for (const auto& spec : verify_default_specs()) {
     bool built = false;
-    for (int D : {64, 48, 60})
-      try {
+    for (int D : {64, 48, 60}) try {
         const auto m = build_mechanism(spec, D, 4);
         EXPECT_NE(std::find(names.begin(), names.end(), m.name), names.end()) << spec;
         built = true;
@@ -536,4 +619,26 @@ TEST(SpecBuild, EveryDefaultSpecBuildsWithItsCatalogEntry) {
       }
     EXPECT_TRUE(built) << spec;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strict number parsing (core/parse.hpp): every user-facing number goes through it.
+
+TEST(StrictParse, WholeTextFiniteNumbersOnly) {
+  EXPECT_EQ(parse_finite_double("1.5"), 1.5);
+  EXPECT_EQ(parse_finite_double("+2"), 2.0);
+  EXPECT_EQ(parse_finite_double("-1e3"), -1000.0);
+  for (const char* bad : {"", "nan", "inf", "-inf", "1e400", "0abc", "4xyz", " 1", "1 ", "++1",
+                          "+-1", "1,5", "0x10", "1e", "."})
+    EXPECT_FALSE(parse_finite_double(bad).has_value()) << "'" << bad << "'";
+  EXPECT_EQ(parse_int64("42", 0, 100), 42);
+  EXPECT_FALSE(parse_int64("101", 0, 100).has_value());
+  EXPECT_FALSE(parse_int64("99999999999999999999", 0, INT64_MAX).has_value());
+  EXPECT_FALSE(parse_int64("4.0", 0, 100).has_value());
+  EXPECT_EQ(parse_uint64("18446744073709551615"), UINT64_MAX);
+  EXPECT_FALSE(parse_uint64("18446744073709551616").has_value());
+  EXPECT_FALSE(parse_uint64("99999999999999999999999").has_value());
+  EXPECT_FALSE(parse_uint64("-1").has_value());
+  EXPECT_EQ(brief("short"), "short");
+  EXPECT_LT(brief(std::string(100000, 'a')).size(), 220u);
 }

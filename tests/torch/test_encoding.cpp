@@ -2,6 +2,8 @@
 // raw parameters against finite differences in float64, and bad input rejected with named errors.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "core/registry.hpp"
 #include "torch/composed.hpp"
 #include "torch/encoding.hpp"
@@ -10,16 +12,22 @@ using namespace relpos;
 
 namespace {
 
-const std::vector<std::string> kSpecs = {
-    "rope", "damped_rope", "damped_rope(m=1)", "direct_sum", "real_jordan(regime=raw)",
-    "jordan(m=2, regime=stabilized, eta0=0.05)", "jordan(m=2, regime=raw, eta0=0.03)",
-    "jordan(m=3, regime=scaled, c=0.5, eta0=0.5, eta_max=1)", "jordan(m=4, regime=scaled, eta0=0.05)",
-    "jetmix(m=3, gates=0.1/0.05)", "jetmixfull(m=4, alpha=1/0.5/0.3/0.2)",
-    "jetspec(m=3, alpha=0.7/0.2/0.1, learn=true)", "jordan(m=2, regime=raw) + alibi"};
+const std::vector<std::string> kSpecs = {"rope",
+                                         "damped_rope",
+                                         "damped_rope(m=1)",
+                                         "direct_sum",
+                                         "real_jordan(regime=raw)",
+                                         "jordan(m=2, regime=stabilized, eta0=0.05)",
+                                         "jordan(m=2, regime=raw, eta0=0.03)",
+                                         "jordan(m=3, regime=scaled, c=0.5, eta0=0.5, eta_max=1)",
+                                         "jordan(m=4, regime=scaled, eta0=0.05)",
+                                         "jetmix(m=3, gates=0.1/0.05)",
+                                         "jetmixfull(m=4, alpha=1/0.5/0.3/0.2)",
+                                         "jetspec(m=3, alpha=0.7/0.2/0.1, learn=true)",
+                                         "jordan(m=2, regime=raw) + alibi"};
 
 int head_dim_for(const std::string& spec) {
-  for (int D : {24, 48, 96, 120})
-    try {
+  for (int D : {24, 48, 96, 120}) try {
       build_mechanism(spec, D, 2);
       return D;
     } catch (const InputError&) {
@@ -52,12 +60,12 @@ TEST(Encoding, KernelMatchesComposedForwardAndBackward) {
         const auto pos = torch::tensor({3.0, 4.0, 9.0, 10.5, 200.0, 201.0, 900.0}, torch::kDouble);
         auto out = enc->forward(q, k, pos);
         const auto wq = torch::randn_like(out.q), wk = torch::randn_like(out.k);
-        auto grads = torch::autograd::grad({(out.q * wq).sum() + (out.k * wk).sum()},
-                                           {q, k}, {}, true);
+        auto grads =
+            torch::autograd::grad({(out.q * wq).sum() + (out.k * wk).sum()}, {q, k}, {}, true);
         std::vector<torch::Tensor> pgrads;
         for (auto& p : enc->parameters())
-          pgrads.push_back(torch::autograd::grad({(out.q * wq).sum() + (out.k * wk).sum()}, {p},
-                                                 {}, true, false, true)[0]);
+          pgrads.push_back(torch::autograd::grad({(out.q * wq).sum() + (out.k * wk).sum()}, {p}, {},
+                                                 true, false, true)[0]);
         const auto kp = enc->kernel_params();
         auto ref = nn::composed_transform_qk(enc->mechanism(), layout, kp, q, k, pos,
                                              enc->center_for(pos));
@@ -130,16 +138,21 @@ TEST(Encoding, BadInputGivesNamedErrors) {
     return std::string("no error");
   };
   EXPECT_NE(msg([&] { enc->forward(nanq, ok); }).find("q contains NaN"), std::string::npos);
-  EXPECT_NE(msg([&] { enc->forward(ok, torch::randn({1, 4, 8, 32})); }).find("head dim"),
+  EXPECT_NE(msg([&] {
+              enc->forward(ok, torch::randn({1, 4, 8, 32}));
+            }).find("head dim"),
             std::string::npos);
   EXPECT_NE(msg([&] { enc->forward(ok, ok, torch::arange(7)); }).find("positions"),
             std::string::npos);
-  EXPECT_NE(msg([&] { enc->forward(torch::randn({4, 8, 64}), ok); }).find("[B, H, T, D]"),
+  EXPECT_NE(msg([&] {
+              enc->forward(torch::randn({4, 8, 64}), ok);
+            }).find("[B, H, T, D]"),
             std::string::npos);
   EXPECT_NE(msg([] { nn::PositionEncoding("jordan(m=3)", 64, 4); }).find("divisible by 6"),
             std::string::npos);
-  EXPECT_NE(msg([] { nn::PositionEncoding("jordan(L=-1)", 64, 4); }).find("L must be > 0"),
-            std::string::npos);
+  EXPECT_NE(
+      msg([] { nn::PositionEncoding("jordan(L=-1)", 64, 4); }).find("L=-1 is outside its range"),
+      std::string::npos);
   EXPECT_NE(msg([] { nn::PositionEncoding("jordn", 64, 4); }).find("unknown mechanism 'jordn'"),
             std::string::npos);
 }
@@ -159,7 +172,8 @@ TEST(Encoding, ReferenceInitialisation) {
 TEST(Encoding, TrigCacheFollowsPositionChanges) {
   torch::manual_seed(3);
   nn::PositionEncoding enc("jordan(m=2, regime=raw, eta0=0.05)", 16, 2);
-  const auto q = torch::randn({2, 2, 9, 16}, torch::kDouble), k = torch::randn({2, 2, 9, 16}, torch::kDouble);
+  const auto q = torch::randn({2, 2, 9, 16}, torch::kDouble),
+             k = torch::randn({2, 2, 9, 16}, torch::kDouble);
   enc->to(torch::kDouble);
   const auto a = torch::arange(9, torch::kDouble), b = torch::arange(9, torch::kDouble) * 3 + 100;
   const auto pb = torch::stack({a, b});
@@ -175,4 +189,97 @@ TEST(Encoding, TrigCacheFollowsPositionChanges) {
   nn::PositionEncoding fresh("jordan(m=2, regime=raw, eta0=0.05)", 16, 2);
   fresh->to(torch::kDouble);
   EXPECT_TRUE(torch::equal(o.q, fresh->forward(q.narrow(2, 0, 5), k.narrow(2, 0, 5)).q));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Regressions of issue 7 (hardening)
+
+namespace {
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception type: ") + e.what();
+  }
+  return "no error";
+}
+}  // namespace
+
+// A prefill call then a decode call must give the scores of one full call (the default centre is
+// fixed, not per call): the issue's reproduction differed by 0.15 in attention weights.
+TEST(EncodingHardening, PrefillThenDecodeEqualsOneCall) {
+  torch::manual_seed(1);
+  for (const std::string spec : {"jordan(m=2, regime=scaled, c=1, eta0=0.05)", "damped_rope",
+                                 "jordan(m=2, regime=raw, eta0=0.02)", "rope"}) {
+    SCOPED_TRACE(spec);
+    nn::PositionEncoding enc(spec, 16, 2);
+    enc->to(torch::kDouble);
+    const int64_t T = 64;
+    const auto q = torch::randn({1, 2, T, 16}, torch::kDouble), k = torch::randn_like(q);
+    const auto full = enc->forward(q, k);
+    const auto pre = enc->forward(q.slice(2, 0, T - 1), k.slice(2, 0, T - 1));
+    const auto dec =
+        enc->forward(q.slice(2, T - 1), k.slice(2, T - 1), torch::tensor({double(T - 1)}));
+    const auto keys = torch::cat({pre.k, dec.k}, 2);
+    const auto split = torch::softmax(torch::matmul(dec.q, keys.transpose(-1, -2)), -1);
+    const auto one =
+        torch::softmax(torch::matmul(full.q.slice(2, T - 1), full.k.transpose(-1, -2)), -1);
+    EXPECT_LT((split - one).abs().max().item<double>(), 1e-12);
+    EXPECT_FALSE(enc->warnings_issued().center);
+  }
+  // center=mid is per call: the module says so when the centre moves
+  nn::PositionEncoding mid("damped_rope(center=mid)", 16, 2);
+  const auto x = torch::randn({1, 2, 8, 16});
+  mid->forward(x, x);
+  EXPECT_FALSE(mid->warnings_issued().center);
+  mid->forward(x.slice(2, 0, 1), x.slice(2, 0, 1), torch::tensor({8.0}));
+  EXPECT_TRUE(mid->warnings_issued().center);
+}
+
+TEST(EncodingHardening, WarnsWhenTheClampBindsOrPositionsLoseResolution) {
+  nn::PositionEncoding enc("jordan(m=2, regime=scaled, c=1)", 8, 1);
+  const auto x = torch::randn({1, 1, 4, 8});
+  enc->forward(x, x, torch::tensor({0.0, 1.0, 2.0, 1000.0}));
+  EXPECT_FALSE(enc->warnings_issued().clamp);
+  // |gamma (p - c0)| = (2^20 - 512) / 1024 > 30
+  enc->forward(x, x, torch::tensor({0.0, 1.0, 2.0, double(1 << 20)}));
+  EXPECT_TRUE(enc->warnings_issued().clamp);
+  // float32 positions near 1e7 in steps of 0.25 have collapsed before they reach the module
+  nn::PositionEncoding rope("rope", 8, 1);
+  rope->forward(x, x, torch::tensor({1e7, 1e7 + 0.25, 1e7 + 0.5, 1e7 + 0.75}, torch::kFloat));
+  EXPECT_TRUE(rope->warnings_issued().resolution);
+  nn::PositionEncoding rope64("rope", 8, 1);
+  rope64->forward(x, x, torch::tensor({1e7, 1e7 + 0.25, 1e7 + 0.5, 1e7 + 0.75}, torch::kDouble));
+  EXPECT_FALSE(rope64->warnings_issued().resolution);
+}
+
+TEST(EncodingHardening, EdgeCasesGiveResultsOrNamedErrors) {
+  // T = 0 with a per-call centre: empty outputs, no c10::Error
+  nn::PositionEncoding mid("jordan(m=2, regime=raw, center=mid)", 8, 2);
+  const auto empty = torch::randn({1, 2, 0, 8});
+  const auto out = mid->forward(empty, empty);
+  EXPECT_EQ(out.q.sizes(), empty.sizes());
+  // mixed q/k dtypes
+  nn::PositionEncoding enc("jordan(m=2)", 8, 2);
+  EXPECT_NE(error_of([&] {
+              enc->forward(torch::randn({1, 2, 3, 8}), torch::randn({1, 2, 3, 8}, torch::kDouble));
+            }).find("q is float32 but k is float64"),
+            std::string::npos);
+  // head dims beyond int are not truncated by a cast
+  EXPECT_NE(
+      error_of([] { nn::PositionEncoding("rope", (int64_t{1} << 32) + 64, 1); }).find("head dim"),
+      std::string::npos);
+  EXPECT_NE(error_of([] { nn::PositionEncoding("rope", 64, int64_t{1} << 40); }).find("head count"),
+            std::string::npos);
+  // a clamp float32 cannot hold is an error in float32, fine in float64
+  nn::PositionEncoding big("damped_rope(gamma0=10, max_exp=700)", 16, 1);
+  const auto q = torch::randn({1, 1, 5, 16});
+  const auto pos = torch::tensor({0.0, 10.0, 100.0, 500.0, 1000.0});
+  EXPECT_NE(error_of([&] { big->forward(q, q, pos); }).find("max_exp=700 overflows float32"),
+            std::string::npos);
+  big->to(torch::kDouble);
+  const auto o64 = big->forward(q.to(torch::kDouble), q.to(torch::kDouble), pos);
+  EXPECT_TRUE(torch::isfinite(o64.q).all().item<bool>());
 }

@@ -4,18 +4,20 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cctype>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include "apps/relpos/commands.hpp"
 #include "apps/relpos/table.hpp"
+#include "core/files.hpp"
 #include "core/types.hpp"
 #include "probes/suites.hpp"
 
@@ -31,10 +33,14 @@ struct ProbeArgs {
   std::string suite, dtype = "f64", format = "md", out;
 };
 
-bool is_winner_metric(const std::string& m) { return m.rfind("best", 0) == 0 || m == "paper_winner_mse"; }
+bool is_winner_metric(const std::string& m) {
+  return m.rfind("best", 0) == 0 || m == "paper_winner_mse";
+}
 
 // The printed form our value is compared against: the spec 6.2 digits, else the paper's.
-std::string digits_of(const ProbeCell& c) { return c.reference.empty() ? c.paper : c.reference; }
+std::string digits_of(const ProbeCell& c) {
+  return c.reference.empty() ? c.paper : c.reference;
+}
 
 std::string grape_format(double r2) {
   if (r2 > 0.99995) return "1.000";
@@ -82,7 +88,8 @@ std::string table_title(const SuiteResult& r, const std::string& table, const st
   const auto it = titles.find(table);
   std::string t = it != titles.end() ? it->second : "";
   if (t.empty() && table.rfind("fixed-best", 0) == 0)
-    t = "PJ-RoPE fixed-kernel recovery: best basis at T=8192 (" + table.substr(11) + ") and sector check";
+    t = "PJ-RoPE fixed-kernel recovery: best basis at T=8192 (" + table.substr(11) +
+        ") and sector check";
   else if (t.empty() && table.rfind("fixed", 0) == 0)
     t = "PJ-RoPE fixed-kernel recovery: R^2 at T=8192 (" + table.substr(6) + ")";
   return fmt::format("{} [{}, {}]", t.empty() ? table : t, r.suite, dtype);
@@ -113,8 +120,8 @@ Table pivot(const std::vector<const ProbeCell*>& cells, const std::string& corne
 }
 
 struct Summary {
-  int cells = 0, with_reference = 0, reference_mismatch = 0, with_paper = 0, outside_paper = 0, checks = 0,
-      check_failed = 0;
+  int cells = 0, with_reference = 0, reference_mismatch = 0, with_paper = 0, outside_paper = 0,
+      checks = 0, check_failed = 0;
 };
 Summary summarise(const std::vector<SuiteResult>& results) {
   Summary s;
@@ -139,13 +146,15 @@ Summary summarise(const std::vector<SuiteResult>& results) {
 
 std::string summary_line(const Summary& s, const std::string& dtype) {
   return fmt::format(
-      "{} cells ({}): {} of {} with a jordan-rope.md 6.2 value match it to the printed digits; {} of {} with a "
+      "{} cells ({}): {} of {} with a jordan-rope.md 6.2 value match it to the printed digits; {} "
+      "of {} with a "
       "paper value are within 0.002 abs / 1% rel; sector checks {} of {} pass",
-      s.cells, dtype, s.with_reference - s.reference_mismatch, s.with_reference, s.with_paper - s.outside_paper,
-      s.with_paper, s.checks - s.check_failed, s.checks);
+      s.cells, dtype, s.with_reference - s.reference_mismatch, s.with_reference,
+      s.with_paper - s.outside_paper, s.with_paper, s.checks - s.check_failed, s.checks);
 }
 
-void write_markdown(std::ostream& os, const std::vector<SuiteResult>& results, const std::string& dtype) {
+void write_markdown(std::ostream& os, const std::vector<SuiteResult>& results,
+                    const std::string& dtype) {
   for (const auto& r : results) {
     std::vector<std::string> tables;
     std::map<std::string, std::vector<const ProbeCell*>> by_table;
@@ -155,8 +164,8 @@ void write_markdown(std::ostream& os, const std::vector<SuiteResult>& results, c
     }
     for (const auto& t : tables) {
       os << "### " << table_title(r, t, dtype) << "\n\n";
-      pivot(by_table[t], t == "4" || t.rfind("6", 0) == 0 || t.rfind("16", 0) == 0 || t.rfind("9", 0) == 0 ||
-                                 t.rfind("fixed-best", 0) == 0
+      pivot(by_table[t], t == "4" || t.rfind("6", 0) == 0 || t.rfind("16", 0) == 0 ||
+                                 t.rfind("9", 0) == 0 || t.rfind("fixed-best", 0) == 0
                              ? "target"
                              : "method")
           .write_markdown(os);
@@ -164,7 +173,8 @@ void write_markdown(std::ostream& os, const std::vector<SuiteResult>& results, c
     }
   }
   os << "Legend: ours (paper value); * outside 0.002 abs / 1% rel of the paper; ! differs from the "
-        "jordan-rope.md 6.2 float64 re-derivation at its printed digits; FAIL: sector / exact-containment check "
+        "jordan-rope.md 6.2 float64 re-derivation at its printed digits; FAIL: sector / "
+        "exact-containment check "
         "failed.\n\n"
      << summary_line(summarise(results), dtype) << "\n";
 }
@@ -178,16 +188,22 @@ nlohmann::json cells_json(const std::vector<SuiteResult>& results) {
   nlohmann::json j = nlohmann::json::array();
   for (const auto& r : results)
     for (const auto& c : r.cells) {
-      nlohmann::json o{{"suite", c.suite},   {"table", c.table},   {"target", c.target},
-                       {"method", c.method}, {"metric", c.metric}, {"ours", c.ours},
-                       {"paper", paper_json(c.paper)}, {"dtype", c.dtype},
+      nlohmann::json o{{"suite", c.suite},
+                       {"table", c.table},
+                       {"target", c.target},
+                       {"method", c.method},
+                       {"metric", c.metric},
+                       {"ours", c.ours},
+                       {"paper", paper_json(c.paper)},
+                       {"dtype", c.dtype},
                        {"cond", c.cond < 0 ? nlohmann::json(nullptr) : nlohmann::json(c.cond)}};
       if (!c.paper_method.empty()) o["paper_method"] = c.paper_method;
       if (!c.reference.empty()) {
         o["reference_f64"] = std::stod(c.reference);
         o["matches_reference"] = probes::matches_printed(c.ours, c.reference);
       }
-      if (!c.paper.empty()) o["within_paper_tolerance"] = probes::within_paper_tolerance(c.ours, c.paper);
+      if (!c.paper.empty())
+        o["within_paper_tolerance"] = probes::within_paper_tolerance(c.ours, c.paper);
       if (!c.check.empty()) o["check"] = c.check;
       j.push_back(std::move(o));
     }
@@ -195,16 +211,19 @@ nlohmann::json cells_json(const std::vector<SuiteResult>& results) {
 }
 
 Table cells_csv(const std::vector<SuiteResult>& results) {
-  Table t{{"suite", "table", "target", "method", "metric", "ours", "paper", "reference_f64", "dtype", "cond", "check"},
+  Table t{{"suite", "table", "target", "method", "metric", "ours", "paper", "reference_f64",
+           "dtype", "cond", "check"},
           {}};
   for (const auto& r : results)
     for (const auto& c : r.cells)
-      t.rows.push_back({c.suite, c.table, c.target, c.method, c.metric, fmt::format("{:.17g}", c.ours), c.paper,
-                        c.reference, c.dtype, c.cond < 0 ? "" : fmt::format("{:.6g}", c.cond), c.check});
+      t.rows.push_back({c.suite, c.table, c.target, c.method, c.metric,
+                        fmt::format("{:.17g}", c.ours), c.paper, c.reference, c.dtype,
+                        c.cond < 0 ? "" : fmt::format("{:.6g}", c.cond), c.check});
   return t;
 }
 
-std::string render(const std::vector<SuiteResult>& results, const std::string& format, const std::string& dtype) {
+std::string render(const std::vector<SuiteResult>& results, const std::string& format,
+                   const std::string& dtype) {
   std::ostringstream os;
   if (format == "json")
     os << cells_json(results).dump(2) << "\n";
@@ -215,23 +234,30 @@ std::string render(const std::vector<SuiteResult>& results, const std::string& f
   return os.str();
 }
 
-// Temp-then-rename so that readers never see a half-written file.
-void write_file(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    if (!f) throw InputError(fmt::format("cannot write '{}'", tmp.string()));
-    f << text;
-    if (!f.flush()) throw InputError(fmt::format("cannot write '{}'", tmp.string()));
+// A gnuplot single-quoted string ('' is a literal quote). Only our own file and table names reach
+// the scripts: they are run with the output directory as the working directory, so no user path
+// is ever written into a script or handed to a shell.
+std::string quote_gp(const std::string& s) {
+  std::string o = "'";
+  for (char c : s) {
+    if (c == '\n' || c == '\r') continue;
+    o += c == '\'' ? std::string("''") : std::string(1, c);
   }
-  fs::rename(tmp, path);
+  return o + "'";
 }
 
-std::string quote_gp(const std::string& s) { return "'" + s + "'"; }
+// File stems from suite and target names: letters, digits, '-', '_' and '.' only.
+std::string safe_stem(const std::string& s) {
+  std::string o;
+  for (char c : s)
+    o +=
+        (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.') ? c : '_';
+  return o;
+}
 
 // Plots of the target and the best fit of each family over d = 0..N-1 (gnuplot, PNG). Without
 // gnuplot the CSV and the .gp script are still written.
-void write_plots(const fs::path& dir, const SuiteResult& r, bool* warned) {
+void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
   std::vector<std::string> targets;
   std::map<std::string, std::vector<const probes::ProbeCurve*>> by_target;
   for (const auto& c : r.curves) {
@@ -241,10 +267,11 @@ void write_plots(const fs::path& dir, const SuiteResult& r, bool* warned) {
   const bool have_gnuplot = fs::exists("/usr/bin/gnuplot");
   for (const auto& t : targets) {
     const auto& curves = by_target[t];
-    const std::string stem = fmt::format("{}_{}", r.suite, t);
+    const std::string stem = safe_stem(fmt::format("{}_{}", r.suite, t));
     std::ostringstream csv;
     csv << "d";
-    for (const auto* c : curves) csv << "," << (c->family == "target" ? "target" : c->family + ":" + c->method);
+    for (const auto* c : curves)
+      csv << "," << (c->family == "target" ? "target" : c->family + ":" + c->method);
     csv << "\n";
     const size_t n = curves.front()->y.size();
     for (size_t i = 0; i < n; ++i) {
@@ -252,9 +279,10 @@ void write_plots(const fs::path& dir, const SuiteResult& r, bool* warned) {
       for (const auto* c : curves) csv << "," << fmt::format("{:.9g}", c->y[i]);
       csv << "\n";
     }
-    write_file(dir / (stem + ".csv"), csv.str());
+    out.write(stem + ".csv", csv.str());
     std::ostringstream gp;
-    const std::string data = quote_gp((dir / (stem + ".csv")).string());
+    const std::string data = quote_gp(stem + ".csv");
+    const std::string png_tmp = temp_path_for(fs::path(stem + ".png")).filename().string();
     std::ostringstream series;
     for (size_t k = 0; k < curves.size(); ++k) {
       const auto* c = curves[k];
@@ -262,17 +290,19 @@ void write_plots(const fs::path& dir, const SuiteResult& r, bool* warned) {
              << (c->family == "target" ? "lw 2 lc rgb 'black'" : "lw 1.5") << " title "
              << quote_gp(c->family == "target" ? "target" : c->family + ": " + c->method);
     }
-    // Top: the whole evaluation range; bottom: the last 160 lags, where the oscillation is resolved.
+    // Top: the whole evaluation range; bottom: the last 160 lags, where the oscillation is
+    // resolved.
     gp << "set terminal pngcairo size 1400,900 noenhanced\n"
-       << "set output " << quote_gp((dir / (stem + ".png.tmp")).string()) << "\n"
+       << "set output " << quote_gp(png_tmp) << "\n"
        << "set datafile separator ','\n"
        << "set key outside right top\n"
        << "set multiplot layout 2,1\n"
        << "set xlabel 'lag d'\nset ylabel 'score'\n"
        << "set xrange [0:" << n << "]\n"
        << "set arrow 1 from 1024, graph 0 to 1024, graph 1 nohead dashtype 2\n"
-       << "set title " << quote_gp(fmt::format("{} (Table {}): target and best fit of each family; fit on d < 1024",
-                                              t, curves.front()->table))
+       << "set title "
+       << quote_gp(fmt::format("{} (Table {}): target and best fit of each family; fit on d < 1024",
+                               t, curves.front()->table))
        << "\n"
        << "plot " << series.str() << "\n"
        << "unset arrow 1\n"
@@ -280,18 +310,21 @@ void write_plots(const fs::path& dir, const SuiteResult& r, bool* warned) {
        << "set title 'zoom: the last 160 lags (extrapolation 8x past the fit range)'\n"
        << "plot " << series.str() << "\n"
        << "unset multiplot\n";
-    write_file(dir / (stem + ".gp"), gp.str());
+    out.write(stem + ".gp", gp.str());
     if (!have_gnuplot) {
       if (!*warned) std::cerr << "relpos: gnuplot not found; wrote CSV and .gp scripts only\n";
       *warned = true;
       continue;
     }
-    const std::string cmd = fmt::format("/usr/bin/gnuplot '{}' 2>/dev/null", (dir / (stem + ".gp")).string());
-    if (std::system(cmd.c_str()) != 0 || !fs::exists(dir / (stem + ".png.tmp"))) {
+    // no shell: gnuplot gets the script name as its only argument, in the output directory
+    const fs::path png = out.path() / png_tmp;
+    if (run_program({"/usr/bin/gnuplot", stem + ".gp"}, out.path()) != 0 || !fs::exists(png)) {
+      std::error_code ec;
+      fs::remove(png, ec);
       std::cerr << fmt::format("relpos: gnuplot failed on {}; CSV and script kept\n", stem + ".gp");
       continue;
     }
-    fs::rename(dir / (stem + ".png.tmp"), dir / (stem + ".png"));
+    fs::rename(png, out.path() / (stem + ".png"));
   }
 }
 
@@ -300,19 +333,18 @@ std::vector<std::string> resolve_suites(const std::string& s) {
   if (s == "all") return all;
   if (s == "jordan-t4") return {"jordan-t11"};
   if (std::find(all.begin(), all.end(), s) == all.end())
-    throw InputError(fmt::format("unknown probe suite '{}' (valid: {}, jordan-t4, all)", s, fmt::join(all, ", ")));
+    throw InputError(fmt::format("unknown probe suite '{}' (valid: {}, jordan-t4, all)", s,
+                                 fmt::join(all, ", ")));
   return {s};
 }
 
 // Runs the suites, prints (and with --out writes) the tables; returns the summary.
-Summary run_and_emit(const std::vector<std::string>& suites, const ProbeArgs& a, const std::string& out_name) {
+Summary run_and_emit(const std::vector<std::string>& suites, const ProbeArgs& a,
+                     const std::string& out_name) {
   const auto precision = a.dtype == "f32" ? probes::Precision::F32 : probes::Precision::F64;
   const bool plots = !a.out.empty();
-  if (plots) {
-    std::error_code ec;
-    fs::create_directories(a.out, ec);
-    if (ec || !fs::is_directory(a.out)) throw InputError(fmt::format("--out '{}' is not a writable directory", a.out));
-  }
+  std::optional<OutputDir> out;
+  if (plots) out.emplace(a.out, "relpos " + out_name);
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<SuiteResult> results;
   for (const auto& s : suites) results.push_back(probes::run_probe_suite(s, precision, plots));
@@ -320,31 +352,36 @@ Summary run_and_emit(const std::vector<std::string>& suites, const ProbeArgs& a,
   const std::string text = render(results, a.format, a.dtype);
   std::cout << text;
   if (a.format == "md") std::cout << fmt::format("\ncomputed in {:.2f} s\n", secs);
-  if (plots) {
-    const std::string ext = a.format;
-    write_file(fs::path(a.out) / (out_name + "." + ext), text);
+  if (out) {
+    out->write(out_name + "." + a.format, text);
     bool warned = false;
     for (const auto& r : results)
-      if (!r.curves.empty()) write_plots(a.out, r, &warned);
+      if (!r.curves.empty()) write_plots(*out, r, &warned);
+    out->finish();
   }
   return summarise(results);
 }
 
 void add_common_options(CLI::App* cmd, const std::shared_ptr<ProbeArgs>& a) {
-  cmd->add_option("--dtype", a->dtype, "f64 (default) or f32 (normal equations / lstsq solved in float)")
+  cmd->add_option("--dtype", a->dtype,
+                  "f64 (default) or f32 (normal equations / lstsq solved in float)")
       ->check(CLI::IsMember({"f32", "f64"}));
-  cmd->add_option("--format", a->format, "md, csv or json")->check(CLI::IsMember({"md", "csv", "json"}));
-  cmd->add_option("--out", a->out, "directory for the tables and the plots (target and best fits, gnuplot PNG)");
+  cmd->add_option("--format", a->format, "md, csv or json")
+      ->check(CLI::IsMember({"md", "csv", "json"}));
+  cmd->add_option("--out", a->out,
+                  "directory for the tables and the plots (target and best fits, gnuplot PNG)");
 }
 
 }  // namespace
 
 void add_probe_command(CLI::App& app) {
   auto a = std::make_shared<ProbeArgs>();
-  auto* cmd = app.add_subcommand(
-      "probe", "Basis-level fixed-kernel probes: least-squares fits of target lag kernels over primitive bases");
+  auto* cmd = app.add_subcommand("probe",
+                                 "Basis-level fixed-kernel probes: least-squares fits of target "
+                                 "lag kernels over primitive bases");
   cmd->add_option("--suite", a->suite,
-                  fmt::format("{}, jordan-t4 (= jordan-t11), or all", fmt::join(probes::probe_suite_names(), ", ")))
+                  fmt::format("{}, jordan-t4 (= jordan-t11), or all",
+                              fmt::join(probes::probe_suite_names(), ", ")))
       ->required();
   add_common_options(cmd, a);
   cmd->callback([a] {
@@ -357,16 +394,18 @@ void add_reproduce_command(CLI::App& app) {
   auto a = std::make_shared<ProbeArgs>();
   std::string what;
   auto* cmd = app.add_subcommand("reproduce", "Reproduce a paper experiment end to end");
-  cmd->add_option("experiment", a->suite, "jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, 16)")->required();
+  cmd->add_option("experiment", a->suite, "jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, 16)")
+      ->required();
   add_common_options(cmd, a);
   cmd->callback([a] {
     if (a->suite != "jordan-basis")
       throw InputError(fmt::format("unknown experiment '{}' (valid: jordan-basis)", a->suite));
-    const Summary s =
-        run_and_emit({"jordan-t3", "jordan-t11", "jordan-t6", "jordan-t16"}, *a, "reproduce-jordan-basis");
+    const Summary s = run_and_emit({"jordan-t3", "jordan-t11", "jordan-t6", "jordan-t16"}, *a,
+                                   "reproduce-jordan-basis");
     // In float64 every cell must reproduce the spec's re-derivation to its printed digits.
     if (a->dtype == "f64" && s.reference_mismatch > 0) {
-      std::cerr << fmt::format("relpos: {} cells differ from jordan-rope.md 6.2\n", s.reference_mismatch);
+      std::cerr << fmt::format("relpos: {} cells differ from jordan-rope.md 6.2\n",
+                               s.reference_mismatch);
       throw ExitStatus{1};
     }
   });

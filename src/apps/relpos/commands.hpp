@@ -2,6 +2,10 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+#include "core/parse.hpp"
 
 namespace relpos::app {
 
@@ -9,6 +13,23 @@ namespace relpos::app {
 struct ExitStatus {
   int code;
 };
+
+// --seed as a full-range unsigned 64-bit integer: "-1", "1e3" or a 20-digit overflow are input
+// errors (CLI11 alone would wrap or truncate some of them).
+inline CLI::Option* add_seed_option(CLI::App* cmd, uint64_t* seed, const std::string& help) {
+  return cmd
+      ->add_option_function<std::string>(
+          "--seed",
+          [seed](const std::string& s) {
+            const auto v = parse_uint64(s);
+            if (!v)
+              throw CLI::ValidationError("--seed",
+                                         "'" + brief(s) + "' is not an integer in [0, 2^64 - 1]");
+            *seed = *v;
+          },
+          help)
+      ->type_name("UINT64");
+}
 
 void add_list_command(CLI::App& app);
 void add_verify_command(CLI::App& app);

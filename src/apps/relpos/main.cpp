@@ -1,17 +1,18 @@
 // relpos: the command-line tool. Every subcommand lives in its own cmd_*.cpp.
-#include <fmt/format.h>
-
 #include <ATen/Parallel.h>
+#include <fmt/format.h>
 
 #include <iostream>
 #include <thread>
 
 #include "apps/relpos/commands.hpp"
+#include "core/parse.hpp"
 #include "core/types.hpp"
 
 int main(int argc, char** argv) {
   // LibTorch's intra-op pool sized from the machine (our kernels use OpenMP's, same default)
-  if (const unsigned n = std::thread::hardware_concurrency(); n > 0) at::set_num_threads(static_cast<int>(n));
+  if (const unsigned n = std::thread::hardware_concurrency(); n > 0)
+    at::set_num_threads(static_cast<int>(n));
   CLI::App app{"relpos: relative positional encodings for attention - verify, probe, train"};
   app.require_subcommand(1);
   relpos::app::add_list_command(app);
@@ -19,17 +20,23 @@ int main(int argc, char** argv) {
   relpos::app::add_kernel_command(app);
   relpos::app::add_probe_command(app);
   relpos::app::add_reproduce_command(app);
+  // Exit codes (docs/errors.md): 0 ok, 1 a check failed, 2 bad input, anything else a bug.
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version are "errors" with code 0 to CLI11; every real parse error is input
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::cerr << "relpos: error: " << relpos::brief(e.what(), 1000) << "\n"
+              << "run 'relpos --help' or 'relpos COMMAND --help' for the options\n";
+    return 2;
   } catch (const relpos::app::ExitStatus& e) {
     return e.code;
   } catch (const relpos::InputError& e) {
-    std::cerr << "relpos: error: " << e.what() << "\n";
+    std::cerr << "relpos: error: " << relpos::brief(e.what(), 1000) << "\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "relpos: internal error: " << e.what() << "\n";
+    std::cerr << "relpos: internal error (please report): " << relpos::brief(e.what(), 1000)
+              << "\n";
     return 3;
   }
   return 0;
