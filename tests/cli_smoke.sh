@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CLI smoke test: the tool runs, verifies, and turns bad input into a named error and exit code.
 set -u
-relpos=$1
+relpos=$(realpath "$1")
 fail=0
 check() { # expected-exit description command...
   local want=$1 what=$2; shift 2
@@ -17,5 +17,41 @@ check 2 "indivisible head dim" "$relpos" kernel --enc "jordan(m=3)" --head-dim 6
 check 2 "L <= 0" "$relpos" kernel --enc "jordan(L=0)" --lags 0:2
 check 2 "bad lags" "$relpos" kernel --enc rope --lags 5
 check 2 "unknown kernel build" env RELPOS_KERNEL_ISA=sse9 "$relpos" verify --enc rope --len 64 --positions 8
+# issue 7 regressions: one exit-code contract (0 ok, 1 check failed, 2 bad input)
+check 0 "help is not an error" "$relpos" verify --help
+check 2 "CLI11 parse error: unknown flag" "$relpos" verify --bogus
+check 2 "CLI11 parse error: missing value" "$relpos" verify --enc
+check 2 "CLI11 parse error: no subcommand" "$relpos"
+check 2 "head dim beyond int" "$relpos" verify --enc rope --head-dim 99999999999
+check 2 "huge number in an alias" "$relpos" verify --enc jordan_m99999999999
+check 2 "trailing junk in an alias" "$relpos" kernel --enc jordan_exact_m3_c05O --head-dim 48 --lags 0:1
+check 2 "jordan_exactly" "$relpos" kernel --enc jordan_exactly --lags 0:1
+check 2 "jetmixXYZ" "$relpos" kernel --enc jordan_jetmixXYZ_m3_g010_g005 --lags 0:1
+check 2 "nan lags" "$relpos" kernel --enc rope --lags nan:4
+check 2 "junk lags" "$relpos" kernel --enc rope --lags 0abc:4xyz
+check 2 "c out of range" "$relpos" kernel --enc "jordan(regime=scaled, c=1e308)" --lags 0:1
+check 2 "L out of range" "$relpos" kernel --enc "jordan(regime=scaled, L=1e-300)" --lags 0:1
+check 2 "theta out of range" "$relpos" kernel --enc "rope(theta=1e-300)" --lags 0:1
+check 2 "center out of range" "$relpos" kernel --enc "jordan(regime=raw, center=1e308)" --lags 0:1
+check 2 "seed beyond 64 bits" "$relpos" kernel --enc rope --params random --seed 99999999999999999999999 --lags 0:1
+check 2 "negative seed" "$relpos" kernel --enc rope --params random --seed -1 --lags 0:1
+check 2 "lag step below float64 resolution" "$relpos" kernel --enc rope --lags 1e16:1.0000000000000004e16:0.1
+check 0 "negative lags stay finite" "$relpos" kernel --enc damped_rope --lags -1e6:-1e6
+out=$("$relpos" kernel --enc damped_rope --lags -1e6:-999998 2>/dev/null)
+echo "$out" | grep -qiE 'inf|nan' && { echo "FAIL: kernel printed inf/nan at negative lags"; fail=1; }
+out=$("$relpos" kernel --enc rope --lags 1e3:1.0005e3:0.0001 2>/dev/null | cut -d, -f1 | tail -n +2)
+[ "$(echo "$out" | sort | uniq -d | wc -l)" = 0 ] || { echo "FAIL: repeated lag labels"; fail=1; }
+big=$(head -c 100000 /dev/zero | tr '\0' 'x')
+out=$("$relpos" verify --enc "$big" 2>&1); [ ${#out} -lt 2000 ] || { echo "FAIL: a 100 KB spec is echoed in full (${#out} chars)"; fail=1; }
+# no shell on user paths: quotes, $(), backticks and newlines in --out
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+for name in "x'; touch PWNED; echo '" 'a$(touch PWNED)b' 'c`touch PWNED`d' "$(printf 'e\ntouch PWNED\nf')"; do
+  check 0 "probe --out with a hostile name" bash -c 'cd "$1" && "$2" probe --suite jordan-t3 --format csv --out "$1/$3"' _ "$tmp" "$relpos" "$name"
+  [ -f "$tmp/$name/probe-jordan-t3.csv" ] || { echo "FAIL: no table in the hostile --out directory"; fail=1; }
+  [ -e "$tmp/$name/INCOMPLETE" ] && { echo "FAIL: finished run left its INCOMPLETE marker"; fail=1; }
+  ls -A "$tmp/$name" | grep -q '\.tmp\.' && { echo "FAIL: temp files left behind"; fail=1; }
+done
+find "$tmp" / -maxdepth 1 -name PWNED 2>/dev/null | grep -q . && { echo "FAIL: a shell ran a user string"; fail=1; }
+[ -e "$tmp/PWNED" ] && { echo "FAIL: a shell ran a user string"; fail=1; }
 out=$("$relpos" verify --enc "bogus" 2>&1); echo "$out" | grep -q "unknown mechanism 'bogus'" || { echo "FAIL: error text does not name the mechanism: $out"; fail=1; }
 exit $fail

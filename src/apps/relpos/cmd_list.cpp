@@ -8,7 +8,8 @@
 namespace relpos::app {
 
 void add_list_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("list", "List every mechanism: options, defaults, exactness, paper");
+  auto* cmd =
+      app.add_subcommand("list", "List every mechanism: options, defaults, exactness, paper");
   auto format = std::make_shared<std::string>("md");
   cmd->add_option("--format", *format, "md or json")->check(CLI::IsMember({"md", "json"}));
   cmd->callback([format] {
@@ -17,10 +18,20 @@ void add_list_command(CLI::App& app) {
       nlohmann::json j = nlohmann::json::array();
       for (const auto& m : cat) {
         nlohmann::json opts = nlohmann::json::array();
-        for (const auto& o : m.options)
-          opts.push_back({{"key", o.key}, {"default", o.default_value}, {"doc", o.doc}});
-        j.push_back({{"name", m.name}, {"kind", m.kind}, {"summary", m.summary},
-                     {"exactness", m.exactness}, {"paper", m.paper}, {"options", opts},
+        for (const auto& o : m.options) {
+          nlohmann::json oj{{"key", o.key}, {"default", o.default_value}, {"doc", o.doc}};
+          if (o.has_range()) {
+            oj["min"] = o.min;
+            oj["max"] = o.max;
+          }
+          opts.push_back(std::move(oj));
+        }
+        j.push_back({{"name", m.name},
+                     {"kind", m.kind},
+                     {"summary", m.summary},
+                     {"exactness", m.exactness},
+                     {"paper", m.paper},
+                     {"options", opts},
                      {"aliases", m.aliases}});
       }
       std::cout << j.dump(2) << "\n";
@@ -37,8 +48,10 @@ void add_list_command(CLI::App& app) {
         std::cout << "no options\n";
         continue;
       }
-      Table o{{"option", "default", "meaning"}, {}};
-      for (const auto& x : m.options) o.rows.push_back({x.key, x.default_value, x.doc});
+      Table o{{"option", "default", "range", "meaning"}, {}};
+      for (const auto& x : m.options)
+        o.rows.push_back({x.key, x.default_value,
+                          x.has_range() ? fmt::format("[{:g}, {:g}]", x.min, x.max) : "", x.doc});
       std::cout << "\n";
       o.write_markdown(std::cout);
     }
