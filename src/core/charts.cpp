@@ -4,28 +4,6 @@
 
 namespace relpos {
 
-std::string to_string(Layout l) { return l == Layout::Interleaved ? "interleaved" : "half_split"; }
-
-std::string to_string(Chart c) {
-  switch (c) {
-    case Chart::Raw:
-      return "raw";
-    case Chart::Bounded:
-      return "bounded_tau";
-    case Chart::LightconePhi:
-      return "lightcone_phi";
-    case Chart::LightconeBeta:
-      return "lightcone_beta";
-  }
-  return "?";
-}
-
-Layout parse_layout(const std::string& s) {
-  if (s == "interleaved") return Layout::Interleaved;
-  if (s == "half_split" || s == "halfsplit" || s == "neox") return Layout::HalfSplit;
-  throw InputError(fmt::format("unknown layout '{}' (valid: interleaved, half_split)", s));
-}
-
 std::vector<double> rope_frequencies(double theta, int dim, int count) {
   std::vector<double> w(static_cast<size_t>(count));
   for (int k = 0; k < count; ++k) w[k] = std::pow(theta, -2.0 * k / dim);

@@ -26,8 +26,6 @@ inline double chart_value(Chart chart, double t, double L) {
 // True when sigma is linear, i.e. sigma(a) - sigma(b) depends on a - b only.
 inline bool chart_is_linear(Chart chart) { return chart == Chart::Raw; }
 
-inline double scaled_lag(double d, double L) { return d / L; }
-inline double bounded_tau(double d, double L) { return chart_value(Chart::Bounded, d, L); }
 inline double lightcone_phi(double d, double L) { return chart_value(Chart::LightconePhi, d, L); }
 inline double lightcone_beta(double d, double L) { return chart_value(Chart::LightconeBeta, d, L); }
 

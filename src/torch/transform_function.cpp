@@ -65,8 +65,8 @@ Geometry geometry(const torch::Tensor& q, const torch::Tensor& positions, double
 
 // An output buffer the kernel will fill. Large ones are advised as transparent huge pages before
 // their first write: a fresh 16 MiB tensor otherwise costs 4096 page faults taken by the kernel's
-// threads at once, which on the development VM varied between 1 and 30 ms per call, more than
-// the kernel itself (see docs/performance.md). Harmless where THP is off or the memory reused.
+// threads at once, which can cost more than the kernel itself (measurements in
+// docs/performance.md). Harmless where THP is off or the memory reused.
 torch::Tensor output_like(const torch::Tensor& t) {
   auto out = torch::empty_like(t);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)

@@ -23,26 +23,27 @@ struct VerifyArgs {
 };
 
 nlohmann::json to_json(const diag::VerifyRow& r) {
-  return {{"spec", r.spec},
-          {"canonical", r.canonical},
-          {"head_dim", r.head_dim},
-          {"declared", r.declared},
-          {"transform_exact", r.transform_exact},
-          {"params", r.params},
-          {"dtype", r.dtype},
-          {"center", r.center},
-          {"relative_residual", r.residual},
-          {"relative_residual_qk_norm", r.residual_qk},
-          {"shift_residual", r.shift_residual},
-          {"key_growth_centered", r.key_growth},
-          {"query_growth_centered", r.query_growth},
-          {"key_growth_uncentered", r.key_growth_uncentered},
-          {"query_growth_uncentered", r.query_growth_uncentered},
-          {"clamp_bound_centered", r.clamp_bound},
-          {"clamp_bound_uncentered", r.clamp_bound_uncentered},
-          {"alibi_lift_residual", r.alibi_lift_residual < 0 ? nlohmann::json(nullptr)
-                                                             : nlohmann::json(r.alibi_lift_residual)},
-          {"status", r.status}};
+  return {
+      {"spec", r.spec},
+      {"canonical", r.canonical},
+      {"head_dim", r.head_dim},
+      {"declared", r.declared},
+      {"transform_exact", r.transform_exact},
+      {"params", r.params},
+      {"dtype", r.dtype},
+      {"center", r.center},
+      {"relative_residual", r.residual},
+      {"relative_residual_qk_norm", r.residual_qk},
+      {"shift_residual", r.shift_residual},
+      {"key_growth_centered", r.key_growth},
+      {"query_growth_centered", r.query_growth},
+      {"key_growth_uncentered", r.key_growth_uncentered},
+      {"query_growth_uncentered", r.query_growth_uncentered},
+      {"clamp_bound_centered", r.clamp_bound},
+      {"clamp_bound_uncentered", r.clamp_bound_uncentered},
+      {"alibi_lift_residual",
+       r.alibi_lift_residual < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.alibi_lift_residual)},
+      {"status", r.status}};
 }
 }  // namespace
 
@@ -51,14 +52,19 @@ void add_verify_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "verify", "Check each mechanism's declared exactness against the papers' float64 formulas");
   cmd->add_option("--enc", a->specs, "mechanism spec (repeatable); default: every mechanism");
-  cmd->add_option("--len", a->len, "largest lag / position N")->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
-  cmd->add_option("--dtype", a->dtype, "f32, f64 or both")->check(CLI::IsMember({"f32", "f64", "both"}));
-  cmd->add_option("--format", a->format, "md, csv or json")->check(CLI::IsMember({"md", "csv", "json"}));
+  cmd->add_option("--len", a->len, "largest lag / position N")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--dtype", a->dtype, "f32, f64 or both")
+      ->check(CLI::IsMember({"f32", "f64", "both"}));
+  cmd->add_option("--format", a->format, "md, csv or json")
+      ->check(CLI::IsMember({"md", "csv", "json"}));
   cmd->add_option("--layout", a->layout, "interleaved or half_split");
-  cmd->add_option("--head-dim", a->head_dim, "head dimension (orders that do not divide it use the nearest that fits)")
+  cmd->add_option("--head-dim", a->head_dim,
+                  "head dimension (orders that do not divide it use the nearest that fits)")
       ->check(CLI::Range(2, 4096));
   cmd->add_option("--heads", a->heads, "heads")->check(CLI::Range(1, 256));
-  cmd->add_option("--positions", a->positions, "sampled positions (all pairs are scored)")->check(CLI::Range(8, 2000));
+  cmd->add_option("--positions", a->positions, "sampled positions (all pairs are scored)")
+      ->check(CLI::Range(8, 2000));
   cmd->add_option("--seed", a->seed, "random seed");
   cmd->callback([a] {
     diag::VerifyOptions o;
@@ -80,8 +86,10 @@ void add_verify_command(CLI::App& app) {
     if (a->format == "json") {
       nlohmann::json j = nlohmann::json::array();
       for (const auto& r : rows) j.push_back(to_json(r));
-      std::cout << nlohmann::json{{"max_lag", o.max_lag}, {"exact_tol_f64", o.exact_tol},
-                                  {"failed", failed}, {"rows", j}}
+      std::cout << nlohmann::json{{"max_lag", o.max_lag},
+                                  {"exact_tol_f64", o.exact_tol},
+                                  {"failed", failed},
+                                  {"rows", j}}
                        .dump(2)
                 << "\n";
     } else {

@@ -1,19 +1,18 @@
 // relpos: the command-line tool. Every subcommand lives in its own cmd_*.cpp.
-#include <ATen/Parallel.h>
 #include <fmt/format.h>
 
 #include <iostream>
-#include <thread>
 
 #include "apps/relpos/commands.hpp"
 #include "core/parse.hpp"
 #include "core/types.hpp"
 
 int main(int argc, char** argv) {
-  // LibTorch's intra-op pool sized from the machine (our kernels use OpenMP's, same default)
-  if (const unsigned n = std::thread::hardware_concurrency(); n > 0)
-    at::set_num_threads(static_cast<int>(n));
-  CLI::App app{"relpos: relative positional encodings for attention - verify, probe, train"};
+  // The CLI needs no LibTorch: its kernels run on OpenMP's pool (one thread per core by default,
+  // OMP_NUM_THREADS to change), and a call starts in milliseconds.
+  CLI::App app{
+      "relpos: relative positional encodings for attention - list, verify, kernel, probe, "
+      "reproduce"};
   app.require_subcommand(1);
   relpos::app::add_list_command(app);
   relpos::app::add_verify_command(app);

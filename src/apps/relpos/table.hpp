@@ -48,6 +48,8 @@ struct Table {
   }
 };
 
-inline std::string sci(double x) { return fmt::format("{:.2e}", x); }
+inline std::string sci(double x) {
+  return fmt::format("{:.2e}", x);
+}
 
 }  // namespace relpos::app

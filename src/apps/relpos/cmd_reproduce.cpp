@@ -1,0 +1,33 @@
+// relpos reproduce: a paper experiment end to end, our table beside the paper's.
+#include <fmt/format.h>
+
+#include <iostream>
+
+#include "apps/relpos/commands.hpp"
+#include "apps/relpos/probe_report.hpp"
+#include "core/types.hpp"
+
+namespace relpos::app {
+
+void add_reproduce_command(CLI::App& app) {
+  auto a = std::make_shared<ProbeArgs>();
+  std::string what;
+  auto* cmd = app.add_subcommand("reproduce", "Reproduce a paper experiment end to end");
+  cmd->add_option("experiment", a->suite, "jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, 16)")
+      ->required();
+  add_common_options(cmd, a);
+  cmd->callback([a] {
+    if (a->suite != "jordan-basis")
+      throw InputError(fmt::format("unknown experiment '{}' (valid: jordan-basis)", a->suite));
+    const Summary s = run_and_emit({"jordan-t3", "jordan-t11", "jordan-t6", "jordan-t16"}, *a,
+                                   "reproduce-jordan-basis");
+    // In float64 every cell must reproduce the spec's re-derivation to its printed digits.
+    if (a->dtype == "f64" && s.reference_mismatch > 0) {
+      std::cerr << fmt::format("relpos: {} cells differ from jordan-rope.md 6.2\n",
+                               s.reference_mismatch);
+      throw ExitStatus{1};
+    }
+  });
+}
+
+}  // namespace relpos::app

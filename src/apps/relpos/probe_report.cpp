@@ -1,0 +1,359 @@
+// Probe reports for relpos probe / relpos reproduce: basis-level fixed-kernel probes (Jordan-RoPE
+// Tables 3, 4, 6, 11, 16; PJ-RoPE fixed-kernel recovery and the GRAPE projection table), printed
+// like the papers' tables with the paper's value beside ours.
+#include "apps/relpos/probe_report.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "apps/relpos/table.hpp"
+#include "core/files.hpp"
+#include "core/types.hpp"
+#include "probes/suites.hpp"
+
+namespace relpos::app {
+
+namespace fs = std::filesystem;
+using probes::ProbeCell;
+using probes::SuiteResult;
+
+namespace {
+
+bool is_winner_metric(const std::string& m) {
+  return m.rfind("best", 0) == 0 || m == "paper_winner_mse";
+}
+
+// The printed form our value is compared against: the spec 6.2 digits, else the paper's.
+std::string digits_of(const ProbeCell& c) {
+  return c.reference.empty() ? c.paper : c.reference;
+}
+
+std::string grape_format(double r2) {
+  if (r2 > 0.99995) return "1.000";
+  if (r2 < -10.0) return "-";  // the export's em dash: failed extrapolation
+  return fmt::format("{:.3f}", r2);
+}
+
+std::string cell_text(const ProbeCell& c) {
+  std::string s;
+  if (is_winner_metric(c.metric)) s = c.method + " ";
+  if (c.suite == "pj-grape-t9" && c.metric == "r2")
+    s += grape_format(c.ours);
+  else if (c.suite.rfind("pj-", 0) == 0 && c.metric == "best_r2")
+    s += fmt::format("{:.8f}", c.ours);  // exact containment is R^2 > 0.999999
+  else if (c.metric == "min_order")
+    s += fmt::format("{}", static_cast<int>(c.ours));
+  else
+    s += probes::format_like(c.ours, digits_of(c));
+  if (!c.paper.empty() && c.metric != "min_order") {
+    s += " (paper ";
+    if (!c.paper_method.empty() && c.paper_method != c.method) s += c.paper_method + " ";
+    s += c.paper + ")";
+    if (!probes::within_paper_tolerance(c.ours, c.paper)) s += " *";
+  }
+  if (!c.reference.empty() && !probes::matches_printed(c.ours, c.reference)) s += " !";
+  if (c.check == "FAIL") s += " FAIL";
+  return s;
+}
+
+std::string table_title(const SuiteResult& r, const std::string& table, const std::string& dtype) {
+  static const std::map<std::string, std::string> titles = {
+      {"3", "Jordan-RoPE Table 3: fixed-kernel probes, MSE at 8192 (fit d<1024)"},
+      {"11", "Jordan-RoPE Table 11: structured probes, MSE at 8192"},
+      {"11-r2", "Jordan-RoPE Table 11 (R^2 at 8192, not in the paper)"},
+      {"4", "Jordan-RoPE Table 4: best method per structured probe (MSE at 8192)"},
+      {"6", "Jordan-RoPE Table 6: high-order fixed-basis probes (head_dim 96, length 8192)"},
+      {"6-detail", "Table 6 detail: MSE at 8192, every basis"},
+      {"6-detail-r2", "Table 6 detail: R^2 at 8192, every basis"},
+      {"16", "Jordan-RoPE Table 16: R^2 at 8192"},
+      {"16-detail", "Table 16 detail: MSE at 8192, every basis"},
+      {"16-detail-r2", "Table 16 detail: R^2 at 8192, every basis"},
+      {"9", "GRAPE appendix Table 9: R^2 at T=32768 (fit d<1024, omega 17 cycles)"},
+      {"9-best", "GRAPE Table 9: best basis per target and exact-containment check"},
+  };
+  const auto it = titles.find(table);
+  std::string t = it != titles.end() ? it->second : "";
+  if (t.empty() && table.rfind("fixed-best", 0) == 0)
+    t = "PJ-RoPE fixed-kernel recovery: best basis at T=8192 (" + table.substr(11) +
+        ") and sector check";
+  else if (t.empty() && table.rfind("fixed", 0) == 0)
+    t = "PJ-RoPE fixed-kernel recovery: R^2 at T=8192 (" + table.substr(6) + ")";
+  return fmt::format("{} [{}, {}]", t.empty() ? table : t, r.suite, dtype);
+}
+
+// Cells of one table pivoted into rows x columns, in first-appearance order.
+Table pivot(const std::vector<const ProbeCell*>& cells, const std::string& corner) {
+  std::vector<std::string> rows, cols;
+  std::map<std::pair<std::string, std::string>, std::string> text;
+  for (const auto* c : cells) {
+    if (std::find(rows.begin(), rows.end(), c->row) == rows.end()) rows.push_back(c->row);
+    if (std::find(cols.begin(), cols.end(), c->col) == cols.end()) cols.push_back(c->col);
+    auto& t = text[{c->row, c->col}];
+    t += (t.empty() ? "" : "; ") + cell_text(*c);
+  }
+  Table t;
+  t.header.push_back(corner);
+  for (const auto& c : cols) t.header.push_back(c);
+  for (const auto& r : rows) {
+    std::vector<std::string> row{r};
+    for (const auto& c : cols) {
+      const auto it = text.find({r, c});
+      row.push_back(it == text.end() ? "" : it->second);
+    }
+    t.rows.push_back(std::move(row));
+  }
+  return t;
+}
+
+Summary summarise(const std::vector<SuiteResult>& results) {
+  Summary s;
+  for (const auto& r : results)
+    for (const auto& c : r.cells) {
+      ++s.cells;
+      if (!c.reference.empty()) {
+        ++s.with_reference;
+        s.reference_mismatch += !probes::matches_printed(c.ours, c.reference);
+      }
+      if (!c.paper.empty() && c.metric != "min_order") {
+        ++s.with_paper;
+        s.outside_paper += !probes::within_paper_tolerance(c.ours, c.paper);
+      }
+      if (!c.check.empty()) {
+        ++s.checks;
+        s.check_failed += c.check == "FAIL";
+      }
+    }
+  return s;
+}
+
+std::string summary_line(const Summary& s, const std::string& dtype) {
+  return fmt::format(
+      "{} cells ({}): {} of {} with a jordan-rope.md 6.2 value match it to the printed digits; {} "
+      "of {} with a "
+      "paper value are within 0.002 abs / 1% rel; sector checks {} of {} pass",
+      s.cells, dtype, s.with_reference - s.reference_mismatch, s.with_reference,
+      s.with_paper - s.outside_paper, s.with_paper, s.checks - s.check_failed, s.checks);
+}
+
+void write_markdown(std::ostream& os, const std::vector<SuiteResult>& results,
+                    const std::string& dtype) {
+  for (const auto& r : results) {
+    std::vector<std::string> tables;
+    std::map<std::string, std::vector<const ProbeCell*>> by_table;
+    for (const auto& c : r.cells) {
+      if (!by_table.count(c.table)) tables.push_back(c.table);
+      by_table[c.table].push_back(&c);
+    }
+    for (const auto& t : tables) {
+      os << "### " << table_title(r, t, dtype) << "\n\n";
+      pivot(by_table[t], t == "4" || t.rfind("6", 0) == 0 || t.rfind("16", 0) == 0 ||
+                                 t.rfind("9", 0) == 0 || t.rfind("fixed-best", 0) == 0
+                             ? "target"
+                             : "method")
+          .write_markdown(os);
+      os << "\n";
+    }
+  }
+  os << "Legend: ours (paper value); * outside 0.002 abs / 1% rel of the paper; ! differs from the "
+        "jordan-rope.md 6.2 float64 re-derivation at its printed digits; FAIL: sector / "
+        "exact-containment check "
+        "failed.\n\n"
+     << summary_line(summarise(results), dtype) << "\n";
+}
+
+nlohmann::json paper_json(const std::string& s) {
+  if (s.empty()) return nullptr;
+  return std::stod(s);
+}
+
+nlohmann::json cells_json(const std::vector<SuiteResult>& results) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& r : results)
+    for (const auto& c : r.cells) {
+      nlohmann::json o{{"suite", c.suite},
+                       {"table", c.table},
+                       {"target", c.target},
+                       {"method", c.method},
+                       {"metric", c.metric},
+                       {"ours", c.ours},
+                       {"paper", paper_json(c.paper)},
+                       {"dtype", c.dtype},
+                       {"cond", c.cond < 0 ? nlohmann::json(nullptr) : nlohmann::json(c.cond)}};
+      if (!c.paper_method.empty()) o["paper_method"] = c.paper_method;
+      if (!c.reference.empty()) {
+        o["reference_f64"] = std::stod(c.reference);
+        o["matches_reference"] = probes::matches_printed(c.ours, c.reference);
+      }
+      if (!c.paper.empty())
+        o["within_paper_tolerance"] = probes::within_paper_tolerance(c.ours, c.paper);
+      if (!c.check.empty()) o["check"] = c.check;
+      j.push_back(std::move(o));
+    }
+  return j;
+}
+
+Table cells_csv(const std::vector<SuiteResult>& results) {
+  Table t{{"suite", "table", "target", "method", "metric", "ours", "paper", "reference_f64",
+           "dtype", "cond", "check"},
+          {}};
+  for (const auto& r : results)
+    for (const auto& c : r.cells)
+      t.rows.push_back({c.suite, c.table, c.target, c.method, c.metric,
+                        fmt::format("{:.17g}", c.ours), c.paper, c.reference, c.dtype,
+                        c.cond < 0 ? "" : fmt::format("{:.6g}", c.cond), c.check});
+  return t;
+}
+
+std::string render(const std::vector<SuiteResult>& results, const std::string& format,
+                   const std::string& dtype) {
+  std::ostringstream os;
+  if (format == "json")
+    os << cells_json(results).dump(2) << "\n";
+  else if (format == "csv")
+    cells_csv(results).write_csv(os);
+  else
+    write_markdown(os, results, dtype);
+  return os.str();
+}
+
+// A gnuplot single-quoted string ('' is a literal quote). Only our own file and table names reach
+// the scripts: they are run with the output directory as the working directory, so no user path
+// is ever written into a script or handed to a shell.
+std::string quote_gp(const std::string& s) {
+  std::string o = "'";
+  for (char c : s) {
+    if (c == '\n' || c == '\r') continue;
+    o += c == '\'' ? std::string("''") : std::string(1, c);
+  }
+  return o + "'";
+}
+
+// File stems from suite and target names: letters, digits, '-', '_' and '.' only.
+std::string safe_stem(const std::string& s) {
+  std::string o;
+  for (char c : s)
+    o +=
+        (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.') ? c : '_';
+  return o;
+}
+
+// Plots of the target and the best fit of each family over d = 0..N-1 (gnuplot, PNG). Without
+// gnuplot the CSV and the .gp script are still written.
+void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
+  std::vector<std::string> targets;
+  std::map<std::string, std::vector<const probes::ProbeCurve*>> by_target;
+  for (const auto& c : r.curves) {
+    if (!by_target.count(c.target)) targets.push_back(c.target);
+    by_target[c.target].push_back(&c);
+  }
+  const bool have_gnuplot = fs::exists("/usr/bin/gnuplot");
+  for (const auto& t : targets) {
+    const auto& curves = by_target[t];
+    const std::string stem = safe_stem(fmt::format("{}_{}", r.suite, t));
+    std::ostringstream csv;
+    csv << "d";
+    for (const auto* c : curves)
+      csv << "," << (c->family == "target" ? "target" : c->family + ":" + c->method);
+    csv << "\n";
+    const size_t n = curves.front()->y.size();
+    for (size_t i = 0; i < n; ++i) {
+      csv << i;
+      for (const auto* c : curves) csv << "," << fmt::format("{:.9g}", c->y[i]);
+      csv << "\n";
+    }
+    out.write(stem + ".csv", csv.str());
+    std::ostringstream gp;
+    const std::string data = quote_gp(stem + ".csv");
+    const std::string png_tmp = temp_path_for(fs::path(stem + ".png")).filename().string();
+    std::ostringstream series;
+    for (size_t k = 0; k < curves.size(); ++k) {
+      const auto* c = curves[k];
+      series << (k ? ", \\\n     " : "") << data << " using 1:" << k + 2 << " with lines "
+             << (c->family == "target" ? "lw 2 lc rgb 'black'" : "lw 1.5") << " title "
+             << quote_gp(c->family == "target" ? "target" : c->family + ": " + c->method);
+    }
+    // Top: the whole evaluation range; bottom: the last 160 lags, where the oscillation is
+    // resolved.
+    gp << "set terminal pngcairo size 1400,900 noenhanced\n"
+       << "set output " << quote_gp(png_tmp) << "\n"
+       << "set datafile separator ','\n"
+       << "set key outside right top\n"
+       << "set multiplot layout 2,1\n"
+       << "set xlabel 'lag d'\nset ylabel 'score'\n"
+       << "set xrange [0:" << n << "]\n"
+       << "set arrow 1 from 1024, graph 0 to 1024, graph 1 nohead dashtype 2\n"
+       << "set title "
+       << quote_gp(fmt::format("{} (Table {}): target and best fit of each family; fit on d < 1024",
+                               t, curves.front()->table))
+       << "\n"
+       << "plot " << series.str() << "\n"
+       << "unset arrow 1\n"
+       << "set xrange [" << (n > 160 ? n - 160 : 0) << ":" << n << "]\n"
+       << "set title 'zoom: the last 160 lags (extrapolation 8x past the fit range)'\n"
+       << "plot " << series.str() << "\n"
+       << "unset multiplot\n";
+    out.write(stem + ".gp", gp.str());
+    if (!have_gnuplot) {
+      if (!*warned) std::cerr << "relpos: gnuplot not found; wrote CSV and .gp scripts only\n";
+      *warned = true;
+      continue;
+    }
+    // no shell: gnuplot gets the script name as its only argument, in the output directory
+    const fs::path png = out.path() / png_tmp;
+    if (run_program({"/usr/bin/gnuplot", stem + ".gp"}, out.path()) != 0 || !fs::exists(png)) {
+      std::error_code ec;
+      fs::remove(png, ec);
+      std::cerr << fmt::format("relpos: gnuplot failed on {}; CSV and script kept\n", stem + ".gp");
+      continue;
+    }
+    fs::rename(png, out.path() / (stem + ".png"));
+  }
+}
+
+}  // namespace
+
+Summary run_and_emit(const std::vector<std::string>& suites, const ProbeArgs& a,
+                     const std::string& out_name) {
+  const auto precision = a.dtype == "f32" ? probes::Precision::F32 : probes::Precision::F64;
+  const bool plots = !a.out.empty();
+  std::optional<OutputDir> out;
+  if (plots) out.emplace(a.out, "relpos " + out_name);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<SuiteResult> results;
+  for (const auto& s : suites) results.push_back(probes::run_probe_suite(s, precision, plots));
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string text = render(results, a.format, a.dtype);
+  std::cout << text;
+  if (a.format == "md") std::cout << fmt::format("\ncomputed in {:.2f} s\n", secs);
+  if (out) {
+    out->write(out_name + "." + a.format, text);
+    bool warned = false;
+    for (const auto& r : results)
+      if (!r.curves.empty()) write_plots(*out, r, &warned);
+    out->finish();
+  }
+  return summarise(results);
+}
+
+void add_common_options(CLI::App* cmd, const std::shared_ptr<ProbeArgs>& a) {
+  cmd->add_option("--dtype", a->dtype,
+                  "f64 (default) or f32 (normal equations / lstsq solved in float)")
+      ->check(CLI::IsMember({"f32", "f64"}));
+  cmd->add_option("--format", a->format, "md, csv or json")
+      ->check(CLI::IsMember({"md", "csv", "json"}));
+  cmd->add_option("--out", a->out,
+                  "directory for the tables and the plots (target and best fits, gnuplot PNG)");
+}
+
+}  // namespace relpos::app

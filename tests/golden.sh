@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Golden outputs: the CLI's probe and reproduce tables (and verify's JSON) must stay what they
+# were when tests/golden/ was recorded (before the mechanism-model reorganisation). Probes are
+# float64/float32 least squares on fixed bases: compared to 1e-12 relative. Re-record with
+#   tests/golden.sh BUILD/relpos BUILD/json_close --record
+# only when a change of numbers is intended, and say why in the commit.
+set -u
+relpos=$(realpath "$1"); close=$(realpath "$2"); mode=${3:-check}
+dir=$(cd "$(dirname "$0")" && pwd)/golden
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+fail=0
+run() { # name rtol atol command...
+  local name=$1 rtol=$2 atol=$3; shift 3
+  if ! "$@" > "$tmp/$name.json" 2> "$tmp/$name.err"; then
+    # verify exits 1 when a row fails; the golden file records that too
+    [ $? -eq 1 ] || { echo "FAIL: $name: command failed: $(head -c 500 "$tmp/$name.err")"; fail=1; return; }
+  fi
+  if [ "$mode" = --record ]; then cp "$tmp/$name.json" "$dir/$name.json"; echo "recorded $name"; return; fi
+  if "$close" "$dir/$name.json" "$tmp/$name.json" --rtol "$rtol" --atol "$atol" > "$tmp/$name.diff"; then
+    echo "ok: $name"
+  else
+    echo "FAIL: $name differs from tests/golden/$name.json:"; head -25 "$tmp/$name.diff"; fail=1
+  fi
+}
+run probe-all 1e-12 0 "$relpos" probe --suite all --format json
+run reproduce-jordan-basis 1e-12 0 "$relpos" reproduce jordan-basis --format json
+run reproduce-jordan-basis-f32 1e-6 1e-9 "$relpos" reproduce jordan-basis --dtype f32 --format json
+exit $fail
