@@ -138,6 +138,22 @@ struct PairStats {
   double bad_ref = 0, bad_score = 0, bad_shifted_score = 0;
 };
 
+using LD = long double;
+static_assert(std::numeric_limits<LD>::max_exponent >= 2 * std::numeric_limits<double>::max_exponent,
+              "products of two doubles must not overflow long double");
+
+// long double -> double without undefined behaviour: beyond the double range is +-inf
+double to_double(LD x) {
+  if (std::isnan(x)) return kNaN;
+  if (std::abs(x) > static_cast<LD>(std::numeric_limits<double>::max())) return x > 0 ? kInf : -kInf;
+  return static_cast<double>(x);
+}
+// num / den for num, den >= 0; 0 / 0 = 0 (nothing to compare), x / 0 = inf
+double ratio(LD num, LD den) {
+  if (den == 0) return num == 0 ? 0.0 : kInf;
+  return to_double(num / den);
+}
+
 void note_bad(double& slot, double v) {
   if (slot == 0) slot = std::isnan(v) ? kNaN : v;
 }
@@ -161,21 +177,22 @@ PairStats score_pairs(const Mechanism& m, const ParamValues& pv, Layout layout,
         const double ref = reference::relative_score(m, pv, h, pos[i] - pos[j], q.data() + ri * D,
                                                      k.data() + rj * D, layout);
         if (!std::isfinite(ref)) note_bad(st.bad_ref, ref);
+        // Scores are recombined from the scaled dot products in long double (x87 / binary128
+        // exponent range): a product of two finite row scales cannot overflow there, so
+        // score(p + C) - score(p) of two e^700-sized scores is their true (huge) difference,
+        // not inf - inf or 0 * inf = NaN. Only the final ratios return to double.
         const double sq = a.q.scale[ri], sk = a.k.scale[rj];
-        double rel = kNaN, rel_qk = kNaN, s0 = kNaN;  // s0: score / (sq sk)
+        double rel = kNaN, rel_qk = kNaN;
+        LD s0 = kNaN;  // the score q~.k~
         if (std::isfinite(sq) && std::isfinite(sk) && std::isfinite(ref)) {
-          if (sq == 0 || sk == 0) {  // a transformed row vanished (underflow): the score is 0
-            s0 = 0;
-            rel = ref == 0 ? 0.0 : kInf;
-            rel_qk = std::abs(ref) / (qn[ri] * kn[rj]);
-          } else {
-            s0 = dot(a.q.x.data() + ri * D, a.k.x.data() + rj * D, D);
-            const double score = s0 * sq * sk;
-            if (!(std::abs(score) <= score_max)) note_bad(st.bad_score, score);
-            const double err = std::abs(s0 - ref / sq / sk);
-            rel = err / ((a.q.norm[ri] / sq) * (a.k.norm[rj] / sk));
-            rel_qk = err * (sq / qn[ri]) * (sk / kn[rj]);
-          }
+          // a vanished transformed row (underflow) scores 0
+          s0 = sq == 0 || sk == 0
+                   ? 0.0L
+                   : static_cast<LD>(dot(a.q.x.data() + ri * D, a.k.x.data() + rj * D, D)) * sq * sk;
+          if (!(std::abs(s0) <= score_max)) note_bad(st.bad_score, to_double(s0));
+          const LD err = std::abs(s0 - static_cast<LD>(ref));
+          rel = ratio(err, static_cast<LD>(a.q.norm[ri]) * a.k.norm[rj]);
+          rel_qk = ratio(err, static_cast<LD>(qn[ri]) * kn[rj]);
         }
         st.rel = max_nan(st.rel, rel);
         st.rel_qk = max_nan(st.rel_qk, rel_qk);
@@ -183,18 +200,12 @@ PairStats score_pairs(const Mechanism& m, const ParamValues& pv, Layout layout,
         const double tq = b->q.scale[ri], tk = b->k.scale[rj];
         double shift = kNaN;
         if (std::isfinite(tq) && std::isfinite(tk) && !std::isnan(s0)) {
-          double s1 = 0;  // shifted score / (tq tk)
-          if (tq != 0 && tk != 0) {
-            s1 = dot(b->q.x.data() + ri * D, b->k.x.data() + rj * D, D);
-            const double score = s1 * tq * tk;
-            if (!(std::abs(score) <= score_max)) note_bad(st.bad_shifted_score, score);
-          }
-          if (sq == 0 || sk == 0) {
-            shift = s1 == 0 ? 0.0 : kInf;
-          } else {
-            shift = std::abs(s1 * (tq / sq) * (tk / sk) - s0) /
-                    ((a.q.norm[ri] / sq) * (a.k.norm[rj] / sk));
-          }
+          const LD s1 =
+              tq == 0 || tk == 0
+                  ? 0.0L
+                  : static_cast<LD>(dot(b->q.x.data() + ri * D, b->k.x.data() + rj * D, D)) * tq * tk;
+          if (!(std::abs(s1) <= score_max)) note_bad(st.bad_shifted_score, to_double(s1));
+          shift = ratio(std::abs(s1 - s0), static_cast<LD>(a.q.norm[ri]) * a.k.norm[rj]);
         }
         st.shift = max_nan(st.shift, shift);
       }
