@@ -604,10 +604,12 @@ std::vector<std::string> verify_default_specs() {
           "jordan(m=5, regime=scaled)",
           "jordan(m=3, regime=stabilized)",
           "jordan(m=2, regime=raw) + alibi",
-          "jetmix(m=3, gates=0.1/0.05)",
-          "jetmixfull(m=4, alpha=1/0.5/0.3/0.2)",
-          "jetspec(m=3, alpha=0.7/0.2/0.1)",
-          "jetspec(m=3, alpha=0.69/0.21/0.1, learn=true)"};
+          // jet gates are uncentred by default (the reference convention; their scores depend on
+          // c0) and their damping 1.5/L binds the clamp beyond |p| = 20L: verify them centred
+          "jetmix(m=3, gates=0.1/0.05, center=mid)",
+          "jetmixfull(m=4, alpha=1/0.5/0.3/0.2, center=mid)",
+          "jetspec(m=3, alpha=0.7/0.2/0.1, center=mid)",
+          "jetspec(m=3, alpha=0.69/0.21/0.1, learn=true, center=mid)"};
 }
 
 }  // namespace relpos

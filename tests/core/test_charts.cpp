@@ -39,20 +39,19 @@ TEST(Charts, OnlyRawIsLinear) {
   EXPECT_FALSE(chart_is_linear(Chart::LightconePhi));
   EXPECT_FALSE(chart_is_linear(Chart::LightconeBeta));
   EXPECT_DOUBLE_EQ(chart_value(Chart::Raw, -37.25, 8.0), -37.25);
-  EXPECT_DOUBLE_EQ(scaled_lag(512.0, 1024.0), 0.5);
 }
 
 TEST(Charts, BoundedTauIsBelowLAndSaturates) {
   for (const double L : {16.0, 256.0, 1024.0}) {
     for (const double d : {0.0, 1.0, 10.0, L, 10 * L, 1e6, 1e9, 1e15}) {
-      const double tau = bounded_tau(d, L);
+      const double tau = chart_value(Chart::Bounded, d, L);
       EXPECT_LT(tau, L) << "d=" << d << " L=" << L;
       EXPECT_DOUBLE_EQ(tau, d / (1.0 + d / L));
       EXPECT_DOUBLE_EQ(tau, chart_value(Chart::Bounded, d, L));
     }
-    EXPECT_DOUBLE_EQ(bounded_tau(L, L), L / 2);       // tau(L) = L/2
-    EXPECT_DOUBLE_EQ(bounded_tau(3 * L, L), 0.75 * L);  // tau(3L) = 3L/4
-    EXPECT_GT(bounded_tau(1e9 * L, L), L * (1 - 1e-8));
+    EXPECT_DOUBLE_EQ(chart_value(Chart::Bounded, L, L), L / 2);       // tau(L) = L/2
+    EXPECT_DOUBLE_EQ(chart_value(Chart::Bounded, 3 * L, L), 0.75 * L);  // tau(3L) = 3L/4
+    EXPECT_GT(chart_value(Chart::Bounded, 1e9 * L, L), L * (1 - 1e-8));
   }
 }
 
@@ -60,7 +59,7 @@ TEST(Charts, BoundedTauIsDPlusOrderDSquaredOverL) {
   // d - tau(d) = (d^2/L) / (1 + d/L): the correction is exactly O(d^2/L) with constant -> 1.
   const double L = 1024.0;
   for (const double d : {1e-3, 0.1, 1.0, 4.0, 16.0}) {
-    const double tau = bounded_tau(d, L);
+    const double tau = chart_value(Chart::Bounded, d, L);
     EXPECT_LT(tau, d);
     const double ratio = (d - tau) / (d * d / L);
     EXPECT_NEAR(ratio, 1.0 / (1.0 + d / L), 1e-9) << "d=" << d;

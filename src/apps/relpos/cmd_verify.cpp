@@ -41,16 +41,33 @@ nlohmann::json to_json(const diag::VerifyRow& r) {
       {"query_growth_uncentered", r.query_growth_uncentered},
       {"clamp_bound_centered", r.clamp_bound},
       {"clamp_bound_uncentered", r.clamp_bound_uncentered},
+      {"clamp_bound_shifted", r.clamp_bound_shifted},
       {"alibi_lift_residual",
        r.alibi_lift_residual < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.alibi_lift_residual)},
-      {"status", r.status}};
+      {"status", r.status},
+      {"reason", r.reason}};
+}
+// reasons quote |gamma p| and |q||k|: keep the markdown cells intact
+std::string md_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '|') out += '\\';
+    out += c;
+  }
+  return out;
 }
 }  // namespace
 
 void add_verify_command(CLI::App& app) {
   auto a = std::make_shared<VerifyArgs>();
   auto* cmd = app.add_subcommand(
-      "verify", "Check each mechanism's declared exactness against the papers' float64 formulas");
+      "verify",
+      fmt::format("Check each mechanism's declared exactness against the papers' float64 formulas. "
+                  "Every pair of sampled positions is scored per spec, parameter set, dtype and "
+                  "head (cost ~ specs x 2 x dtypes x heads x positions^2/2 x head_dim); runs "
+                  "estimated above {:g} s on one core or {:g} GiB of buffers are refused (exit 2), "
+                  "runs above a few seconds report progress on stderr",
+                  diag::kVerifyBudgetSeconds, diag::kVerifyBudgetBytes / (1u << 30)));
   cmd->add_option("--enc", a->specs, "mechanism spec (repeatable); default: every mechanism");
   cmd->add_option("--len", a->len, "largest lag / position N")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
@@ -60,12 +77,19 @@ void add_verify_command(CLI::App& app) {
       ->check(CLI::IsMember({"md", "csv", "json"}));
   cmd->add_option("--layout", a->layout, "interleaved or half_split");
   cmd->add_option("--head-dim", a->head_dim,
-                  "head dimension (orders that do not divide it use the nearest that fits)")
+                  "head dimension (orders that do not divide it use the nearest that fits); "
+                  "bounded by the work limit")
       ->check(CLI::Range(2, 4096));
-  cmd->add_option("--heads", a->heads, "heads")->check(CLI::Range(1, 256));
-  cmd->add_option("--positions", a->positions, "sampled positions (all pairs are scored)")
+  cmd->add_option("--heads", a->heads, "heads; bounded by the work limit")
+      ->check(CLI::Range(1, 256));
+  cmd->add_option("--positions", a->positions,
+                  fmt::format("sampled positions (all pairs are scored); the whole run must fit "
+                              "the work limit of about {:g} s on one core: one spec at 2000 "
+                              "positions with the default heads and head dim takes ~35 s, every "
+                              "default spec at 2000 positions is refused",
+                              diag::kVerifyBudgetSeconds))
       ->check(CLI::Range(8, 2000));
-  cmd->add_option("--seed", a->seed, "random seed");
+  add_seed_option(cmd, &a->seed, "random seed");
   cmd->callback([a] {
     diag::VerifyOptions o;
     o.max_lag = a->len;
@@ -78,9 +102,8 @@ void add_verify_command(CLI::App& app) {
     if (a->dtype != "f32") dtypes.push_back("f64");
     if (a->dtype != "f64") dtypes.push_back("f32");
     const auto specs = a->specs.empty() ? verify_default_specs() : a->specs;
-    std::vector<diag::VerifyRow> rows;
-    for (const auto& s : specs)
-      for (auto& r : diag::verify_spec(s, o, dtypes)) rows.push_back(std::move(r));
+    // refuses (InputError, exit 2) runs above the work limit before doing any; progress on stderr
+    const std::vector<diag::VerifyRow> rows = diag::verify_specs(specs, o, dtypes, &std::cerr);
     int failed = 0;
     for (const auto& r : rows) failed += r.status == "FAIL" || r.status == "CLAMPED";
     if (a->format == "json") {
@@ -94,7 +117,7 @@ void add_verify_command(CLI::App& app) {
                 << "\n";
     } else {
       Table t{{"spec", "D", "params", "dtype", "declared", "c0", "resid", "resid/|q||k|", "shift",
-               "|k~|/|k| c/0", "|q~|/|q| c/0", "clamp c/0", "alibi lift", "status"},
+               "|k~|/|k| c/0", "|q~|/|q| c/0", "clamp c/0", "alibi lift", "status", "reason"},
               {}};
       for (const auto& r : rows)
         t.rows.push_back({r.spec, std::to_string(r.head_dim), r.params, r.dtype, r.declared,
@@ -104,13 +127,15 @@ void add_verify_command(CLI::App& app) {
                           fmt::format("{:.3g} / {:.3g}", r.query_growth, r.query_growth_uncentered),
                           fmt::format("{} / {}", r.clamp_bound ? "yes" : "no",
                                       r.clamp_bound_uncentered ? "yes" : "no"),
-                          r.alibi_lift_residual < 0 ? "-" : sci(r.alibi_lift_residual), r.status});
+                          r.alibi_lift_residual < 0 ? "-" : sci(r.alibi_lift_residual), r.status,
+                          a->format == "md" ? md_escape(r.reason) : r.reason});
       if (a->format == "csv") {
         t.write_csv(std::cout);
       } else {
         std::cout << fmt::format(
             "relative law over positions in [0, {}] (lags up to {}), all pairs of {} sampled "
-            "positions; exact mechanisms must stay below {:g} in fp64\n\n",
+            "positions; exact mechanisms must keep relative and shift residuals below {:g} in "
+            "fp64; a non-finite number or a bound exponent clamp fails any row (see reason)\n\n",
             o.max_lag, o.max_lag, o.positions, o.exact_tol);
         t.write_markdown(std::cout);
         std::cout << fmt::format("\n{} of {} rows failed\n", failed, rows.size());
