@@ -24,10 +24,16 @@ inline double chart_value(Chart chart, double t, double L) {
 }
 
 // True when sigma is linear, i.e. sigma(a) - sigma(b) depends on a - b only.
-inline bool chart_is_linear(Chart chart) { return chart == Chart::Raw; }
+inline bool chart_is_linear(Chart chart) {
+  return chart == Chart::Raw;
+}
 
-inline double lightcone_phi(double d, double L) { return chart_value(Chart::LightconePhi, d, L); }
-inline double lightcone_beta(double d, double L) { return chart_value(Chart::LightconeBeta, d, L); }
+inline double lightcone_phi(double d, double L) {
+  return chart_value(Chart::LightconePhi, d, L);
+}
+inline double lightcone_beta(double d, double L) {
+  return chart_value(Chart::LightconeBeta, d, L);
+}
 
 // sin and cos of the angle w * p without the rounding error of the product: the error e of
 // a = fl(w p) is exact by fma, and sin/cos(a + e) is taken to first order in e. At p ~ 3e4 and

@@ -16,28 +16,129 @@ bool JordanSegment::exact() const {
   return chart_is_linear(chart);
 }
 
+std::string Roles::str() const {
+  std::string r = "queries, keys";
+  if (values) r += ", values";
+  if (outputs) r += ", outputs";
+  return r;
+}
+
+bool TransformTerm::exact() const {
+  return std::all_of(segments.begin(), segments.end(), [](const auto& s) { return s.exact(); });
+}
+
+bool TransformTerm::orthogonal_fixed() const {
+  return kind == TransformKind::FixedLinear && matrix == matrix_inv_t;
+}
+
+bool ParamSpec::any_learnable() const {
+  return std::any_of(learn.begin(), learn.end(), [](bool b) { return b; });
+}
+
+const TransformTerm* Mechanism::position_term() const {
+  for (const auto& t : transforms)
+    if (t.position_driven()) return &t;
+  return nullptr;
+}
+
+const std::vector<JordanSegment>& Mechanism::segments() const {
+  static const std::vector<JordanSegment> none;
+  const TransformTerm* t = position_term();
+  return t ? t->segments : none;
+}
+
+const BiasTerm* Mechanism::alibi() const {
+  for (const auto& b : biases)
+    if (b.shape == BiasShape::LagTable && !b.slopes.empty()) return &b;
+  return nullptr;
+}
+
 int Mechanism::total_blocks() const {
   int n = 0;
-  for (const auto& s : segments) n = std::max(n, s.first_block + s.blocks);
+  for (const auto& s : segments()) n = std::max(n, s.first_block + s.blocks);
   return n;
 }
 
 int Mechanism::gate_rows() const {
   int r = 0;
-  for (const auto& s : segments)
+  for (const auto& s : segments())
     if (s.shear == ShearMode::Gates) r = std::max(r, s.order - 1);
   return r;
 }
 
 bool Mechanism::transform_exact() const {
-  return std::all_of(segments.begin(), segments.end(), [](const auto& s) { return s.exact(); });
+  return std::all_of(transforms.begin(), transforms.end(), [](const auto& t) { return t.exact(); });
 }
 
 std::string Mechanism::exactness() const {
   const bool tex = transform_exact();
-  if (!has_transform()) return alibi ? "augmented exact" : "exact";
-  if (alibi) return tex ? "exact + augmented bias" : "approximate + augmented bias";
+  if (!has_transform()) return alibi() ? "augmented exact" : "exact";
+  if (alibi()) return tex ? "exact + augmented bias" : "approximate + augmented bias";
   return tex ? "exact" : "approximate";
+}
+
+std::vector<ParamSpec> jordan_param_schema(const Mechanism& m) {
+  std::vector<ParamSpec> out;
+  const auto& segs = m.segments();
+  if (segs.empty()) return out;
+  const int NB = m.total_blocks(), H = m.heads, G = m.gate_rows();
+  const auto per_block = [&](auto&& value) {
+    std::vector<double> v(static_cast<size_t>(NB), 0.0);
+    for (const auto& s : segs)
+      for (int b = 0; b < s.blocks; ++b) v[s.first_block + b] = value(s);
+    return v;
+  };
+  const auto learn_mask = [&](auto&& pred) {
+    std::vector<bool> v(static_cast<size_t>(NB), false);
+    for (const auto& s : segs)
+      for (int b = 0; b < s.blocks; ++b) v[s.first_block + b] = pred(s);
+    return v;
+  };
+  // gamma = softplus(a) + gamma_min where learnable (reference parameterisation), 0 where undamped
+  out.push_back({"gamma",
+                 BlockParam::Gamma,
+                 {H, NB},
+                 Reparam::SoftplusFloor,
+                 per_block([](const auto& s) { return s.gamma_min; }),
+                 learn_mask([](const auto& s) { return s.damped && s.learn_gamma; })});
+  out.push_back(
+      {"eta",
+       BlockParam::Eta,
+       {H, NB},
+       Reparam::BoundedTanh,
+       per_block([](const auto& s) { return s.eta_max; }),
+       learn_mask([](const auto& s) { return s.shear == ShearMode::Exponential && s.learn_eta; })});
+  if (G > 0) {
+    const JordanSegment* gs = nullptr;
+    for (const auto& s : segs)
+      if (s.shear == ShearMode::Gates) gs = &s;
+    const auto gate_bound = per_block([](const auto& s) { return s.gate_max; });
+    if (gs->spectrum_softmax) {
+      out.push_back({"spectrum",
+                     BlockParam::Spectrum,
+                     {G + 1, H, NB},
+                     Reparam::SoftmaxSimplex,
+                     gate_bound,
+                     learn_mask([](const auto& s) { return s.shear == ShearMode::Gates; })});
+    } else {
+      out.push_back(
+          {"gates",
+           BlockParam::Gates,
+           {G, H, NB},
+           Reparam::BoundedTanh,
+           gate_bound,
+           learn_mask([](const auto& s) { return s.shear == ShearMode::Gates && s.learn_gates; })});
+      out.push_back({"alpha0",
+                     BlockParam::Alpha0,
+                     {H, NB},
+                     Reparam::BoundedTanh,
+                     gate_bound,
+                     learn_mask([](const auto& s) {
+                       return s.shear == ShearMode::Gates && s.learn_alpha0;
+                     })});
+    }
+  }
+  return out;
 }
 
 double Mechanism::resolve_center(double pmin, double pmax) const {
@@ -67,7 +168,7 @@ ParamValues default_params(const Mechanism& m) {
   p.eta.assign(hb, 0.0);
   p.alpha0.assign(hb, 1.0);
   p.gates.assign(static_cast<size_t>(p.gate_rows) * hb, 0.0);
-  for (const auto& s : m.segments)
+  for (const auto& s : m.segments())
     for (int h = 0; h < p.heads; ++h)
       for (int b = 0; b < s.blocks; ++b) {
         const size_t i = static_cast<size_t>(h) * p.blocks + s.first_block + b;
@@ -84,7 +185,7 @@ ParamValues random_params(const Mechanism& m, std::mt19937_64& rng) {
   ParamValues p = default_params(m);
   std::uniform_real_distribution<double> u01(0.0, 1.0);
   const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
-  for (const auto& s : m.segments)
+  for (const auto& s : m.segments())
     for (int h = 0; h < p.heads; ++h)
       for (int b = 0; b < s.blocks; ++b) {
         const size_t i = static_cast<size_t>(h) * p.blocks + s.first_block + b;
@@ -137,7 +238,7 @@ void inverse_series(int order, const double* c, double* ic) {
 
 double clamp_ratio(const Mechanism& m, const ParamValues& p, double t, int head) {
   double r = 0;
-  for (const auto& s : m.segments) {
+  for (const auto& s : m.segments()) {
     if (!s.damped) continue;
     for (int h = head < 0 ? 0 : head; h < (head < 0 ? p.heads : head + 1); ++h)
       for (int b = 0; b < s.blocks; ++b)
@@ -150,8 +251,8 @@ double clamp_ratio(const Mechanism& m, const ParamValues& p, double t, int head)
 std::vector<LagFeature> lag_features(const Mechanism& m, const ParamValues& p, int head, double d) {
   std::vector<LagFeature> out;
   const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
-  for (size_t si = 0; si < m.segments.size(); ++si) {
-    const auto& s = m.segments[si];
+  for (size_t si = 0; si < m.segments().size(); ++si) {
+    const auto& s = m.segments()[si];
     for (int b = 0; b < s.blocks; ++b) {
       const size_t i = static_cast<size_t>(head) * p.blocks + s.first_block + b;
       const JetChart chart{s.chart,    s.L,  s.shear_scale, p.gamma[i],
@@ -169,7 +270,9 @@ std::vector<LagFeature> lag_features(const Mechanism& m, const ParamValues& p, i
       }
     }
   }
-  if (m.alibi) out.push_back({"alibi", -m.alibi->slopes[head] * d});
+  for (const auto& b : m.biases)
+    if (b.shape == BiasShape::LagTable && !b.slopes.empty())
+      out.push_back({b.name, -b.slopes[head] * d});
   return out;
 }
 

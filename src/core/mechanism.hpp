@@ -1,8 +1,9 @@
-// A mechanism as plain data: which Jordan-block segments act on which complex coordinates of a
-// head, which additive biases are added to the logits, and how parameters are initialised. Built
-// from a spec string by the registry (core/registry.hpp); consumed by kernels, diagnostics and the
-// torch modules. Every transform in the first three papers' baselines (RoPE, damped RoPE, Jordan
-// blocks of any order, real unipotent blocks, jet gates and spectra, direct sums) is a list of
+// A mechanism as plain data: its transform terms (which map acts on queries, keys, values and
+// outputs, driven by which "time"), its additive bias terms, and the schema of its parameters.
+// Built from a spec string by the registry (core/registry.hpp, one file per family under
+// core/mechanisms/); consumed by kernels, diagnostics and the torch modules. Every transform in the
+// first three papers' baselines (RoPE, damped RoPE, Jordan blocks of any order, real unipotent
+// blocks, jet gates and spectra, direct sums) is a Jordan-block term, a list of
 // segments.
 #pragma once
 
@@ -60,8 +61,76 @@ struct JordanSegment {
   bool exact() const;
 };
 
-struct AlibiBias {
-  std::vector<double> slopes;  // per head; bias(h, i, j) = -slope_h * (i - j)
+// ---------------------------------------------------------------------------------------------
+// The mechanism model (DESIGN.md section 1): transform terms (T), bias terms (B), and the schema of
+// the learnable parameters. Kernels, verify, the references and the torch layer read only this.
+
+// What drives a transform's "time": integer/real positions, a scanned content phase
+// Phi_t = sum_{s<t} w_s (GRAPE-M contextual, JoFormer per-token angles), or a vector position
+// r in R^{d_c} (structured rotations). Only Position is implemented by the kernels so far.
+enum class TimeSource { Position, ContentPhase, VectorPosition };
+
+// Which tensors a transform acts on: queries get A^{-T}, keys A, values A (journey transforms)
+// and outputs A^{-1}. Queries and keys always come together.
+struct Roles {
+  bool values = false, outputs = false;
+  std::string str() const;
+};
+
+enum class TransformKind {
+  JordanBlocks,  // block-diagonal Jordan family over `segments` (RoPE ... jet spectra)
+  FixedLinear,   // a constant D x D map M (no position): keys get M, queries M^{-T}
+};
+
+// One position-wise map. Several compose in spec order: k~ = A_n ... A_1 k. At most one term may
+// be driven by a time source (two position-driven maps do not compose into a relative map in
+// general); fixed linear maps around it conjugate its relative operator.
+struct TransformTerm {
+  std::string name;  // the spec term it came from
+  TransformKind kind = TransformKind::JordanBlocks;
+  TimeSource time = TimeSource::Position;
+  Roles roles;
+  std::vector<JordanSegment> segments;  // JordanBlocks: coordinates not covered stay untouched
+  std::vector<double> matrix;           // FixedLinear: M, row-major D x D
+  std::vector<double> matrix_inv_t;     // FixedLinear: M^{-T}, row-major
+
+  bool position_driven() const { return kind == TransformKind::JordanBlocks; }
+  bool exact() const;             // a group law holds (fixed maps: always)
+  bool orthogonal_fixed() const;  // FixedLinear with M^{-T} == M
+};
+
+// Additive logit biases, computed by the attention kernel from O(T) state (DESIGN.md 1 (B)).
+enum class BiasShape {
+  LagTable,      // b_h(i - j): one table per head (slope form: b_h(d) = -slope_h d)
+  Separable,     // c_h(i) - c_h(j) from per-token scalars (FoX, GRAPE-A)
+  PathIntegral,  // sum_{l=j+1..i} psi_h(i, l) (GRAPE-AP)
+};
+struct BiasTerm {
+  std::string name;
+  BiasShape shape = BiasShape::LagTable;
+  std::vector<double> slopes;  // LagTable in slope form (ALiBi): per head
+  // augmented exact: realised by the unipotent lift [[1, t], [0, 1]] (verify checks it)
+  bool unipotent_lift = false;
+};
+
+// The learnable (or fixed) parameters of a mechanism, declared once here and built by the
+// registry: the torch module creates its tensors from this list, verify draws random values in
+// the same ranges. Values are per head and per block of the Jordan term ([H, NB]; gates
+// [rows, H, NB]; a learned spectrum [m, H, NB] whose row 0 is alpha_0 and rows 1.. the gates).
+enum class BlockParam { Gamma, Eta, Gates, Alpha0, Spectrum };
+enum class Reparam {
+  SoftplusFloor,   // value = softplus(raw) + floor[block]
+  BoundedTanh,     // value = bound[block] * tanh(raw)
+  SoftmaxSimplex,  // value = softmax(raw) over the first axis
+};
+struct ParamSpec {
+  std::string name;  // "gamma", "eta", "gates", "alpha0", "spectrum"
+  BlockParam slot = BlockParam::Gamma;
+  std::vector<int64_t> shape;
+  Reparam reparam = Reparam::SoftplusFloor;
+  std::vector<double> bound;  // per block: the softplus floor or the tanh bound
+  std::vector<bool> learn;    // per block: learnable (else fixed at its initial value)
+  bool any_learnable() const;
 };
 
 struct Mechanism {
@@ -69,16 +138,21 @@ struct Mechanism {
   std::string name;  // first term's name
   int head_dim = 0;
   int heads = 0;
-  std::vector<JordanSegment> segments;  // complex coordinates not covered are left untouched
-  std::optional<AlibiBias> alibi;
+  std::vector<TransformTerm> transforms;  // in the order they are applied
+  std::vector<BiasTerm> biases;
+  std::vector<ParamSpec> params;
   CenterMode center = CenterMode::None;
   double center_value = 0.0;
   bool center_auto = false;  // the spec left center=auto
 
+  // The position-driven Jordan term's segments (empty when there is none).
+  const std::vector<JordanSegment>& segments() const;
+  const TransformTerm* position_term() const;
+  const BiasTerm* alibi() const;  // the slope-form lag bias, if any
   int total_blocks() const;
   int gate_rows() const;  // max order - 1 over gate segments (rows of the gates array)
   bool transform_exact() const;
-  bool has_transform() const { return !segments.empty(); }
+  bool has_transform() const { return !transforms.empty(); }
   // "exact", "approximate", "augmented exact" (bias-only ALiBi), ...
   std::string exactness() const;
   // Centre for a call whose positions span [pmin, pmax].
@@ -88,6 +162,9 @@ struct Mechanism {
   // and the middle keeps |gamma (p - c0)| smallest), else resolve_center.
   double window_center(double pmin, double pmax) const;
 };
+
+// The parameter schema of a mechanism's Jordan term (what the registry stores in `params`).
+std::vector<ParamSpec> jordan_param_schema(const Mechanism& m);
 
 // Concrete parameter values of one layer, float64. Layout shared with kernels and torch modules:
 // gamma/eta/alpha0[h * NB + block], gates[(k-1) * H * NB + h * NB + block] for k = 1..gate_rows.

@@ -11,15 +11,49 @@ namespace {
 // Visits every block of every segment with its parameter index.
 template <class F>
 void for_each_block(const Mechanism& m, const ParamValues& p, int head, F&& f) {
-  for (const auto& s : m.segments)
+  for (const auto& s : m.segments())
     for (int b = 0; b < s.blocks; ++b)
       f(s, b, static_cast<size_t>(head) * p.blocks + s.first_block + b);
 }
 
 }  // namespace
 
+Eigen::MatrixXd fixed_map(const TransformTerm& t, int D, bool inverse_transpose) {
+  const auto& v = inverse_transpose ? t.matrix_inv_t : t.matrix;
+  Eigen::MatrixXd M(D, D);
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) M(i, j) = v[static_cast<size_t>(i) * D + j];
+  return M;
+}
+
+namespace {
+// The fixed maps applied before the position-driven term, as one matrix L (and L^{-T}): the
+// relative operator of the whole mechanism is L^{-1} G(d) L (maps after it cancel).
+std::pair<Eigen::MatrixXd, Eigen::MatrixXd> maps_before_position(const Mechanism& m) {
+  const int D = m.head_dim;
+  Eigen::MatrixXd L = Eigen::MatrixXd::Identity(D, D), Lit;
+  for (const auto& t : m.transforms) {
+    if (t.position_driven()) break;
+    L = fixed_map(t, D, false) * L;
+  }
+  // by a general inverse, not from the term's stored M^{-T}: the reference checks that data
+  Lit = L.inverse().transpose();
+  return {L, Lit};
+}
+}  // namespace
+
 Eigen::MatrixXd key_map(const Mechanism& m, const ParamValues& p, int head, double pos,
                         Layout layout) {
+  const int D = m.head_dim;
+  Eigen::MatrixXd A = Eigen::MatrixXd::Identity(D, D);
+  for (const auto& t : m.transforms)
+    A = (t.position_driven() ? jordan_key_map(m, p, head, pos, layout) : fixed_map(t, D, false)) *
+        A;
+  return A;
+}
+
+Eigen::MatrixXd jordan_key_map(const Mechanism& m, const ParamValues& p, int head, double pos,
+                               Layout layout) {
   const int D = m.head_dim;
   Eigen::MatrixXd A = Eigen::MatrixXd::Identity(D, D);
   const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
@@ -86,13 +120,19 @@ void for_each_relative_entry(const Mechanism& m, const ParamValues& p, int head,
 
 int covered_pairs(const Mechanism& m) {
   int n = 0;
-  for (const auto& s : m.segments) n = std::max(n, s.first_pair + s.pairs());
+  for (const auto& s : m.segments()) n = std::max(n, s.first_pair + s.pairs());
   return n;
 }
 }  // namespace
 
 Eigen::MatrixXd relative_operator(const Mechanism& m, const ParamValues& p, int head, double d,
                                   Layout layout) {
+  const auto [L, Lit] = maps_before_position(m);
+  return Lit.transpose() * jordan_relative_operator(m, p, head, d, layout) * L;
+}
+
+Eigen::MatrixXd jordan_relative_operator(const Mechanism& m, const ParamValues& p, int head,
+                                         double d, Layout layout) {
   const int D = m.head_dim;
   Eigen::MatrixXd G = Eigen::MatrixXd::Identity(D, D);
   for_each_relative_entry(m, p, head, d, [&](int jr, int jc, double a, double cs, double sn) {
@@ -107,8 +147,18 @@ Eigen::MatrixXd relative_operator(const Mechanism& m, const ParamValues& p, int 
 }
 
 double relative_score(const Mechanism& m, const ParamValues& p, int head, double d,
-                      const double* q, const double* k, Layout layout) {
+                      const double* q_in, const double* k_in, Layout layout) {
   const int D = m.head_dim;
+  // q^T L^{-1} G(d) L k = (L^{-T} q)^T G(d) (L k), L the fixed maps before the position term
+  Eigen::VectorXd qv = Eigen::Map<const Eigen::VectorXd>(q_in, D),
+                  kv = Eigen::Map<const Eigen::VectorXd>(k_in, D);
+  for (const auto& t : m.transforms) {
+    if (t.position_driven()) break;
+    const Eigen::MatrixXd M = fixed_map(t, D, false);
+    qv = M.inverse().transpose() * qv;  // the stored M^{-T} is what the reference checks
+    kv = M * kv;
+  }
+  const double *q = qv.data(), *k = kv.data();
   double s = 0;
   for_each_relative_entry(m, p, head, d, [&](int jr, int jc, double a, double cs, double sn) {
     const double qr = q[real_index(layout, D, jr, 0)], qi = q[real_index(layout, D, jr, 1)];
@@ -116,7 +166,8 @@ double relative_score(const Mechanism& m, const ParamValues& p, int head, double
     s += a * (qr * (cs * kr - sn * ki) + qi * (sn * kr + cs * ki));
   });
   for (int j = covered_pairs(m); j < D / 2; ++j)
-    for (int c = 0; c < 2; ++c) s += q[real_index(layout, D, j, c)] * k[real_index(layout, D, j, c)];
+    for (int c = 0; c < 2; ++c)
+      s += q[real_index(layout, D, j, c)] * k[real_index(layout, D, j, c)];
   return s;
 }
 

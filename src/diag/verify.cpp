@@ -10,6 +10,7 @@
 
 #include "core/reference.hpp"
 #include "core/registry.hpp"
+#include "kernels/mechanism_apply.hpp"
 #include "kernels/transform.hpp"
 
 namespace relpos::diag {
@@ -44,24 +45,23 @@ template <class T>
 Applied<T> apply(const Mechanism& m, const ParamValues& pv, Layout layout,
                  const std::vector<double>& pos, double center, const std::vector<double>& q,
                  const std::vector<double>& k, bool wrong_query = false) {
-  const auto plan = kernels::TransformPlan::from(m, layout);
+  // the one call path: every transform term in order, as the torch layer runs them
+  const auto plan = kernels::MechanismPlan::from(m, layout);
   kernels::Dims dims{1, m.heads, static_cast<int64_t>(pos.size())};
   kernels::Positions P{pos.data(), false, center};
-  std::vector<T> g(pv.gamma.begin(), pv.gamma.end()), e(pv.eta.begin(), pv.eta.end()),
-      gt(pv.gates.begin(), pv.gates.end()), a0(pv.alpha0.begin(), pv.alpha0.end());
-  kernels::Params<T> par{g.data(), e.data(), gt.data(), a0.data()};
-  const auto trig = kernels::build_trig_table<T>(plan, dims, P);
+  const kernels::ParamBuffers<T> par(pv);
+  const auto trig = kernels::build_trig_table<T>(plan.position, dims, P);
   Applied<T> out;
   std::vector<T> qi(q.begin(), q.end()), ki(k.begin(), k.end());
   out.q.resize(q.size());
   out.k.resize(k.size());
-  if (wrong_query) {
-    kernels::transform_forward<T>(plan, dims, P, par, trig.view(), nullptr, qi.data(), nullptr,
-                                  out.q.data());
-    kernels::transform_forward<T>(plan, dims, P, par, trig.view(), nullptr, ki.data(), nullptr,
-                                  out.k.data());
+  if (wrong_query) {  // the primal map on queries too
+    kernels::mechanism_forward<T>(plan, dims, P, par.view(), trig.view(), nullptr, qi.data(),
+                                  nullptr, out.q.data());
+    kernels::mechanism_forward<T>(plan, dims, P, par.view(), trig.view(), nullptr, ki.data(),
+                                  nullptr, out.k.data());
   } else {
-    kernels::transform_forward<T>(plan, dims, P, par, trig.view(), qi.data(), ki.data(),
+    kernels::mechanism_forward<T>(plan, dims, P, par.view(), trig.view(), qi.data(), ki.data(),
                                   out.q.data(), out.k.data());
   }
   return out;
@@ -233,8 +233,8 @@ struct ClampCheck {
 ClampCheck clamp_check(const Mechanism& m, const ParamValues& pv, double max_abs_pos) {
   ClampCheck c;
   double worst = -1;
-  for (size_t si = 0; si < m.segments.size(); ++si) {
-    const auto& s = m.segments[si];
+  for (size_t si = 0; si < m.segments().size(); ++si) {
+    const auto& s = m.segments()[si];
     if (!s.damped) continue;
     double gmax = 0;
     for (int h = 0; h < pv.heads; ++h)
@@ -264,8 +264,8 @@ template <class T>
 std::vector<std::string> dtype_range_problems(const Mechanism& m, const ParamValues& pv) {
   std::vector<std::string> out;
   const double lim = std::log(static_cast<double>(std::numeric_limits<T>::max()));
-  for (size_t si = 0; si < m.segments.size(); ++si) {
-    const auto& s = m.segments[si];
+  for (size_t si = 0; si < m.segments().size(); ++si) {
+    const auto& s = m.segments()[si];
     if (s.damped && !(s.max_exponent <= lim))
       out.push_back(fmt::format(
           "segment {}: max_exp = {:g} exceeds the {} exponent range (e^x overflows for x > {:.2f})",
@@ -377,9 +377,9 @@ VerifyRow run_one(const std::string& spec, const Mechanism& m, const ParamValues
       fail.push_back(fmt::format("shifted score q~.k~ = {:.3g} overflows {}", st.bad_shifted_score,
                                  dtype_name<T>()));
   }
-  if (m.alibi) {
+  if (m.alibi()) {
     row.alibi_lift_residual = 0;
-    for (double slope : m.alibi->slopes)
+    for (double slope : m.alibi()->slopes)
       for (size_t i = 0; i < pos.size(); ++i)
         for (size_t j = 0; j <= i; ++j) {
           const auto l = reference::alibi_lift(slope, pos[i], pos[j]);
@@ -402,7 +402,7 @@ VerifyRow run_one(const std::string& spec, const Mechanism& m, const ParamValues
     };
     above("relative residual", row.residual);
     above("shift residual", row.shift_residual);
-    if (m.alibi) above("alibi lift residual", row.alibi_lift_residual);
+    if (m.alibi()) above("alibi lift residual", row.alibi_lift_residual);
   }
   std::vector<std::string> reasons;
   if (!fail.empty()) {
@@ -488,7 +488,7 @@ SpecCost mechanism_cost(const Mechanism& m, const VerifyOptions& o, size_t ndtyp
   const double D = m.head_dim, H = m.heads, rows = 2.0 * static_cast<double>(ndtypes);
   double blocks = 0, entries = 0, covered = 0;
   int max_order = 1;
-  for (const auto& s : m.segments) {
+  for (const auto& s : m.segments()) {
     blocks += s.blocks;
     entries += static_cast<double>(s.blocks) * s.order * (s.order + 1) / 2;
     covered = std::max(covered, 2.0 * (s.first_pair + s.pairs()));

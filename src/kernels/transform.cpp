@@ -13,7 +13,7 @@ TransformPlan TransformPlan::from(const Mechanism& m, Layout layout) {
   p.total_blocks = m.total_blocks();
   p.gate_rows = m.gate_rows();
   p.omega.assign(p.total_blocks, 0.0);
-  for (const auto& s : m.segments) {
+  for (const auto& s : m.segments()) {
     p.segments.push_back({s.first_pair, s.first_block, s.blocks, s.order, s.chart, s.L,
                           s.shear_scale, s.max_exponent, s.shear, s.damped});
     for (int b = 0; b < s.blocks; ++b) p.omega[s.first_block + b] = s.omega[b];

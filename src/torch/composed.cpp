@@ -21,12 +21,9 @@ torch::Tensor chart_t(Chart c, const torch::Tensor& t, double L) {
   return t;
 }
 
-}  // namespace
-
-std::vector<torch::Tensor> composed_transform_qk(const Mechanism& m, Layout layout,
-                                                 const KernelParams& kp, const torch::Tensor& q,
-                                                 const torch::Tensor& k,
-                                                 const torch::Tensor& positions, double center) {
+std::vector<torch::Tensor> jordan_qk(const Mechanism& m, Layout layout, const KernelParams& kp,
+                                     const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& positions, double center) {
   const int64_t D = m.head_dim, P = D / 2;
   const auto dt = q.scalar_type();
   // split into real / imaginary parts of the complex coordinates: [B, H, T, D/2]
@@ -48,7 +45,7 @@ std::vector<torch::Tensor> composed_transform_qk(const Mechanism& m, Layout layo
   const auto [kr, ki] = split(k);
   std::vector<torch::Tensor> out_qr, out_qi, out_kr, out_ki;
   int64_t covered = 0;
-  for (const auto& s : m.segments) {
+  for (const auto& s : m.segments()) {
     const int64_t n = s.pairs(), M = s.order, NBs = s.blocks;
     covered = std::max<int64_t>(covered, s.first_pair + n);
     const auto omega = torch::tensor(s.omega, torch::kDouble).view({1, 1, 1, NBs});
@@ -58,7 +55,8 @@ std::vector<torch::Tensor> composed_transform_qk(const Mechanism& m, Layout layo
       return x.narrow(-1, s.first_pair, n).reshape({x.size(0), x.size(1), x.size(2), NBs, M});
     };
     const auto blocks = torch::indexing::Slice(s.first_block, s.first_block + NBs);
-    const auto gamma = kp.gamma.index({torch::indexing::Slice(), blocks}).to(dt).view({1, -1, 1, NBs});
+    const auto gamma =
+        kp.gamma.index({torch::indexing::Slice(), blocks}).to(dt).view({1, -1, 1, NBs});
     const auto a = (gamma * p.to(dt));  // key exponent gamma p'
     const auto ek = torch::exp(a.clamp(-s.max_exponent, s.max_exponent)).unsqueeze(-1);
     const auto eq = torch::exp((-a).clamp(-s.max_exponent, s.max_exponent)).unsqueeze(-1);
@@ -70,12 +68,15 @@ std::vector<torch::Tensor> composed_transform_qk(const Mechanism& m, Layout layo
       auto pw = torch::ones_like(u);
       for (int64_t r = 1; r < M; ++r) {
         pw = pw * u / r;
-        c[r] = kp.gates[r - 1].index({torch::indexing::Slice(), blocks}).to(dt).view({1, -1, 1, NBs}) * pw;
+        c[r] =
+            kp.gates[r - 1].index({torch::indexing::Slice(), blocks}).to(dt).view({1, -1, 1, NBs}) *
+            pw;
       }
     } else {
-      const auto eta = s.shear == ShearMode::Exponential
-                           ? kp.eta.index({torch::indexing::Slice(), blocks}).to(dt).view({1, -1, 1, NBs})
-                           : torch::zeros({1, 1, 1, NBs}, q.options());
+      const auto eta =
+          s.shear == ShearMode::Exponential
+              ? kp.eta.index({torch::indexing::Slice(), blocks}).to(dt).view({1, -1, 1, NBs})
+              : torch::zeros({1, 1, 1, NBs}, q.options());
       c[0] = torch::ones({1, 1, 1, 1}, q.options());
       for (int64_t r = 1; r < M; ++r) c[r] = c[r - 1] * eta * u / r;
     }
@@ -116,6 +117,30 @@ std::vector<torch::Tensor> composed_transform_qk(const Mechanism& m, Layout layo
   }
   return {join(torch::cat(out_qr, -1), torch::cat(out_qi, -1)),
           join(torch::cat(out_kr, -1), torch::cat(out_ki, -1))};
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> composed_transform_qk(const Mechanism& m, Layout layout,
+                                                 const KernelParams& kp, const torch::Tensor& q,
+                                                 const torch::Tensor& k,
+                                                 const torch::Tensor& positions, double center) {
+  torch::Tensor qq = q, kk = k;
+  for (const auto& t : m.transforms) {
+    if (t.position_driven()) {
+      auto out = jordan_qk(m, layout, kp, qq, kk, positions, center);
+      qq = out[0];
+      kk = out[1];
+    } else {
+      const auto D = static_cast<int64_t>(m.head_dim);
+      const auto M = torch::tensor(t.matrix, torch::kDouble).view({D, D}).to(q.scalar_type());
+      const auto Mit =
+          torch::tensor(t.matrix_inv_t, torch::kDouble).view({D, D}).to(q.scalar_type());
+      qq = torch::matmul(qq, Mit.t());
+      kk = torch::matmul(kk, M.t());
+    }
+  }
+  return {qq, kk};
 }
 
 }  // namespace relpos::nn

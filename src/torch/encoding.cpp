@@ -15,22 +15,6 @@ torch::Tensor from_vec(const std::vector<double>& v, std::vector<int64_t> shape)
   return torch::tensor(v, torch::kDouble).reshape(shape).to(torch::kFloat);
 }
 
-// Per-block columns of a [H, NB] mask built from a segment predicate.
-template <class F>
-torch::Tensor block_mask(const Mechanism& m, F&& pred) {
-  std::vector<double> v(static_cast<size_t>(m.total_blocks()), 0.0);
-  for (const auto& s : m.segments)
-    for (int b = 0; b < s.blocks; ++b) v[s.first_block + b] = pred(s) ? 1.0 : 0.0;
-  return from_vec(v, {1, m.total_blocks()});
-}
-template <class F>
-torch::Tensor block_value(const Mechanism& m, F&& value) {
-  std::vector<double> v(static_cast<size_t>(m.total_blocks()), 0.0);
-  for (const auto& s : m.segments)
-    for (int b = 0; b < s.blocks; ++b) v[s.first_block + b] = value(s);
-  return from_vec(v, {1, m.total_blocks()});
-}
-
 std::string dtype_name(torch::ScalarType t) {
   switch (t) {
     case torch::kFloat:
@@ -52,11 +36,6 @@ std::string shape_str(const torch::Tensor& t) {
 
 }  // namespace
 
-torch::Tensor PositionEncodingImpl::make(const std::string& name, torch::Tensor value,
-                                         bool learnable) {
-  return learnable ? register_parameter(name, value) : register_buffer(name, value);
-}
-
 namespace {
 // head_dim and heads arrive as int64 (tensor sizes); check them before they narrow to int
 int checked_int(int64_t v, int64_t hi, const char* what) {
@@ -71,78 +50,107 @@ PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head
                             checked_int(heads, kMaxHeads, "head count"))),
       plan_(kernels::TransformPlan::from(mech_, options.layout)),
       options_(options) {
-  if (!mech_.has_transform()) return;
-  const ParamValues init = default_params(mech_);
-  const int64_t H = heads, NB = mech_.total_blocks(), G = mech_.gate_rows();
-  const auto any = [&](auto pred) {
-    return std::any_of(mech_.segments.begin(), mech_.segments.end(), pred);
-  };
-  // gamma = softplus(a) + gamma_min where learnable, the fixed initial value elsewhere
-  damped_ = make("damped", block_mask(mech_, [](const auto& s) { return s.damped; }), false);
-  gamma_min_ =
-      make("gamma_min", block_value(mech_, [](const auto& s) { return s.gamma_min; }), false);
-  gamma_learn_ =
-      make("gamma_learn", block_mask(mech_, [](const auto& s) { return s.learn_gamma; }), false);
-  gamma_fixed_ = make("gamma_fixed", from_vec(init.gamma, {H, NB}), false);
-  {
-    // a = log(expm1(max(gamma0 - gamma_min, 1e-8))) (reference initialisation)
-    auto v = (gamma_fixed_ - gamma_min_).clamp_min(1e-8).to(torch::kDouble);
-    raw_gamma_ = make("raw_gamma", torch::log(torch::expm1(v)).to(torch::kFloat),
-                      any([](const auto& s) { return s.learn_gamma; }));
+  // fixed linear terms: M and M^{-T} as buffers (they move with .to(dtype))
+  for (size_t i = 0; i < mech_.transforms.size(); ++i) {
+    const auto& t = mech_.transforms[i];
+    if (t.position_driven()) continue;
+    const int64_t D = head_dim;
+    fixed_maps_.push_back(
+        {register_buffer(fmt::format("fixed{}_m", i),
+                         torch::tensor(t.matrix, torch::kDouble).view({D, D})),
+         register_buffer(fmt::format("fixed{}_m_inv_t", i),
+                         torch::tensor(t.matrix_inv_t, torch::kDouble).view({D, D}))});
   }
-  eta_max_ = make("eta_max", block_value(mech_, [](const auto& s) { return s.eta_max; }), false);
-  eta_learn_ = make(
-      "eta_learn",
-      block_mask(mech_,
-                 [](const auto& s) { return s.shear == ShearMode::Exponential && s.learn_eta; }),
-      false);
-  eta_fixed_ = make("eta_fixed", from_vec(init.eta, {H, NB}), false);
-  raw_eta_ =
-      make("raw_eta", torch::atanh((eta_fixed_ / eta_max_).clamp(-0.999999, 0.999999)),
-           any([](const auto& s) { return s.shear == ShearMode::Exponential && s.learn_eta; }));
-  if (G > 0) {
-    const JordanSegment* gs = nullptr;
-    for (const auto& s : mech_.segments)
-      if (s.shear == ShearMode::Gates) gs = &s;
-    spectrum_ = gs->spectrum_softmax;
-    gates_learn_ = gs->learn_gates && !spectrum_;
-    alpha0_learn_ = gs->learn_alpha0 && !spectrum_;
-    gate_max_ =
-        make("gate_max", block_value(mech_, [](const auto& s) { return s.gate_max; }), false);
-    gates_fixed_ = make("gates_fixed", from_vec(init.gates, {G, H, NB}), false);
-    alpha0_fixed_ = make("alpha0_fixed", from_vec(init.alpha0, {H, NB}), false);
-    if (spectrum_) {
-      spectrum_logits_ = register_parameter(
-          "spectrum_logits", torch::log(torch::cat({alpha0_fixed_.unsqueeze(0), gates_fixed_}, 0)));
+  // every parameter of the schema: raw tensor (learnable or buffer) from the inverse of its
+  // reparameterisation at the initial value, the per-block bound and learn mask, the fixed value
+  const ParamValues init = default_params(mech_);
+  for (size_t pi = 0; pi < mech_.params.size(); ++pi) {
+    const ParamSpec& ps = mech_.params[pi];
+    std::vector<double> v;
+    switch (ps.slot) {
+      case BlockParam::Gamma:
+        v = init.gamma;
+        break;
+      case BlockParam::Eta:
+        v = init.eta;
+        break;
+      case BlockParam::Gates:
+        v = init.gates;
+        break;
+      case BlockParam::Alpha0:
+        v = init.alpha0;
+        break;
+      case BlockParam::Spectrum:
+        v = init.alpha0;
+        v.insert(v.end(), init.gates.begin(), init.gates.end());
+        break;
     }
-    if (gates_learn_)
-      raw_gates_ = register_parameter(
-          "raw_gates", torch::atanh((gates_fixed_ / gate_max_).clamp(-0.999999, 0.999999)));
-    if (alpha0_learn_)
-      raw_alpha0_ = register_parameter(
-          "raw_alpha0", torch::atanh((alpha0_fixed_ / gate_max_).clamp(-0.999999, 0.999999)));
+    const int64_t NB = ps.shape.back();
+    std::vector<double> learn(ps.learn.begin(), ps.learn.end());
+    SchemaTensors st;
+    st.index = pi;
+    st.fixed = register_buffer(ps.name + "_fixed", from_vec(v, ps.shape));
+    st.bound = register_buffer(ps.name + "_bound", from_vec(ps.bound, {1, NB}));
+    st.learn = register_buffer(ps.name + "_learn", from_vec(learn, {1, NB}));
+    torch::Tensor raw;
+    const auto fixed64 = st.fixed.to(torch::kDouble);
+    switch (ps.reparam) {
+      case Reparam::SoftplusFloor:  // a = log(expm1(max(v - floor, 1e-8))) (reference init)
+        raw = torch::log(torch::expm1((fixed64 - st.bound.to(torch::kDouble)).clamp_min(1e-8)));
+        break;
+      case Reparam::BoundedTanh:
+        raw = torch::atanh((fixed64 / st.bound.to(torch::kDouble)).clamp(-0.999999, 0.999999));
+        break;
+      case Reparam::SoftmaxSimplex:
+        raw = torch::log(fixed64);
+        break;
+    }
+    raw = raw.to(torch::kFloat);
+    st.raw = ps.any_learnable() ? register_parameter("raw_" + ps.name, raw)
+                                : register_buffer("raw_" + ps.name, raw);
+    schema_.push_back(st);
   }
 }
 
 KernelParams PositionEncodingImpl::kernel_params() const {
   KernelParams p;
-  if (!mech_.has_transform()) return p;
-  const auto learned_gamma = torch::nn::functional::softplus(raw_gamma_) + gamma_min_;
-  p.gamma = torch::where(gamma_learn_ > 0, learned_gamma, gamma_fixed_) * damped_;
-  p.eta = torch::where(eta_learn_ > 0, eta_max_ * torch::tanh(raw_eta_), eta_fixed_);
-  if (mech_.gate_rows() > 0) {
-    if (spectrum_) {
-      const auto a = torch::softmax(spectrum_logits_, 0);
-      p.alpha0 = a[0];
-      p.gates = a.slice(0, 1);
-    } else {
-      p.gates = gates_learn_ ? gate_max_ * torch::tanh(raw_gates_) : gates_fixed_;
-      p.alpha0 = alpha0_learn_ ? gate_max_ * torch::tanh(raw_alpha0_) : alpha0_fixed_;
+  if (mech_.params.empty()) return p;
+  for (const auto& st : schema_) {
+    const ParamSpec& ps = mech_.params[st.index];
+    torch::Tensor v;
+    switch (ps.reparam) {
+      case Reparam::SoftplusFloor:
+        v = torch::nn::functional::softplus(st.raw) + st.bound;
+        break;
+      case Reparam::BoundedTanh:
+        v = st.bound * torch::tanh(st.raw);
+        break;
+      case Reparam::SoftmaxSimplex:
+        v = torch::softmax(st.raw, 0);
+        break;
     }
-  } else {
-    p.gates = torch::empty({0}, p.gamma.options());
-    p.alpha0 = torch::ones_like(p.gamma);
+    v = torch::where(st.learn > 0, v, st.fixed);
+    switch (ps.slot) {
+      case BlockParam::Gamma:
+        p.gamma = v;
+        break;
+      case BlockParam::Eta:
+        p.eta = v;
+        break;
+      case BlockParam::Gates:
+        p.gates = v;
+        break;
+      case BlockParam::Alpha0:
+        p.alpha0 = v;
+        break;
+      case BlockParam::Spectrum:
+        p.alpha0 = v[0];
+        p.gates = v.slice(0, 1);
+        break;
+    }
   }
+  if (!p.gates.defined()) p.gates = torch::empty({0}, p.gamma.options());
+  if (!p.alpha0.defined()) p.alpha0 = torch::ones_like(p.gamma);
   return p;
 }
 
@@ -260,6 +268,27 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
                                                            const torch::Tensor& positions) {
   const auto pos = checked_positions(mech_, q, k, positions, options_.check_finite);
   if (!mech_.has_transform() || q.numel() == 0) return {q, k};
+  // the terms in spec order: fixed maps as matrix products, the position term by the kernels
+  torch::Tensor qq = q, kk = k;
+  size_t fixed = 0;
+  for (const auto& t : mech_.transforms) {
+    if (t.position_driven()) {
+      auto out = position_forward(qq, kk, positions, pos);
+      qq = out.q;
+      kk = out.k;
+    } else {
+      const auto& [M, Mit] = fixed_maps_[fixed++];
+      qq = torch::matmul(qq, Mit.to(q.scalar_type()).t());
+      kk = torch::matmul(kk, M.to(q.scalar_type()).t());
+    }
+  }
+  return {qq, kk};
+}
+
+PositionEncodingImpl::Output PositionEncodingImpl::position_forward(const torch::Tensor& q,
+                                                                    const torch::Tensor& k,
+                                                                    const torch::Tensor& positions,
+                                                                    const torch::Tensor& pos) {
   auto kp = kernel_params();
   const auto dt = q.scalar_type();
   check_exponent_range(dt);
@@ -278,7 +307,7 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
 void PositionEncodingImpl::check_exponent_range(torch::ScalarType dt) const {
   // e^x is finite for x <= 88.72 in float32 and 709.78 in float64
   const double limit = dt == torch::kFloat ? 88.0 : 709.0;
-  for (const auto& s : mech_.segments)
+  for (const auto& s : mech_.segments())
     if (s.damped && s.max_exponent > limit)
       throw InputError(fmt::format(
           "{}: max_exp={} overflows {} (e^x is finite only up to x = {}); use float64 tensors or "
@@ -287,13 +316,13 @@ void PositionEncodingImpl::check_exponent_range(torch::ScalarType dt) const {
 }
 
 torch::Tensor PositionEncodingImpl::alibi_slopes() const {
-  if (!mech_.alibi) return {};
-  return torch::tensor(mech_.alibi->slopes, torch::kDouble).to(torch::kFloat);
+  if (!mech_.alibi()) return {};
+  return torch::tensor(mech_.alibi()->slopes, torch::kDouble).to(torch::kFloat);
 }
 
 torch::Tensor PositionEncodingImpl::logit_bias(const torch::Tensor& qp,
                                                const torch::Tensor& kp) const {
-  if (!mech_.alibi) return {};
+  if (!mech_.alibi()) return {};
   const auto lag =
       (qp.to(torch::kFloat).unsqueeze(1) - kp.to(torch::kFloat).unsqueeze(0)).clamp_min(0);
   return -alibi_slopes().view({-1, 1, 1}) * lag.unsqueeze(0);

@@ -55,7 +55,6 @@ class PositionEncodingImpl : public torch::nn::Module {
   double center_for(const torch::Tensor& positions) const;
 
  private:
-  torch::Tensor make(const std::string& name, torch::Tensor value, bool learnable);
   void check_exponent_range(torch::ScalarType dt) const;
   void warn_once(const torch::Tensor& user_positions, const torch::Tensor& pos, double center,
                  const KernelParams& kp);
@@ -63,11 +62,15 @@ class PositionEncodingImpl : public torch::nn::Module {
   Mechanism mech_;
   kernels::TransformPlan plan_;
   EncodingOptions options_;
-  // raw parameters (or fixed buffers) and per-block constants
-  torch::Tensor raw_gamma_, gamma_min_, gamma_learn_, gamma_fixed_, damped_;
-  torch::Tensor raw_eta_, eta_max_, eta_learn_, eta_fixed_;
-  torch::Tensor raw_gates_, raw_alpha0_, spectrum_logits_, gate_max_, gates_fixed_, alpha0_fixed_;
-  bool gates_learn_ = false, alpha0_learn_ = false, spectrum_ = false;
+  Output position_forward(const torch::Tensor& q, const torch::Tensor& k,
+                          const torch::Tensor& positions, const torch::Tensor& pos);
+  // the tensors of each parameter of the mechanism's schema (core ParamSpec)
+  struct SchemaTensors {
+    size_t index = 0;  // into mechanism().params
+    torch::Tensor raw, fixed, bound, learn;
+  };
+  std::vector<SchemaTensors> schema_;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> fixed_maps_;  // M, M^{-T} per fixed term
   // The trig table of the last call, reused while positions, centre and dtype repeat (training
   // calls with the same 0..T-1 every step). Makes forward non-reentrant, like any module state.
   struct TrigCache {

@@ -13,34 +13,14 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The plan travels through the autograd context as a flat list of doubles (saved_data holds
-// IValues only), which also keeps the backward independent of the module's lifetime.
-std::vector<double> encode(const kernels::TransformPlan& p) {
-  std::vector<double> v = {double(p.head_dim), double(p.layout == Layout::HalfSplit),
-                           double(p.total_blocks), double(p.gate_rows), double(p.segments.size())};
-  for (const auto& s : p.segments)
-    v.insert(v.end(), {double(s.first_pair), double(s.first_block), double(s.blocks),
-                       double(s.order), double(static_cast<int>(s.chart)), s.L, s.shear_scale,
-                       s.max_exponent, double(static_cast<int>(s.shear)), double(s.damped)});
-  v.insert(v.end(), p.omega.begin(), p.omega.end());
-  return v;
-}
-
-kernels::TransformPlan decode(const std::vector<double>& v) {
-  kernels::TransformPlan p;
-  size_t i = 0;
-  p.head_dim = static_cast<int>(v[i++]);
-  p.layout = v[i++] != 0 ? Layout::HalfSplit : Layout::Interleaved;
-  p.total_blocks = static_cast<int>(v[i++]);
-  p.gate_rows = static_cast<int>(v[i++]);
-  const auto nseg = static_cast<size_t>(v[i++]);
-  for (size_t s = 0; s < nseg; ++s, i += 10)
-    p.segments.push_back(
-        {static_cast<int>(v[i]), static_cast<int>(v[i + 1]), static_cast<int>(v[i + 2]),
-         static_cast<int>(v[i + 3]), static_cast<Chart>(static_cast<int>(v[i + 4])), v[i + 5],
-         v[i + 6], v[i + 7], static_cast<ShearMode>(static_cast<int>(v[i + 8])), v[i + 9] != 0});
-  p.omega.assign(v.begin() + static_cast<std::ptrdiff_t>(i), v.end());
-  return p;
+// The plan travels through the autograd context as a capsule (saved_data holds IValues only);
+// sharing it keeps the backward independent of the module's lifetime.
+struct PlanHolder : torch::CustomClassHolder {
+  explicit PlanHolder(std::shared_ptr<const kernels::TransformPlan> p) : plan(std::move(p)) {}
+  std::shared_ptr<const kernels::TransformPlan> plan;
+};
+const kernels::TransformPlan& plan_of(const c10::IValue& v) {
+  return *static_cast<const PlanHolder*>(v.toCapsule().get())->plan;
 }
 
 template <class T>
@@ -85,9 +65,10 @@ class TransformQK : public torch::autograd::Function<TransformQK> {
                                const torch::Tensor& gamma, const torch::Tensor& eta,
                                const torch::Tensor& gates, const torch::Tensor& alpha0,
                                const torch::Tensor& positions, const torch::Tensor& cos,
-                               const torch::Tensor& sin, std::vector<double> plan_code,
+                               const torch::Tensor& sin,
+                               std::shared_ptr<const kernels::TransformPlan> plan_ptr,
                                double center) {
-    const auto plan = decode(plan_code);
+    const auto& plan = *plan_ptr;
     const auto g = geometry(q, positions, center);
     auto qo = output_like(q), ko = output_like(k);
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_transform_forward", [&] {
@@ -98,7 +79,7 @@ class TransformQK : public torch::autograd::Function<TransformQK> {
           k.data_ptr<scalar_t>(), qo.data_ptr<scalar_t>(), ko.data_ptr<scalar_t>());
     });
     ctx->save_for_backward({q, k, gamma, eta, gates, alpha0, positions, cos, sin});
-    ctx->saved_data["plan"] = plan_code;
+    ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan_ptr));
     ctx->saved_data["center"] = center;
     return {qo, ko};
   }
@@ -107,7 +88,7 @@ class TransformQK : public torch::autograd::Function<TransformQK> {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &gamma = saved[2], &eta = saved[3], &gates = saved[4],
                &alpha0 = saved[5], &positions = saved[6], &cos = saved[7], &sin = saved[8];
-    const auto plan = decode(ctx->saved_data["plan"].toDoubleVector());
+    const auto& plan = plan_of(ctx->saved_data["plan"]);
     const auto g = geometry(q, positions, ctx->saved_data["center"].toDouble());
     const auto gqo = grad_out[0].defined() ? grad_out[0].contiguous() : torch::zeros_like(q);
     const auto gko = grad_out[1].defined() ? grad_out[1].contiguous() : torch::zeros_like(k);
@@ -176,7 +157,8 @@ std::vector<torch::Tensor> transform_qk(const kernels::TransformPlan& plan, cons
     throw InputError("trig table does not match the inputs' positions, length or dtype");
   return TransformQK::apply(q.contiguous(), k.contiguous(), gamma.contiguous(), eta.contiguous(),
                             gates.contiguous(), alpha0.contiguous(), pos, table[0].detach(),
-                            table[1].detach(), encode(plan), center);
+                            table[1].detach(), std::make_shared<const kernels::TransformPlan>(plan),
+                            center);
 }
 
 }  // namespace relpos::nn

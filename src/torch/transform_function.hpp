@@ -16,9 +16,8 @@ namespace relpos::nn {
 std::vector<torch::Tensor> transform_qk(const kernels::TransformPlan& plan, const torch::Tensor& q,
                                         const torch::Tensor& k, const torch::Tensor& gamma,
                                         const torch::Tensor& eta, const torch::Tensor& gates,
-                                        const torch::Tensor& alpha0,
-                                        const torch::Tensor& positions, double center,
-                                        const std::vector<torch::Tensor>& trig = {});
+                                        const torch::Tensor& alpha0, const torch::Tensor& positions,
+                                        double center, const std::vector<torch::Tensor>& trig = {});
 
 // The kernels' trig table {cos, sin} for [B, H, T] inputs (B = positions' batch when [B, T]).
 std::vector<torch::Tensor> trig_table(const kernels::TransformPlan& plan, int64_t B, int64_t T,

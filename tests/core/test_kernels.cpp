@@ -495,7 +495,7 @@ TEST(KernelFastPaths, Float32MatchesFloat64AcrossShapesAndPositions) {
           }
           // damping strong enough to matter over the window (|gamma p| up to ~3.5), so that
           // max_exp=2 binds at the window's ends and not near its centre
-          if (pr.mech.segments.at(0).damped)
+          if (pr.mech.segments().at(0).damped)
             for (auto& g : pr.params.gamma) g = test::uniform(rng, 0.005, 0.03);
           pr.params = rounded_to_float(pr.params);
           const auto qf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));

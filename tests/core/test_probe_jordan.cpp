@@ -1,5 +1,5 @@
-// Jordan-RoPE basis probes: feature dictionaries (spec jordan-rope.md 1.9), solvers, and the float64
-// agreement of Tables 3, 4, 11, 6 and 16 with the spec's re-derivation (section 6.2).
+// Jordan-RoPE basis probes: feature dictionaries (spec jordan-rope.md 1.9), solvers, and the
+// float64 agreement of Tables 3, 4, 11, 6 and 16 with the spec's re-derivation (section 6.2).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -50,7 +50,8 @@ TEST(ProbeJordanFeatures, ColumnValuesAndAliases) {
   const double L = g.L, d = 2500.0, w5 = std::pow(1e4, -10.0 / 64), tau_n = d / (1 + d / L) / L;
   const auto Xs = build_matrix(jordan_dictionary("jordan_m3", g), lags);
   // r = 2 block starts after intercept + 2 * 32 columns; sin block of r = 2 after its 16 cos
-  EXPECT_NEAR(Xs(2500, 1 + 64 + 16 + 5), tau_n * tau_n / 2 * std::exp(-1e-4 * d) * std::sin(w5 * d), 1e-14);
+  EXPECT_NEAR(Xs(2500, 1 + 64 + 16 + 5), tau_n * tau_n / 2 * std::exp(-1e-4 * d) * std::sin(w5 * d),
+              1e-14);
   const auto Xp = build_matrix(jordan_dictionary("direct_sum_poly_m4", g), lags);
   EXPECT_NEAR(Xp(2500, 35), tau_n * tau_n * tau_n, 1e-14);  // no factorial, no damping
   const auto Xd = build_matrix(jordan_dictionary("direct_sum", g), lags);
@@ -74,8 +75,8 @@ TEST(ProbeJordanFeatures, JetFeatureMatchesMechanismLagFeatures) {
   const Mechanism m = build_mechanism("jordan_raw_tau", 16, 1);
   ParamValues p = default_params(m);
   for (auto& e : p.eta) e = 1.0;
-  ASSERT_FALSE(m.segments.empty());
-  const auto& s = m.segments.front();
+  ASSERT_FALSE(m.segments().empty());
+  const auto& s = m.segments().front();
   for (const double d : {0.0, 3.0, 700.0, 5000.0}) {
     const auto feats = lag_features(m, p, 0, d);
     ASSERT_EQ(feats.size(), static_cast<size_t>(2 * s.blocks * s.order));
@@ -100,9 +101,11 @@ TEST(ProbeJordanTargets, Definitions) {
   tp.omega2 = 0.2371374;
   EXPECT_DOUBLE_EQ(jordan_target("linear", 512, tp), -0.5);
   EXPECT_NEAR(jordan_target("mixed", 2048, tp), 2 * std::cos(tp.omega * 2048), 1e-15);
-  EXPECT_NEAR(jordan_target("scaled_high_jet_r3", 2048, tp), 8 * std::exp(-0.2) * std::cos(tp.omega * 2048), 1e-13);
+  EXPECT_NEAR(jordan_target("scaled_high_jet_r3", 2048, tp),
+              8 * std::exp(-0.2) * std::cos(tp.omega * 2048), 1e-13);
   EXPECT_NEAR(jordan_target("motif_spacing", 1024, tp),
-              1 / 1.25 * (0.7 * std::cos(tp.omega2 * 1024) - 0.3 * std::sin(tp.omega2 * 1024)), 1e-15);
+              1 / 1.25 * (0.7 * std::cos(tp.omega2 * 1024) - 0.3 * std::sin(tp.omega2 * 1024)),
+              1e-15);
   EXPECT_THROW(jordan_target("quadratic", 1, tp), InputError);
 }
 

@@ -43,7 +43,9 @@ std::vector<Case> exact_cases() {
   return c;
 }
 
-ParamValues draw(const Mechanism& m, std::mt19937_64& rng) { return random_params(m, rng); }
+ParamValues draw(const Mechanism& m, std::mt19937_64& rng) {
+  return random_params(m, rng);
+}
 
 std::vector<double> random_positions(std::mt19937_64& rng, int n, double lo, double hi) {
   std::vector<double> p;
@@ -74,7 +76,8 @@ TEST(Reference, ExactMechanismsSatisfyTheRelativeLaw) {
           for (double j : pos) {
             const Eigen::MatrixXd lhs = reference::key_map(m, p, h, i, layout).inverse() *
                                         reference::key_map(m, p, h, j, layout);
-            worst = std::max(worst, rel_err(lhs, reference::relative_operator(m, p, h, i - j, layout)));
+            worst =
+                std::max(worst, rel_err(lhs, reference::relative_operator(m, p, h, i - j, layout)));
           }
       EXPECT_LT(worst, 1e-12);
     }
@@ -91,9 +94,10 @@ TEST(Reference, ExactMechanismsSatisfyTheGroupLaw) {
       for (int n = 0; n < 8; ++n) {
         const double a = test::uniform(rng, -70, 70), b = test::uniform(rng, -70, 70);
         const int h = n % m.heads;
-        const Eigen::MatrixXd prod =
-            reference::relative_operator(m, p, h, a, layout) * reference::relative_operator(m, p, h, b, layout);
-        worst = std::max(worst, rel_err(prod, reference::relative_operator(m, p, h, a + b, layout)));
+        const Eigen::MatrixXd prod = reference::relative_operator(m, p, h, a, layout) *
+                                     reference::relative_operator(m, p, h, b, layout);
+        worst =
+            std::max(worst, rel_err(prod, reference::relative_operator(m, p, h, a + b, layout)));
       }
       EXPECT_LT(worst, 1e-12);
       // G(0) = I
@@ -159,9 +163,9 @@ TEST(Reference, RelativeScoreIsQTransposeGK) {
     }
 }
 
-// Spec 1.3: keys get k~ = e^{+gamma p} R(-omega p) (x) U(-p) k with U(-p) = sum_r (eta s sigma(-p))^r / r! N^r,
-// the upper shift N moving slot r+1 into slot r; complex coordinate b*m + r is (2(bm+r), 2(bm+r)+1)
-// interleaved and (bm+r, bm+r+D/2) half-split.
+// Spec 1.3: keys get k~ = e^{+gamma p} R(-omega p) (x) U(-p) k with U(-p) = sum_r (eta s
+// sigma(-p))^r / r! N^r, the upper shift N moving slot r+1 into slot r; complex coordinate b*m + r
+// is (2(bm+r), 2(bm+r)+1) interleaved and (bm+r, bm+r+D/2) half-split.
 TEST(Reference, KeyMapFollowsTheReferenceConvention) {
   const int m_order = 3, D = 12;
   const Mechanism m = build_mechanism("jordan(m=3, regime=raw)", D, 1);
@@ -173,7 +177,7 @@ TEST(Reference, KeyMapFollowsTheReferenceConvention) {
     SCOPED_TRACE(test::layout_name(layout));
     Eigen::MatrixXd want = Eigen::MatrixXd::Zero(D, D);
     for (int b = 0; b < 2; ++b) {
-      const double w = m.segments[0].omega[b], g = p.gamma[b], e = p.eta[b];
+      const double w = m.segments()[0].omega[b], g = p.gamma[b], e = p.eta[b];
       const double x = e * (-pos);  // eta * s * sigma(t), t = -p
       const double coef[3] = {1.0, x, x * x / 2};
       const double cs = std::cos(-w * pos), sn = std::sin(-w * pos);
@@ -192,11 +196,13 @@ TEST(Reference, KeyMapFollowsTheReferenceConvention) {
     // and the relative operator is e^{-gamma d} R(omega d) (x) exp(eta d N) (paper 3.3)
     const double d = 4.0;
     const Eigen::MatrixXd G = reference::relative_operator(m, p, 0, d, layout);
-    const int j01 = reference::real_index(layout, D, 1, 0), j00 = reference::real_index(layout, D, 0, 0);
+    const int j01 = reference::real_index(layout, D, 1, 0),
+              j00 = reference::real_index(layout, D, 0, 0);
     const int j02 = reference::real_index(layout, D, 2, 0);
-    const double w0 = m.segments[0].omega[0];
+    const double w0 = m.segments()[0].omega[0];
     EXPECT_NEAR(G(j00, j01), std::exp(-0.01 * d) * 0.05 * d * std::cos(w0 * d), 1e-15);
-    EXPECT_NEAR(G(j00, j02), std::exp(-0.01 * d) * 0.05 * 0.05 * d * d / 2 * std::cos(w0 * d), 1e-15);
+    EXPECT_NEAR(G(j00, j02), std::exp(-0.01 * d) * 0.05 * 0.05 * d * d / 2 * std::cos(w0 * d),
+                1e-15);
     EXPECT_EQ(G(j01, j00), 0.0);  // upper triangular in the slots
   }
 }
@@ -209,7 +215,8 @@ TEST(Reference, LayoutsArePermutationsOfEachOther) {
   Eigen::MatrixXd P = Eigen::MatrixXd::Zero(D, D);  // interleaved index -> half-split index
   for (int j = 0; j < D / 2; ++j)
     for (int c = 0; c < 2; ++c)
-      P(reference::real_index(Layout::HalfSplit, D, j, c), reference::real_index(Layout::Interleaved, D, j, c)) = 1;
+      P(reference::real_index(Layout::HalfSplit, D, j, c),
+        reference::real_index(Layout::Interleaved, D, j, c)) = 1;
   const Eigen::MatrixXd Ai = reference::key_map(m, p, 0, 9.0, Layout::Interleaved);
   const Eigen::MatrixXd Ah = reference::key_map(m, p, 0, 9.0, Layout::HalfSplit);
   EXPECT_LT(rel_err(Ah, P * Ai * P.transpose()), 1e-15);
@@ -243,7 +250,7 @@ TEST(Reference, ApproximateMechanismsBreakTheRelativeLawUnlessTheShearIsZero) {
         return e;
       };
       EXPECT_GT(err(p), 1e-6);
-      for (auto& e : p.eta) e = 0;    // no nilpotent part: a damped rotation, exact
+      for (auto& e : p.eta) e = 0;  // no nilpotent part: a damped rotation, exact
       for (auto& g : p.gates) g = 0;
       EXPECT_LT(err(p), 1e-10);
     }

@@ -50,8 +50,8 @@ void expect_parse_error(const std::string& spec, const std::string& needle) {
 }
 
 JordanSegment only_segment(const Mechanism& m) {
-  EXPECT_EQ(m.segments.size(), 1u);
-  return m.segments.at(0);
+  EXPECT_EQ(m.segments().size(), 1u);
+  return m.segments().at(0);
 }
 
 // sign -1: RoPE segments store -omega (they rotate by +omega p, the RoFormer convention)
@@ -180,7 +180,7 @@ TEST(SpecAliases, JordanRopeIsStabilizedOrderTwo) {
   EXPECT_DOUBLE_EQ(s.eta_max, 0.1);
   EXPECT_TRUE(s.learn_eta);
   EXPECT_DOUBLE_EQ(s.max_exponent, 30.0);
-  EXPECT_FALSE(m.alibi.has_value());
+  EXPECT_FALSE(m.alibi() != nullptr);
   EXPECT_FALSE(m.transform_exact());
   EXPECT_EQ(m.center, CenterMode::None);  // approximate: no centring by default
   // spec 1.3 example: hd 32, m 2 uses omega_0..omega_7 = 10000^(-b/16)
@@ -245,7 +245,7 @@ TEST(SpecAliases, ScaledExact) {
     EXPECT_DOUBLE_EQ(s.eta_max, 0.1);
     EXPECT_TRUE(s.learn_eta);
     EXPECT_TRUE(m.transform_exact());
-    EXPECT_FALSE(m.alibi.has_value());
+    EXPECT_FALSE(m.alibi() != nullptr);
     expect_prefix_grid(s, 64);
   }
   {
@@ -271,8 +271,8 @@ TEST(SpecAliases, ScaledExact) {
     EXPECT_DOUBLE_EQ(s.gamma_init, 1.5 / 1024);
     EXPECT_DOUBLE_EQ(s.eta_init, 0.01);
     EXPECT_DOUBLE_EQ(s.eta_max, 0.1);
-    ASSERT_TRUE(m.alibi.has_value());
-    EXPECT_EQ(m.alibi->slopes, alibi_slopes(6));
+    ASSERT_TRUE(m.alibi() != nullptr);
+    EXPECT_EQ(m.alibi()->slopes, alibi_slopes(6));
     EXPECT_EQ(m.name, "jordan");
   }
   {  // options of the spec form reach the segment (spec 5: L 20 gives gamma 0.5/20)
@@ -326,8 +326,8 @@ TEST(SpecAliases, JetGates) {
   }
   {
     const auto m = build_mechanism("jordan_jetmix_m3_c150_g010_g005_alibi", 48, 4);
-    ASSERT_TRUE(m.alibi.has_value());
-    EXPECT_EQ(m.alibi->slopes, alibi_slopes(4));
+    ASSERT_TRUE(m.alibi() != nullptr);
+    EXPECT_EQ(m.alibi()->slopes, alibi_slopes(4));
   }
 }
 
@@ -356,15 +356,15 @@ TEST(SpecAliases, RopeAlibiAndDampedRope) {
     EXPECT_FALSE(s.damped);
     EXPECT_EQ(s.shear, ShearMode::None);
     expect_prefix_grid(s, 16, -1.0);  // all hd/2 frequencies, rotating by +omega p
-    ASSERT_TRUE(m.alibi.has_value());
-    EXPECT_EQ(m.alibi->slopes, (std::vector<double>{0.25, 0.0625, 0.015625, 0.00390625}));
+    ASSERT_TRUE(m.alibi() != nullptr);
+    EXPECT_EQ(m.alibi()->slopes, (std::vector<double>{0.25, 0.0625, 0.015625, 0.00390625}));
     EXPECT_EQ(m.exactness(), "exact + augmented bias");
   }
   {
     const auto m = build_mechanism("alibi", 16, 8);
     EXPECT_FALSE(m.has_transform());
-    ASSERT_TRUE(m.alibi.has_value());
-    EXPECT_EQ(m.alibi->slopes.size(), 8u);
+    ASSERT_TRUE(m.alibi() != nullptr);
+    EXPECT_EQ(m.alibi()->slopes.size(), 8u);
     EXPECT_EQ(m.exactness(), "augmented exact");
   }
   {  // spec 1.5: order 2, eta forced 0, hd/4 frequencies each on two pairs, gamma 1e-4 / 1e-4
@@ -389,8 +389,8 @@ TEST(SpecAliases, RopeAlibiAndDampedRope) {
 TEST(SpecAliases, DirectSumLayout) {
   const int D = 32;
   const auto m = build_mechanism("direct_sum", D, 2);
-  ASSERT_EQ(m.segments.size(), 2u);
-  const auto& r = m.segments[0];
+  ASSERT_EQ(m.segments().size(), 2u);
+  const auto& r = m.segments()[0];
   EXPECT_EQ(r.order, 1);
   EXPECT_EQ(r.first_pair, 0);
   EXPECT_EQ(r.first_block, 0);
@@ -399,7 +399,7 @@ TEST(SpecAliases, DirectSumLayout) {
   ASSERT_EQ(static_cast<int>(r.omega.size()), D / 4);
   for (int k = 0; k < D / 4; ++k)  // RoPE built for dim D/2: theta^(-2k/(D/2))
     EXPECT_NEAR(r.omega[k], -std::pow(10000.0, -2.0 * k / (D / 2)), 1e-15) << k;
-  const auto& j = m.segments[1];
+  const auto& j = m.segments()[1];
   EXPECT_EQ(j.order, 2);
   EXPECT_EQ(j.first_pair, D / 4);
   EXPECT_EQ(j.first_block, D / 4);
@@ -548,13 +548,40 @@ TEST(SpecBuild, HeadDimMustDivideByTwoM) {
   EXPECT_NO_THROW(build_mechanism("jordan(m=3)", 48, 4));
 }
 
-TEST(SpecBuild, OneTransformOnly) {
-  expect_input_error("rope + jordan", 64, 4, {"two position transforms"});
-  expect_input_error("rope_alibi + damped_rope", 64, 4, {"two position transforms"});
+// Several transforms compose in spec order; at most one of them may be position-driven.
+TEST(SpecBuild, TransformsComposeWithOnePositionDrivenTerm) {
+  expect_input_error("rope + jordan", 64, 4, {"two position-driven transforms"});
+  expect_input_error("rope_alibi + damped_rope", 64, 4, {"two position-driven transforms"});
+  const auto m = build_mechanism("orthogonal_mix(seed=3) + rope + alibi", 8, 2);
+  ASSERT_EQ(m.transforms.size(), 2u);
+  EXPECT_EQ(m.transforms[0].kind, TransformKind::FixedLinear);
+  EXPECT_TRUE(m.transforms[0].orthogonal_fixed());
+  EXPECT_EQ(m.transforms[1].kind, TransformKind::JordanBlocks);
+  EXPECT_EQ(m.position_term(), &m.transforms[1]);
+  ASSERT_EQ(m.biases.size(), 1u);
+  EXPECT_EQ(m.biases[0].shape, BiasShape::LagTable);
+  EXPECT_TRUE(m.transform_exact());
+  // the fixed map is orthogonal: M M^T = I
+  const auto& M = m.transforms[0].matrix;
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) {
+      double s = 0;
+      for (int k = 0; k < 8; ++k) s += M[i * 8 + k] * M[j * 8 + k];
+      EXPECT_NEAR(s, i == j ? 1.0 : 0.0, 1e-14);
+    }
+  // the parameter schema: gamma and eta per head and block (RoPE: none learnable)
+  const auto d = build_mechanism("jordan(m=2, regime=raw)", 8, 2);
+  ASSERT_EQ(d.params.size(), 2u);
+  EXPECT_EQ(d.params[0].name, "gamma");
+  EXPECT_EQ(d.params[0].shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(d.params[0].reparam, Reparam::SoftplusFloor);
+  EXPECT_TRUE(d.params[0].any_learnable());
+  EXPECT_EQ(d.params[1].reparam, Reparam::BoundedTanh);
+  EXPECT_FALSE(m.params[0].any_learnable());
   expect_input_error("alibi + alibi", 64, 4, {"alibi twice"});
-  EXPECT_TRUE(
-      build_mechanism("jordan(m=2, regime=scaled, c=0.1) + alibi", 64, 4).alibi.has_value());
-  EXPECT_TRUE(build_mechanism("alibi + rope", 64, 4).alibi.has_value());
+  EXPECT_TRUE(build_mechanism("jordan(m=2, regime=scaled, c=0.1) + alibi", 64, 4).alibi() !=
+              nullptr);
+  EXPECT_TRUE(build_mechanism("alibi + rope", 64, 4).alibi() != nullptr);
 }
 
 // A reference method name used as one term of a composed spec expands in place (registry.cpp's own
@@ -565,7 +592,7 @@ TEST(SpecBuild, OneTransformOnly) {
 TEST(SpecBuild, ReferenceNameComposesWithBiasTerms) {
   EXPECT_EQ(expand_reference_alias("jordan_exact_c010 + alibi"), "");
   const auto m = build_mechanism("jordan_exact_c010 + alibi", 64, 4);
-  EXPECT_TRUE(m.alibi.has_value());
+  EXPECT_TRUE(m.alibi() != nullptr);
   EXPECT_DOUBLE_EQ(only_segment(m).gamma_init, 0.1 / 1024);
   EXPECT_EQ(m.spec, build_mechanism("jordan_exact_c010_alibi", 64, 4).spec);
   EXPECT_NO_THROW(build_mechanism("jordan_jetmix_m3_c150_g010_g005 + alibi", 48, 4));
@@ -602,7 +629,7 @@ TEST(SpecBuild, CanonicalSpecSpellsEveryOption) {
   // the canonical spec builds the same mechanism
   const auto again = build_mechanism(m.spec, 48, 4);
   EXPECT_EQ(again.spec, m.spec);
-  EXPECT_DOUBLE_EQ(again.segments.at(0).gamma_init, m.segments.at(0).gamma_init);
+  EXPECT_DOUBLE_EQ(again.segments().at(0).gamma_init, m.segments().at(0).gamma_init);
 }
 
 TEST(SpecBuild, EveryDefaultSpecBuildsWithItsCatalogEntry) {

@@ -13,6 +13,7 @@
 
 #include "core/mechanism.hpp"
 #include "core/registry.hpp"
+#include "kernels/mechanism_apply.hpp"
 #include "kernels/transform.hpp"
 
 namespace relpos::test {
@@ -57,17 +58,9 @@ inline std::vector<int> fitting_head_dims(const std::string& spec, int heads, si
   return out;
 }
 
-// Parameter arrays of one dtype, owning.
+// Parameter arrays of one dtype, owning (the kernels' own helper).
 template <class T>
-struct TypedParams {
-  std::vector<T> gamma, eta, gates, alpha0;
-  explicit TypedParams(const ParamValues& p)
-      : gamma(p.gamma.begin(), p.gamma.end()),
-        eta(p.eta.begin(), p.eta.end()),
-        gates(p.gates.begin(), p.gates.end()),
-        alpha0(p.alpha0.begin(), p.alpha0.end()) {}
-  kernels::Params<T> view() const { return {gamma.data(), eta.data(), gates.data(), alpha0.data()}; }
-};
+using TypedParams = kernels::ParamBuffers<T>;
 
 // One kernel problem: mechanism, parameters, shape, positions ([T] or [B, T]) and centre.
 struct Problem {

@@ -147,7 +147,7 @@ TEST(Verify, RawOrderEightAtOneMillionIsNotPass) {
 // parser accepts for L.
 TEST(Verify, OverflowingScaledRegimeFails) {
   Mechanism m = build_mechanism("jordan(regime=scaled)", 16, 2);
-  for (auto& s : m.segments) {
+  for (auto& s : m.transforms[0].segments) {
     s.L = 1e-300;
     s.shear_scale = 1e300;
     s.gamma_init = s.gamma_random_max = 1e300;
@@ -217,7 +217,7 @@ TEST(Verify, Float32RowFailsWhenMaxExpExceedsItsExponentRange) {
   }
   // above float64's range too (the registry refuses max_exp > 709; set it on the mechanism)
   Mechanism big = build_mechanism("damped_rope(max_exp=700)", o.head_dim, o.heads);
-  big.segments[0].max_exponent = 710;
+  big.transforms[0].segments[0].max_exponent = 710;
   const auto f64 = diag::verify_mechanism(big, "damped_rope(max_exp=710)", o, {"f64"});
   EXPECT_EQ(f64[0].status, "FAIL");
   EXPECT_TRUE(contains(f64[0].reason, "float64 exponent range")) << f64[0].reason;
