@@ -125,53 +125,54 @@ std::vector<std::string> split_underscores(const std::string& s) {
   return toks;
 }
 
-// The option tokens of a parametrised reference name (`jordan_exact_m3_c050_eta100_eta1`,
-// `jordan_jetmix_m3_c150_g010_g005`). Every token must be one the family knows, each at most once
-// (gates repeat); anything else is an error naming the token: a typo must never be read as a
-// default.
-struct NameTokens {
-  std::optional<std::string> m;  // digits, range-checked by the registry
-  std::optional<double> c, eta;
-  bool eta1 = false;
-  std::vector<double> gates;
-};
+}  // namespace
 
-NameTokens parse_name_tokens(const std::string& alias, const std::vector<std::string>& toks,
-                             bool exact_family) {
+NameTokens parse_name_tokens(const std::string& alias, size_t family_words, unsigned allowed) {
+  const auto toks = split_underscores(alias);
   NameTokens t;
   const auto once = [&](bool seen, const std::string& tok) {
     if (seen)
       throw InputError(fmt::format("reference method name '{}': token '{}' repeats an option",
                                    brief(alias), tok));
   };
-  for (const auto& tok : toks) {
-    if (tok.size() > 1 && tok[0] == 'm' && all_digits(tok.substr(1))) {
-      once(t.m.has_value(), tok);
-      t.m = fmt::format("{}", static_cast<int64_t>(token_number(alias, tok, 1)));
-    } else if (tok.size() > 1 && tok[0] == 'c' && all_digits(tok.substr(1))) {
-      once(t.c.has_value(), tok);
-      t.c = token_number(alias, tok, 1) / 100.0;
-    } else if (exact_family && tok == "eta1") {
+  const auto is = [&](const std::string& tok, const char* prefix, size_t min_digits,
+                      unsigned kind) {
+    const size_t n = std::char_traits<char>::length(prefix);
+    return (allowed & kind) && tok.size() >= n + min_digits && tok.compare(0, n, prefix) == 0 &&
+           all_digits(tok.substr(n));
+  };
+  for (size_t i = family_words; i < toks.size(); ++i) {
+    const std::string& tok = toks[i];
+    if ((allowed & kTokEta1) && tok == "eta1") {
       once(t.eta1, tok);
       t.eta1 = true;
-    } else if (exact_family && tok.size() >= 6 && tok.starts_with("eta") &&
-               all_digits(tok.substr(3))) {
+    } else if ((allowed & kTokScaled) && tok == "scaled") {
+      // `jordan_exact_scaled`: the default c = 1
+    } else if (is(tok, "eta", 3, kTokEta)) {
       once(t.eta.has_value(), tok);
       t.eta = token_number(alias, tok, 3) / 1000.0;
-    } else if (exact_family && tok == "scaled") {
-      // `jordan_exact_scaled`: the reference's name for the default c = 1
-    } else if (!exact_family && tok.size() > 1 && tok[0] == 'g' && all_digits(tok.substr(1))) {
+    } else if (is(tok, "m", 1, kTokM)) {
+      once(t.m.has_value(), tok);
+      t.m = static_cast<int64_t>(token_number(alias, tok, 1));
+    } else if (is(tok, "c", 1, kTokC)) {
+      once(t.c.has_value(), tok);
+      t.c = token_number(alias, tok, 1) / 100.0;
+    } else if (is(tok, "g", 1, kTokGates)) {
       t.gates.push_back(token_number(alias, tok, 1) / 100.0);
     } else {
-      throw InputError(fmt::format(
-          "reference method name '{}': unknown token '{}' (expected {})", brief(alias), brief(tok),
-          exact_family ? "mM, cCCC, etaEEE (3+ digits), eta1 or scaled" : "mM, cCCC or gGGG"));
+      std::vector<std::string> kinds;
+      if (allowed & kTokM) kinds.push_back("mM");
+      if (allowed & kTokC) kinds.push_back("cCCC");
+      if (allowed & kTokEta) kinds.push_back("etaEEE (3+ digits)");
+      if (allowed & kTokEta1) kinds.push_back("eta1");
+      if (allowed & kTokScaled) kinds.push_back("scaled");
+      if (allowed & kTokGates) kinds.push_back("gGGG");
+      throw InputError(fmt::format("reference method name '{}': unknown token '{}' (expected {})",
+                                   brief(alias), brief(tok), fmt::join(kinds, ", ")));
     }
   }
   return t;
 }
-
-}  // namespace
 
 std::string expand_reference_alias(const std::string& name_in) {
   // only a bare method name is an alias: "jordan_exact_c010 + alibi" is a composed spec whose
@@ -185,9 +186,6 @@ std::string expand_reference_alias(const std::string& name_in) {
   }
   const auto toks = split_underscores(name);
   // the option tokens after a family prefix of `skip` underscore-separated words
-  const auto rest = [&](size_t skip) {
-    return std::vector<std::string>(toks.begin() + skip, toks.end());
-  };
   std::string out;
   if (name == "rope" && !suffix.empty()) {
     out = "rope";
@@ -206,16 +204,17 @@ std::string expand_reference_alias(const std::string& name_in) {
     out = fmt::format("jordan(m=2, regime=stabilized, eta0={})",
                       fixed(token_number(name_in, toks[1], 3) / 1000.0));
   } else if (toks.size() >= 2 && toks[0] == "jordan" && toks[1] == "exact") {
-    const NameTokens t = parse_name_tokens(name_in, rest(2), /*exact_family=*/true);
-    out = fmt::format("jordan(m={}, regime=scaled, c={}, eta0={}, eta_max={})", t.m.value_or("2"),
+    const NameTokens t =
+        parse_name_tokens(name, 2, kTokM | kTokC | kTokEta | kTokEta1 | kTokScaled);
+    out = fmt::format("jordan(m={}, regime=scaled, c={}, eta0={}, eta_max={})", t.m.value_or(2),
                       fixed(t.c.value_or(1.0)), fixed(t.eta.value_or(0.0)), t.eta1 ? "1" : "0.1");
   } else if (toks.size() >= 2 && toks[0] == "jordan" &&
              (toks[1] == "jetmix" || toks[1] == "jetmixfull")) {
     const bool full = toks[1] == "jetmixfull";
-    const NameTokens t = parse_name_tokens(name_in, rest(2), /*exact_family=*/false);
+    const NameTokens t = parse_name_tokens(name, 2, kTokM | kTokC | kTokGates);
     std::vector<std::string> g;
     for (double x : t.gates) g.push_back(fixed(x));
-    out = fmt::format("{}(m={}, c={}, {}={})", full ? "jetmixfull" : "jetmix", t.m.value_or("4"),
+    out = fmt::format("{}(m={}, c={}, {}={})", full ? "jetmixfull" : "jetmix", t.m.value_or(4),
                       fixed(t.c.value_or(1.0)), full ? "alpha" : "gates", fmt::join(g, "/"));
     if (g.empty())
       throw InputError(

@@ -5,6 +5,8 @@
 #include <cctype>
 
 #include "core/charts.hpp"
+#include "core/parse.hpp"
+#include "core/spec.hpp"
 #include "core/types.hpp"
 
 namespace relpos::probes {
@@ -24,34 +26,19 @@ bool all_digits(const std::string& s) {
   return true;
 }
 
-std::vector<std::string> tokens(const std::string& s) {
-  std::vector<std::string> t;
-  size_t a = 0;
-  while (true) {
-    const size_t b = s.find('_', a);
-    t.push_back(s.substr(a, b == std::string::npos ? std::string::npos : b - a));
-    if (b == std::string::npos) break;
-    a = b + 1;
-  }
-  return t;
+Column ones() {
+  return {Column::Kind::Ones, {}, 0.0, 0, 1.0, "one"};
 }
-
-// First "<prefix><digits>" token of an underscore-separated name, or -1.
-long token_number(const std::string& name, char prefix) {
-  for (const auto& t : tokens(name))
-    if (t.size() > 1 && t[0] == prefix && all_digits(t.substr(1))) return std::stol(t.substr(1));
-  return -1;
-}
-
-Column ones() { return {Column::Kind::Ones, {}, 0.0, 0, 1.0, "one"}; }
 
 // cos then sin of order r for every frequency (the reference's interleaving).
 void add_jets(std::vector<Column>& cols, const JetChart& c, const std::vector<double>& omega, int r,
               double scale, const std::string& tag) {
   for (size_t k = 0; k < omega.size(); ++k)
-    cols.push_back({Column::Kind::Re, c, omega[k], r, scale, fmt::format("{}_r{}_cos{}", tag, r, k)});
+    cols.push_back(
+        {Column::Kind::Re, c, omega[k], r, scale, fmt::format("{}_r{}_cos{}", tag, r, k)});
   for (size_t k = 0; k < omega.size(); ++k)
-    cols.push_back({Column::Kind::Im, c, omega[k], r, scale, fmt::format("{}_r{}_sin{}", tag, r, k)});
+    cols.push_back(
+        {Column::Kind::Im, c, omega[k], r, scale, fmt::format("{}_r{}_sin{}", tag, r, k)});
 }
 
 // A non-oscillating column: the amplitude of J_r (omega = 0) times scale.
@@ -76,11 +63,11 @@ Dictionary jordan_dictionary(const std::string& method_in, const JordanGrid& g_i
   } else if (method == "jordan_raw_tau") {
     method = "jordan_rope";
     g.bounded_tau = false;
-  } else if (method.rfind("jordan_exact", 0) == 0) {
-    const long c = token_number(method_in, 'c');
+  } else if (method == "jordan_exact" || method.rfind("jordan_exact_", 0) == 0) {
+    const auto t = parse_name_tokens(method_in, 2, kTokM | kTokC | kTokEta | kTokEta1 | kTokScaled);
     method = "jordan_rope";
     g.bounded_tau = false;
-    g.gamma = (c < 0 ? 1.0 : c / 100.0) / g.L;
+    g.gamma = t.c.value_or(1.0) / g.L;
   }
   const auto omega_all = rope_frequencies(g.theta, g.head_dim, g.num_freqs);
   // Charts: plain (no damping, raw lag), normalised coordinates x = d/L and tau_n = tau(d)/L.
@@ -97,18 +84,19 @@ Dictionary jordan_dictionary(const std::string& method_in, const JordanGrid& g_i
 
   Dictionary dict{method_in, {ones()}};
   auto& cols = dict.columns;
-  const auto m_token = [&](long dflt) {
-    const long m = token_number(method, 'm');
-    return m < 0 ? dflt : m;
+  // the order token mM of a parametrised name with `words` family words
+  const auto m_token = [&](size_t words, long dflt) {
+    return static_cast<long>(parse_name_tokens(method, words, kTokM | kTokC).m.value_or(dflt));
   };
   if (method == "nope") return dict;
   if (method == "rope") {
     add_jets(cols, plain, omega_all, 0, 1.0, "rope");
   } else if (method.rfind("rope_matched_m", 0) == 0 && all_digits(method.substr(14))) {
-    const long m = std::stol(method.substr(14));
+    const long m = m_token(2, 1);
     if (m < 1) throw InputError(fmt::format("probe method '{}': m must be >= 1", method_in));
     const auto nf = std::max<size_t>(1, omega_all.size() / static_cast<size_t>(m));
-    add_jets(cols, plain, std::vector<double>(omega_all.begin(), omega_all.begin() + nf), 0, 1.0, "rope");
+    add_jets(cols, plain, std::vector<double>(omega_all.begin(), omega_all.begin() + nf), 0, 1.0,
+             "rope");
   } else if (method == "alibi") {
     cols.push_back(real_col(x_chart, 1, 1.0, "x"));
   } else if (method == "rope_alibi") {
@@ -127,24 +115,28 @@ Dictionary jordan_dictionary(const std::string& method_in, const JordanGrid& g_i
   } else if (method == "direct_sum_poly" ||
              (method.rfind("direct_sum_poly_m", 0) == 0 && all_digits(method.substr(17)))) {
     // tau_n^r without factorial and without damping (bounded tau_n).
-    const long m = m_token(4);
+    const long m = m_token(3, 4);
     add_jets(cols, plain, omega_all, 0, 1.0, "rope");
     JetChart t = tau_chart;
     t.factorial = false;
     for (int r = 1; r < m; ++r) cols.push_back(real_col(t, r, 1.0, fmt::format("tau^{}", r)));
   } else if (method == "jordan_rope" ||
              (method.rfind("jordan_m", 0) == 0 && all_digits(method.substr(8)))) {
-    const long m = method == "jordan_rope" ? 2 : std::stol(method.substr(8));
-    if (m < 1 || m > 12) throw InputError(fmt::format("probe method '{}': order must be 1..12", method_in));
+    const long m = method == "jordan_rope" ? 2 : m_token(1, 2);
+    if (m < 1 || m > 12)
+      throw InputError(fmt::format("probe method '{}': order must be 1..12", method_in));
     for (int r = 0; r < m; ++r) add_jets(cols, decayed_tau, omega_all, r, 1.0, "jet");
   } else if (method.rfind("jordan_scaled", 0) == 0) {
-    const long m = m_token(2), c = token_number(method, 'c');
-    if (m < 1 || m > 12) throw InputError(fmt::format("probe method '{}': order must be 1..12", method_in));
+    const auto t = parse_name_tokens(method, 2, kTokM | kTokC);
+    const long m = static_cast<long>(t.m.value_or(2));
+    if (m < 1 || m > 12)
+      throw InputError(fmt::format("probe method '{}': order must be 1..12", method_in));
     JetChart s = x_chart;
-    s.gamma = (c < 0 ? 1.0 : c / 100.0) / g.L;  // e^{-c x} = e^{-(c/L) d}
+    s.gamma = t.c.value_or(1.0) / g.L;  // e^{-c x} = e^{-(c/L) d}
     for (int r = 0; r < m; ++r) add_jets(cols, s, omega_all, r, 1.0, "jet");
   } else {
-    throw InputError(fmt::format("unknown probe method '{}' (valid: {})", method_in, kJordanMethods));
+    throw InputError(
+        fmt::format("unknown probe method '{}' (valid: {})", method_in, kJordanMethods));
   }
   return dict;
 }
@@ -197,14 +189,17 @@ Column eta_col(double L) {  // eta_L(d) = asinh(d/L) = phi_L(d) / L
   ch.shear_scale = 1.0 / L;
   return {Column::Kind::Re, ch, 0.0, 1, 1.0, "eta"};
 }
-void add_rope(std::vector<Column>& cols, double omega, double L) { add_monomial_jets(cols, omega, L, 0, 0.0); }
+void add_rope(std::vector<Column>& cols, double omega, double L) {
+  add_monomial_jets(cols, omega, L, 0, 0.0);
+}
 
 // "<prefix><digits>[<suffix>]" -> digits, or -1.
 long suffix_order(const std::string& s, const std::string& prefix, const std::string& suffix) {
   if (s.rfind(prefix, 0) != 0 || s.size() <= prefix.size() + suffix.size()) return -1;
   if (s.compare(s.size() - suffix.size(), suffix.size(), suffix) != 0) return -1;
   const std::string mid = s.substr(prefix.size(), s.size() - prefix.size() - suffix.size());
-  return all_digits(mid) ? std::stol(mid) : -1;
+  const auto v = parse_int64(mid, 0, 999999999);
+  return all_digits(mid) && v ? static_cast<long>(*v) : -1;
 }
 }  // namespace
 
@@ -234,10 +229,11 @@ Dictionary pj_dictionary(const std::string& basis, double omega, double L) {
   } else if ((k = suffix_order(basis, "lc_R", "")) >= 1) {
     add_lc_jets(cols, omega, L, static_cast<int>(k));
   } else {
-    throw InputError(fmt::format(
-        "unknown PJ basis '{}' (valid: rope, alibi, alibi_lc, rope_alibi, jordan_R<k>, scaled_R<k>, "
-        "scaled_R<k>_affine, lc_R<k>, lc_R<k>_affine)",
-        basis));
+    throw InputError(
+        fmt::format("unknown PJ basis '{}' (valid: rope, alibi, alibi_lc, rope_alibi, jordan_R<k>, "
+                    "scaled_R<k>, "
+                    "scaled_R<k>_affine, lc_R<k>, lc_R<k>_affine)",
+                    basis));
   }
   if (k > 12) throw InputError(fmt::format("PJ basis '{}': order must be 1..12", basis));
   return dict;
@@ -262,17 +258,19 @@ Dictionary grape_dictionary(const std::string& basis, double omega, double L) {
   } else if ((k = suffix_order(basis, "pj_lc_r", "")) >= 0) {
     add_lc_jets(cols, omega, L, static_cast<int>(k));
   } else {
-    throw InputError(fmt::format(
-        "unknown GRAPE basis '{}' (valid: grape_m_rope, grape_a_alibi, grape_ma_rope_alibi, pj_fj_r<R>, "
-        "pj_lc_r<R>, pj_lc_r<R>_affine)",
-        basis));
+    throw InputError(
+        fmt::format("unknown GRAPE basis '{}' (valid: grape_m_rope, grape_a_alibi, "
+                    "grape_ma_rope_alibi, pj_fj_r<R>, "
+                    "pj_lc_r<R>, pj_lc_r<R>_affine)",
+                    basis));
   }
   if (k > 12) throw InputError(fmt::format("GRAPE basis '{}': order must be 0..12", basis));
   return dict;
 }
 
 Eigen::MatrixXd build_matrix(const Dictionary& dict, const std::vector<double>& lags) {
-  Eigen::MatrixXd X(static_cast<Eigen::Index>(lags.size()), static_cast<Eigen::Index>(dict.columns.size()));
+  Eigen::MatrixXd X(static_cast<Eigen::Index>(lags.size()),
+                    static_cast<Eigen::Index>(dict.columns.size()));
   for (Eigen::Index j = 0; j < X.cols(); ++j) {
     const Column& c = dict.columns[static_cast<size_t>(j)];
     for (Eigen::Index i = 0; i < X.rows(); ++i) X(i, j) = c.value(lags[static_cast<size_t>(i)]);
