@@ -91,6 +91,21 @@ void check_mechanism(const relpos::Mechanism& m, int head_dim, int heads) {
   FUZZ_CHECK(m.total_blocks() == next_block, w, m.spec);
   if (m.alibi()) FUZZ_CHECK(static_cast<int>(m.alibi()->slopes.size()) == heads, w, m.spec);
   FUZZ_CHECK(m.has_transform() || m.alibi() || m.name == "nope", w, m.spec);
+  int driven = 0;
+  for (const auto& t : m.transforms) {
+    driven += t.position_driven();
+    if (t.kind == relpos::TransformKind::FixedLinear) {
+      FUZZ_CHECK(t.matrix.size() == static_cast<size_t>(head_dim) * head_dim, w, m.spec);
+      FUZZ_CHECK(t.matrix_inv_t.size() == t.matrix.size(), w, m.spec);
+      for (double x : t.matrix) FUZZ_CHECK(std::isfinite(x), w, m.spec);
+    }
+  }
+  FUZZ_CHECK(driven <= 1, w, m.spec);
+  for (const auto& p : m.params) {
+    FUZZ_CHECK(p.shape.back() == m.total_blocks(), w, m.spec);
+    FUZZ_CHECK(p.bound.size() == static_cast<size_t>(m.total_blocks()), w, m.spec);
+    FUZZ_CHECK(p.learn.size() == p.bound.size(), w, m.spec);
+  }
 
   // The canonical spec is a valid spec that builds to itself (so `relpos list`/`verify` output can
   // be pasted back as --enc).
@@ -99,7 +114,8 @@ void check_mechanism(const relpos::Mechanism& m, int head_dim, int heads) {
     const relpos::Mechanism again = relpos::build_mechanism(m.spec, head_dim, heads);
     FUZZ_CHECK(again.spec == m.spec, "canonical spec round trip", again.spec + " != " + m.spec);
     FUZZ_CHECK(again.segments().size() == m.segments().size(), "canonical spec round trip", m.spec);
-    FUZZ_CHECK(again.alibi() != nullptr == m.alibi() != nullptr, "canonical spec round trip",
+    FUZZ_CHECK(again.transforms.size() == m.transforms.size(), "canonical spec round trip", m.spec);
+    FUZZ_CHECK((again.alibi() != nullptr) == (m.alibi() != nullptr), "canonical spec round trip",
                m.spec);
   } catch (const std::exception& e) {
     die("canonical spec round trip",
