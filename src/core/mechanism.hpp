@@ -166,11 +166,27 @@ struct Mechanism {
 // The parameter schema of a mechanism's Jordan term (what the registry stores in `params`).
 std::vector<ParamSpec> jordan_param_schema(const Mechanism& m);
 
-// Concrete parameter values of one layer, float64. Layout shared with kernels and torch modules:
-// gamma/eta/alpha0[h * NB + block], gates[(k-1) * H * NB + h * NB + block] for k = 1..gate_rows.
-struct ParamValues {
+// The per-head, per-block parameters of a Jordan-block term, declared once: float64 values here
+// (ParamValues), pointers in the kernels (kernels::Params / ParamGrads), tensors in the torch layer
+// (nn::KernelParams). Layout: gamma/eta/alpha0[h * NB + block], gates[(k-1) * H * NB + h * NB +
+// block] for k = 1..gate_rows (a learned spectrum is alpha0 plus the gates).
+template <class V>
+struct BlockParamSet {
+  V gamma{}, eta{}, gates{}, alpha0{};
+  // f(name, member) for each of the four, in this order
+  template <class F>
+  void for_each(F&& f) {
+    f("gamma", gamma);
+    f("eta", eta);
+    f("gates", gates);
+    f("alpha0", alpha0);
+  }
+};
+
+// Concrete parameter values of one layer, float64.
+struct ParamValues : BlockParamSet<std::vector<double>> {
+  ParamValues() = default;  // not an aggregate: GCC 12 misreads {} of a derived aggregate
   int heads = 0, blocks = 0, gate_rows = 0;
-  std::vector<double> gamma, eta, gates, alpha0;
 };
 
 ParamValues default_params(const Mechanism& m);

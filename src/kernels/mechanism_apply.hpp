@@ -30,14 +30,16 @@ struct MechanismPlan {
 
 // Parameter values of a mechanism in the kernels' precision, with their kernel view.
 template <class T>
-struct ParamBuffers {
-  std::vector<T> gamma, eta, gates, alpha0;
-  explicit ParamBuffers(const ParamValues& p)
-      : gamma(p.gamma.begin(), p.gamma.end()),
-        eta(p.eta.begin(), p.eta.end()),
-        gates(p.gates.begin(), p.gates.end()),
-        alpha0(p.alpha0.begin(), p.alpha0.end()) {}
-  Params<T> view() const { return {gamma.data(), eta.data(), gates.data(), alpha0.data()}; }
+struct ParamBuffers : BlockParamSet<std::vector<T>> {
+  explicit ParamBuffers(const ParamValues& p) {
+    this->gamma.assign(p.gamma.begin(), p.gamma.end());
+    this->eta.assign(p.eta.begin(), p.eta.end());
+    this->gates.assign(p.gates.begin(), p.gates.end());
+    this->alpha0.assign(p.alpha0.begin(), p.alpha0.end());
+  }
+  Params<T> view() const {
+    return {this->gamma.data(), this->eta.data(), this->gates.data(), this->alpha0.data()};
+  }
 };
 
 // Every term in order: keys get A_n ... A_1 k, queries A_n^{-T} ... A_1^{-T} q. Either of q / k may

@@ -19,9 +19,7 @@ struct EncodingOptions {
 
 // Parameters as the kernels see them (differentiable functions of the raw parameters):
 // gamma, eta, alpha0 [H, NB]; gates [gate_rows, H, NB]; empty where the mechanism has none.
-struct KernelParams {
-  torch::Tensor gamma, eta, gates, alpha0;
-};
+using KernelParams = BlockParamSet<torch::Tensor>;
 
 class PositionEncodingImpl : public torch::nn::Module {
  public:
