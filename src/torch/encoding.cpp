@@ -298,9 +298,13 @@ PositionEncodingImpl::Output PositionEncodingImpl::position_forward(const torch:
   const bool hit = c.table.size() == 2 && c.dtype == dt && c.center == center &&
                    c.positions.sizes() == pos.sizes() && torch::equal(c.positions, pos) &&
                    (pos.dim() == 1 || c.positions.size(0) == q.size(0));
-  if (!hit) c = {pos.clone(), center, dt, trig_table(plan_, q.size(0), q.size(2), pos, center, dt)};
-  const auto out = transform_qk(plan_, q, k, kp.gamma.to(dt), kp.eta.to(dt), kp.gates.to(dt),
-                                kp.alpha0.to(dt), pos, center, c.table);
+  // a trig table per batch row only when positions are per batch
+  if (!hit)
+    c = {pos.clone(), center, dt,
+         trig_table(mech_, options_.layout, pos.dim() == 2 ? q.size(0) : 1, pos, center, dt)};
+  const auto out = transform_qk(mech_, options_.layout, q, k,
+                                {kp.gamma.to(dt), kp.eta.to(dt), kp.gates.to(dt), kp.alpha0.to(dt)},
+                                pos, center, c.table);
   return {out[0], out[1]};
 }
 

@@ -334,3 +334,31 @@ TEST(EncodingCatalog, MixThenRopeIsShiftInvariant) {
   EXPECT_LT((sa - sb).abs().max().item<double>(), 1e-11);
   EXPECT_GT((a.k - b.k).abs().max().item<double>(), 1e-3);  // the keys themselves moved
 }
+
+// The op library: the Meta (fake) kernels give shapes without data, what torch.compile traces.
+TEST(Ops, MetaKernelsGiveShapesOnly) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("relpos::transform", "");
+  const auto meta = torch::TensorOptions().device(torch::kMeta);
+  const auto q = torch::empty({2, 4, 9, 16}, meta);
+  const Mechanism m = build_mechanism("jordan(m=2, regime=raw)", 16, 4);
+  const auto g = torch::empty({4, m.total_blocks()}, meta);
+  const auto pos = torch::empty({9}, meta.dtype(torch::kDouble));
+  auto stack = std::vector<c10::IValue>{q,
+                                        q,
+                                        g,
+                                        g,
+                                        torch::empty({0}, meta),
+                                        g,
+                                        pos,
+                                        c10::IValue(),
+                                        c10::IValue(),
+                                        512.0,
+                                        m.spec,
+                                        int64_t{16},
+                                        int64_t{4},
+                                        int64_t{0}};
+  op.callBoxed(&stack);
+  ASSERT_EQ(stack.size(), 2u);
+  EXPECT_EQ(stack[0].toTensor().sizes(), q.sizes());
+  EXPECT_TRUE(stack[1].toTensor().is_meta());
+}

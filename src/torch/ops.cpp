@@ -1,0 +1,359 @@
+// The relpos operator library: TORCH_LIBRARY(relpos) with CPU kernels (the transform kernels),
+// Meta kernels (shapes only, the fake kernels torch.compile traces with) and an Autograd kernel
+// whose backward is itself an op. The C++ PositionEncoding module and the Python package call
+// these same ops through the dispatcher. A mechanism reaches an op as its canonical spec string
+// plus head dim, heads and layout: the op rebuilds the plan from the model (microseconds), so no
+// parameter list is flattened into numbers by position.
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+
+#include "core/registry.hpp"
+#include "kernels/transform.hpp"
+#include "torch/transform_function.hpp"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+namespace relpos::nn {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+kernels::TransformPlan plan_for(const std::string& spec, int64_t head_dim, int64_t heads,
+                                int64_t layout) {
+  const Mechanism m = build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(heads));
+  return kernels::TransformPlan::from(m, layout ? Layout::HalfSplit : Layout::Interleaved);
+}
+
+template <class T>
+const T* ptr(const torch::Tensor& t) {
+  return t.defined() && t.numel() ? t.data_ptr<T>() : nullptr;
+}
+template <class T>
+T* mptr(torch::Tensor& t) {
+  return t.defined() && t.numel() ? t.data_ptr<T>() : nullptr;
+}
+
+// An output buffer the kernel will fill. Large ones are advised as transparent huge pages before
+// their first write: a fresh 16 MiB tensor otherwise costs 4096 page faults taken by the kernel's
+// threads at once, which can cost more than the kernel itself (measurements in
+// docs/performance.md). Harmless where THP is off or the memory reused.
+torch::Tensor output_like(const torch::Tensor& t) {
+  auto out = torch::empty_like(t, torch::MemoryFormat::Contiguous);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(out.data_ptr());
+  const auto end = begin + static_cast<uintptr_t>(out.nbytes());
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#endif
+  return out;
+}
+
+void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes(),
+              "relpos: q and k must be [B, H, T, D] of one shape");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "relpos: q and k must have one dtype");
+  TORCH_CHECK(positions.scalar_type() == torch::kDouble, "relpos: positions must be float64");
+  TORCH_CHECK((positions.dim() == 1 && positions.size(0) == q.size(2)) ||
+                  (positions.dim() == 2 && positions.size(0) == q.size(0) &&
+                   positions.size(1) == q.size(2)),
+              "relpos: positions must be [T] or [B, T]");
+}
+
+kernels::Positions positions_of(const torch::Tensor& positions, double center) {
+  return {positions.data_ptr<double>(), positions.dim() == 2, center};
+}
+
+// ---- CPU ---------------------------------------------------------------------------------------
+
+std::tuple<torch::Tensor, torch::Tensor> trig_table_cpu(const torch::Tensor& positions_in,
+                                                        double center, int64_t batch,
+                                                        const std::string& spec, int64_t head_dim,
+                                                        int64_t heads, int64_t layout,
+                                                        c10::ScalarType dtype) {
+  const auto plan = plan_for(spec, head_dim, heads, layout);
+  const auto pos = positions_in.to(torch::kDouble).contiguous();
+  const int64_t T = pos.size(-1);
+  const kernels::Dims dims{batch, 1, T};
+  const auto P = positions_of(pos, center);
+  const int64_t n = kernels::trig_table_size(plan, dims, P);
+  auto cos = torch::empty({n}, torch::TensorOptions().dtype(dtype));
+  auto sin = torch::empty({n}, torch::TensorOptions().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES(dtype, "relpos_trig_table", [&] {
+    kernels::fill_trig_table<scalar_t>(plan, dims, P, cos.data_ptr<scalar_t>(),
+                                       sin.data_ptr<scalar_t>());
+  });
+  return {cos, sin};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
+    const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& gamma,
+    const torch::Tensor& eta, const torch::Tensor& gates, const torch::Tensor& alpha0,
+    const torch::Tensor& positions, const c10::optional<torch::Tensor>& cos_in,
+    const c10::optional<torch::Tensor>& sin_in, double center, const std::string& spec,
+    int64_t head_dim, int64_t heads, int64_t layout) {
+  check_inputs(q_in, k_in, positions);
+  const auto plan = plan_for(spec, head_dim, heads, layout);
+  const auto q = q_in.contiguous(), k = k_in.contiguous();
+  const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
+  const auto pos = positions.contiguous();
+  const auto P = positions_of(pos, center);
+  torch::Tensor cos, sin;
+  if (cos_in && sin_in && cos_in->defined()) {
+    cos = cos_in->contiguous();
+    sin = sin_in->contiguous();
+    TORCH_CHECK(cos.numel() == kernels::trig_table_size(plan, dims, P) &&
+                    cos.scalar_type() == q.scalar_type() && sin.sizes() == cos.sizes(),
+                "relpos: trig table does not match the inputs' positions, length or dtype");
+  } else {
+    std::tie(cos, sin) =
+        trig_table_cpu(pos, center, dims.B, spec, head_dim, heads, layout, q.scalar_type());
+  }
+  auto qo = output_like(q), ko = output_like(k);
+  const auto gm = gamma.contiguous(), et = eta.contiguous(), gt = gates.contiguous(),
+             a0 = alpha0.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_transform_forward", [&] {
+    kernels::transform_forward<scalar_t>(
+        plan, dims, P, {ptr<scalar_t>(gm), ptr<scalar_t>(et), ptr<scalar_t>(gt), ptr<scalar_t>(a0)},
+        {cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>()}, q.data_ptr<scalar_t>(),
+        k.data_ptr<scalar_t>(), qo.data_ptr<scalar_t>(), ko.data_ptr<scalar_t>());
+  });
+  return {qo, ko};
+}
+
+using Grads6 = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                          torch::Tensor>;
+
+Grads6 transform_backward_cpu(const torch::Tensor& gq_out_in, const torch::Tensor& gk_out_in,
+                              const torch::Tensor& q_in, const torch::Tensor& k_in,
+                              const torch::Tensor& gamma, const torch::Tensor& eta,
+                              const torch::Tensor& gates, const torch::Tensor& alpha0,
+                              const torch::Tensor& positions,
+                              const c10::optional<torch::Tensor>& cos_in,
+                              const c10::optional<torch::Tensor>& sin_in, double center,
+                              const std::string& spec, int64_t head_dim, int64_t heads,
+                              int64_t layout, std::array<bool, 6> mask) {
+  check_inputs(q_in, k_in, positions);
+  const auto plan = plan_for(spec, head_dim, heads, layout);
+  const auto q = q_in.contiguous(), k = k_in.contiguous();
+  const auto gqo = gq_out_in.defined() ? gq_out_in.contiguous() : torch::zeros_like(q);
+  const auto gko = gk_out_in.defined() ? gk_out_in.contiguous() : torch::zeros_like(k);
+  const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
+  const auto pos = positions.contiguous();
+  const auto P = positions_of(pos, center);
+  torch::Tensor cos, sin;
+  if (cos_in && sin_in && cos_in->defined()) {
+    cos = cos_in->contiguous();
+    sin = sin_in->contiguous();
+  } else {
+    std::tie(cos, sin) =
+        trig_table_cpu(pos, center, dims.B, spec, head_dim, heads, layout, q.scalar_type());
+  }
+  const auto gm = gamma.contiguous(), et = eta.contiguous(), gt = gates.contiguous(),
+             a0 = alpha0.contiguous();
+  // every output is a tensor (the op schema has no optional outputs); unrequested ones are
+  // zeros and not computed
+  torch::Tensor gq = mask[0] ? output_like(q) : torch::zeros_like(q);
+  torch::Tensor gk = mask[1] ? output_like(k) : torch::zeros_like(k);
+  torch::Tensor ggamma = torch::zeros_like(gm), geta = torch::zeros_like(et),
+                ggates = torch::zeros_like(gt), galpha0 = torch::zeros_like(a0);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_transform_backward", [&] {
+    kernels::transform_backward<scalar_t>(
+        plan, dims, P, {ptr<scalar_t>(gm), ptr<scalar_t>(et), ptr<scalar_t>(gt), ptr<scalar_t>(a0)},
+        {cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>()}, q.data_ptr<scalar_t>(),
+        k.data_ptr<scalar_t>(), gqo.data_ptr<scalar_t>(), gko.data_ptr<scalar_t>(),
+        mask[0] ? mptr<scalar_t>(gq) : nullptr, mask[1] ? mptr<scalar_t>(gk) : nullptr,
+        {mask[2] ? mptr<scalar_t>(ggamma) : nullptr, mask[3] ? mptr<scalar_t>(geta) : nullptr,
+         mask[4] ? mptr<scalar_t>(ggates) : nullptr, mask[5] ? mptr<scalar_t>(galpha0) : nullptr});
+  });
+  return {gq, gk, ggamma, geta, ggates, galpha0};
+}
+
+// ---- Meta (fake): shapes and dtypes only -------------------------------------------------------
+
+std::tuple<torch::Tensor, torch::Tensor> transform_meta(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&, const torch::Tensor&,
+    const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+    const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, double,
+    const std::string&, int64_t, int64_t, int64_t) {
+  return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
+          torch::empty_like(k, torch::MemoryFormat::Contiguous)};
+}
+
+Grads6 transform_backward_meta(const torch::Tensor&, const torch::Tensor&, const torch::Tensor& q,
+                               const torch::Tensor& k, const torch::Tensor& gamma,
+                               const torch::Tensor& eta, const torch::Tensor& gates,
+                               const torch::Tensor& alpha0, const torch::Tensor&,
+                               const c10::optional<torch::Tensor>&,
+                               const c10::optional<torch::Tensor>&, double, const std::string&,
+                               int64_t, int64_t, int64_t, std::array<bool, 6>) {
+  return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
+          torch::empty_like(k, torch::MemoryFormat::Contiguous),
+          torch::empty_like(gamma),
+          torch::empty_like(eta),
+          torch::empty_like(gates),
+          torch::empty_like(alpha0)};
+}
+
+// ---- Autograd: the backward is the transform_backward op ---------------------------------------
+
+std::tuple<torch::Tensor, torch::Tensor> call_transform(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& gamma,
+    const torch::Tensor& eta, const torch::Tensor& gates, const torch::Tensor& alpha0,
+    const torch::Tensor& positions, const c10::optional<torch::Tensor>& cos,
+    const c10::optional<torch::Tensor>& sin, double center, const std::string& spec,
+    int64_t head_dim, int64_t heads, int64_t layout) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("relpos::transform", "")
+                             .typed<decltype(transform_cpu)>();
+  return op.call(q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec, head_dim,
+                 heads, layout);
+}
+
+Grads6 call_transform_backward(const torch::Tensor& gq, const torch::Tensor& gk,
+                               const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& gamma, const torch::Tensor& eta,
+                               const torch::Tensor& gates, const torch::Tensor& alpha0,
+                               const torch::Tensor& positions,
+                               const c10::optional<torch::Tensor>& cos,
+                               const c10::optional<torch::Tensor>& sin, double center,
+                               const std::string& spec, int64_t head_dim, int64_t heads,
+                               int64_t layout, std::array<bool, 6> mask) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("relpos::transform_backward", "")
+                             .typed<decltype(transform_backward_cpu)>();
+  return op.call(gq, gk, q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec,
+                 head_dim, heads, layout, mask);
+}
+
+class TransformFunction : public torch::autograd::Function<TransformFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& gamma, const torch::Tensor& eta,
+                               const torch::Tensor& gates, const torch::Tensor& alpha0,
+                               const torch::Tensor& positions,
+                               const c10::optional<torch::Tensor>& cos,
+                               const c10::optional<torch::Tensor>& sin, double center,
+                               const std::string& spec, int64_t head_dim, int64_t heads,
+                               int64_t layout) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [qo, ko] = call_transform(q, k, gamma, eta, gates, alpha0, positions, cos, sin, center,
+                                   spec, head_dim, heads, layout);
+    const torch::Tensor none;
+    ctx->save_for_backward({q, k, gamma, eta, gates, alpha0, positions,
+                            cos && cos->defined() ? *cos : none,
+                            sin && sin->defined() ? *sin : none});
+    ctx->saved_data["center"] = center;
+    ctx->saved_data["spec"] = spec;
+    ctx->saved_data["head_dim"] = head_dim;
+    ctx->saved_data["heads"] = heads;
+    ctx->saved_data["layout"] = layout;
+    return {qo, ko};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const auto s = ctx->get_saved_variables();
+    std::array<bool, 6> mask{};
+    for (size_t i = 0; i < 6; ++i) mask[i] = ctx->needs_input_grad(i);
+    const auto opt = [](const torch::Tensor& t) {
+      return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+    };
+    auto [gq, gk, ggamma, geta, ggates, galpha0] = call_transform_backward(
+        grad_out[0], grad_out[1], s[0], s[1], s[2], s[3], s[4], s[5], s[6], opt(s[7]), opt(s[8]),
+        ctx->saved_data["center"].toDouble(), ctx->saved_data["spec"].toStringRef(),
+        ctx->saved_data["head_dim"].toInt(), ctx->saved_data["heads"].toInt(),
+        ctx->saved_data["layout"].toInt(), mask);
+    const auto keep = [&](size_t i, torch::Tensor t) { return mask[i] ? t : torch::Tensor(); };
+    return {keep(0, gq),
+            keep(1, gk),
+            keep(2, ggamma),
+            keep(3, geta),
+            keep(4, ggates),
+            keep(5, galpha0),
+            {},
+            {},
+            {},
+            {},
+            {},
+            {},
+            {},
+            {}};
+  }
+};
+
+std::tuple<torch::Tensor, torch::Tensor> transform_autograd(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& gamma,
+    const torch::Tensor& eta, const torch::Tensor& gates, const torch::Tensor& alpha0,
+    const torch::Tensor& positions, const c10::optional<torch::Tensor>& cos,
+    const c10::optional<torch::Tensor>& sin, double center, const std::string& spec,
+    int64_t head_dim, int64_t heads, int64_t layout) {
+  auto out = TransformFunction::apply(q, k, gamma, eta, gates, alpha0, positions, cos, sin, center,
+                                      spec, head_dim, heads, layout);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
+// ---- the C++ entry points (torch/transform_function.hpp) ---------------------------------------
+
+std::vector<torch::Tensor> trig_table(const Mechanism& m, Layout layout, int64_t B,
+                                      const torch::Tensor& positions, double center,
+                                      torch::ScalarType dtype) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("relpos::trig_table", "")
+                             .typed<decltype(trig_table_cpu)>();
+  auto [c, s] = op.call(positions.to(torch::kDouble), center, B, m.spec, m.head_dim, m.heads,
+                        layout == Layout::HalfSplit, dtype);
+  return {c, s};
+}
+
+std::vector<torch::Tensor> transform_qk(const Mechanism& m, Layout layout, const torch::Tensor& q,
+                                        const torch::Tensor& k,
+                                        const BlockParamSet<torch::Tensor>& p,
+                                        const torch::Tensor& positions, double center,
+                                        const std::vector<torch::Tensor>& trig) {
+  const auto pos = positions.to(torch::kDouble).contiguous();
+  const auto cos = trig.size() == 2 ? c10::optional<torch::Tensor>(trig[0].detach()) : c10::nullopt;
+  const auto sin = trig.size() == 2 ? c10::optional<torch::Tensor>(trig[1].detach()) : c10::nullopt;
+  auto [qo, ko] = call_transform(q, k, p.gamma, p.eta, p.gates, p.alpha0, pos, cos, sin, center,
+                                 m.spec, m.head_dim, m.heads, layout == Layout::HalfSplit);
+  return {qo, ko};
+}
+
+}  // namespace relpos::nn
+
+TORCH_LIBRARY(relpos, m) {
+  m.def(
+      "trig_table(Tensor positions, float center, int batch, str spec, int head_dim, int heads, "
+      "int layout, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def(
+      "transform(Tensor q, Tensor k, Tensor gamma, Tensor eta, Tensor gates, Tensor alpha0, "
+      "Tensor positions, Tensor? cos, Tensor? sin, float center, str spec, int head_dim, "
+      "int heads, int layout) -> (Tensor, Tensor)");
+  m.def(
+      "transform_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor gamma, "
+      "Tensor eta, Tensor gates, Tensor alpha0, Tensor positions, Tensor? cos, Tensor? sin, "
+      "float center, str spec, int head_dim, int heads, int layout, bool[6] output_mask) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(relpos, CPU, m) {
+  m.impl("trig_table", relpos::nn::trig_table_cpu);
+  m.impl("transform", relpos::nn::transform_cpu);
+  m.impl("transform_backward", relpos::nn::transform_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(relpos, Meta, m) {
+  m.impl("transform", relpos::nn::transform_meta);
+  m.impl("transform_backward", relpos::nn::transform_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(relpos, Autograd, m) {
+  m.impl("transform", relpos::nn::transform_autograd);
+}
