@@ -145,4 +145,125 @@ std::vector<std::string> verify_default_specs() {
           "jetspec(m=3, alpha=0.69/0.21/0.1, learn=true, center=mid)"};
 }
 
+nlohmann::json catalog_json() {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& m : mechanism_catalog()) {
+    nlohmann::json opts = nlohmann::json::array();
+    for (const auto& o : m.options) {
+      nlohmann::json oj{{"key", o.key}, {"default", o.default_value}, {"doc", o.doc}};
+      if (o.has_range()) {
+        oj["min"] = o.min;
+        oj["max"] = o.max;
+      }
+      opts.push_back(std::move(oj));
+    }
+    j.push_back({{"name", m.name},
+                 {"kind", m.kind},
+                 {"summary", m.summary},
+                 {"exactness", m.exactness},
+                 {"paper", m.paper},
+                 {"options", opts},
+                 {"aliases", m.aliases}});
+  }
+  return j;
+}
+
+nlohmann::json mechanism_json(const Mechanism& m) {
+  const auto kind = [](TransformKind k) {
+    return k == TransformKind::JordanBlocks ? "jordan_blocks" : "fixed_linear";
+  };
+  const auto reparam = [](Reparam r) {
+    switch (r) {
+      case Reparam::SoftplusFloor:
+        return "softplus_floor";
+      case Reparam::BoundedTanh:
+        return "bounded_tanh";
+      case Reparam::SoftmaxSimplex:
+        return "softmax_simplex";
+    }
+    return "?";
+  };
+  const auto slot = [](BlockParam b) {
+    switch (b) {
+      case BlockParam::Gamma:
+        return "gamma";
+      case BlockParam::Eta:
+        return "eta";
+      case BlockParam::Gates:
+        return "gates";
+      case BlockParam::Alpha0:
+        return "alpha0";
+      case BlockParam::Spectrum:
+        return "spectrum";
+    }
+    return "?";
+  };
+  nlohmann::json terms = nlohmann::json::array();
+  for (const auto& t : m.transforms) {
+    nlohmann::json tj{{"name", t.name},
+                      {"kind", kind(t.kind)},
+                      {"time", t.time == TimeSource::Position ? "position" : "other"},
+                      {"roles", t.roles.str()},
+                      {"exact", t.exact()}};
+    if (t.kind == TransformKind::FixedLinear) {
+      tj["matrix"] = t.matrix;
+      tj["matrix_inv_t"] = t.matrix_inv_t;
+    }
+    terms.push_back(std::move(tj));
+  }
+  nlohmann::json biases = nlohmann::json::array();
+  for (const auto& b : m.biases)
+    biases.push_back({{"name", b.name}, {"shape", "lag_table"}, {"slopes", b.slopes}});
+  const ParamValues init = default_params(m);
+  nlohmann::json params = nlohmann::json::array();
+  for (const auto& p : m.params) {
+    std::vector<double> v;
+    switch (p.slot) {
+      case BlockParam::Gamma:
+        v = init.gamma;
+        break;
+      case BlockParam::Eta:
+        v = init.eta;
+        break;
+      case BlockParam::Gates:
+        v = init.gates;
+        break;
+      case BlockParam::Alpha0:
+        v = init.alpha0;
+        break;
+      case BlockParam::Spectrum:
+        v = init.alpha0;
+        v.insert(v.end(), init.gates.begin(), init.gates.end());
+        break;
+    }
+    std::vector<int> learn(p.learn.begin(), p.learn.end());
+    params.push_back({{"name", p.name},
+                      {"slot", slot(p.slot)},
+                      {"shape", p.shape},
+                      {"reparam", reparam(p.reparam)},
+                      {"bound", p.bound},
+                      {"learn", learn},
+                      {"init", v}});
+  }
+  std::string center = "none";
+  if (m.center == CenterMode::Mid) center = "mid";
+  if (m.center == CenterMode::Fixed) center = "fixed";
+  double max_exp = 0;
+  for (const auto& s : m.segments())
+    if (s.damped) max_exp = std::max(max_exp, s.max_exponent);
+  return {{"spec", m.spec},
+          {"name", m.name},
+          {"head_dim", m.head_dim},
+          {"heads", m.heads},
+          {"exactness", m.exactness()},
+          {"total_blocks", m.total_blocks()},
+          {"gate_rows", m.gate_rows()},
+          {"transforms", terms},
+          {"biases", biases},
+          {"params", params},
+          {"center", center},
+          {"center_value", m.center_value},
+          {"max_exp", max_exp}};
+}
+
 }  // namespace relpos

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,12 @@ struct MechanismInfo {
 };
 
 const std::vector<MechanismInfo>& mechanism_catalog();
+// The catalog as JSON (`relpos list --format json`, `relpos.mechanisms()` in Python).
+nlohmann::json catalog_json();
+// A built mechanism as JSON: canonical spec, transform terms (kind, time, roles, fixed matrices),
+// bias terms, the parameter schema with its initial values, the centre rule. What the Python
+// module builds its parameters from.
+nlohmann::json mechanism_json(const Mechanism& m);
 
 // Builds a mechanism for heads of dimension head_dim and `heads` heads. Accepts spec strings and
 // reference method names. Throws InputError naming the problem (unknown name or key, with the

@@ -618,4 +618,30 @@ double wrong_contragredient_residual(const std::string& spec, const VerifyOption
       .rel;
 }
 
+nlohmann::json to_json(const diag::VerifyRow& r) {
+  return {
+      {"spec", r.spec},
+      {"canonical", r.canonical},
+      {"head_dim", r.head_dim},
+      {"declared", r.declared},
+      {"transform_exact", r.transform_exact},
+      {"params", r.params},
+      {"dtype", r.dtype},
+      {"center", r.center},
+      {"relative_residual", r.residual},
+      {"relative_residual_qk_norm", r.residual_qk},
+      {"shift_residual", r.shift_residual},
+      {"key_growth_centered", r.key_growth},
+      {"query_growth_centered", r.query_growth},
+      {"key_growth_uncentered", r.key_growth_uncentered},
+      {"query_growth_uncentered", r.query_growth_uncentered},
+      {"clamp_bound_centered", r.clamp_bound},
+      {"clamp_bound_uncentered", r.clamp_bound_uncentered},
+      {"clamp_bound_shifted", r.clamp_bound_shifted},
+      {"alibi_lift_residual",
+       r.alibi_lift_residual < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.alibi_lift_residual)},
+      {"status", r.status},
+      {"reason", r.reason}};
+}
+
 }  // namespace relpos::diag

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <iosfwd>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -115,5 +116,8 @@ double scaled_norm(const T* x, size_t n) {
   }
   return mx * std::sqrt(s);
 }
+
+// One row as JSON (the CLI's --format json and the Python package's relpos.verify).
+nlohmann::json to_json(const VerifyRow& r);
 
 }  // namespace relpos::diag

@@ -4,12 +4,14 @@
 // these same ops through the dispatcher. A mechanism reaches an op as its canonical spec string
 // plus head dim, heads and layout: the op rebuilds the plan from the model (microseconds), so no
 // parameter list is flattened into numbers by position.
+#include <fmt/format.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
 #include <cstdint>
 
 #include "core/registry.hpp"
+#include "diag/verify.hpp"
 #include "kernels/transform.hpp"
 #include "torch/transform_function.hpp"
 
@@ -24,10 +26,29 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Runs f; a relpos::InputError becomes c10::ValueError, which Python raises as ValueError with
+// the same named message the CLI prints.
+template <class F>
+auto value_errors(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const InputError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+Mechanism mechanism_for(const std::string& spec, int64_t head_dim, int64_t heads) {
+  return value_errors([&] {
+    if (head_dim <= 0 || head_dim > kMaxHeadDim || heads <= 0 || heads > kMaxHeads)
+      throw InputError(fmt::format("head dim {} / heads {} out of range", head_dim, heads));
+    return build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(heads));
+  });
+}
+
 kernels::TransformPlan plan_for(const std::string& spec, int64_t head_dim, int64_t heads,
                                 int64_t layout) {
-  const Mechanism m = build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(heads));
-  return kernels::TransformPlan::from(m, layout ? Layout::HalfSplit : Layout::Interleaved);
+  return kernels::TransformPlan::from(mechanism_for(spec, head_dim, heads),
+                                      layout ? Layout::HalfSplit : Layout::Interleaved);
 }
 
 template <class T>
@@ -175,7 +196,57 @@ Grads6 transform_backward_cpu(const torch::Tensor& gq_out_in, const torch::Tenso
   return {gq, gk, ggamma, geta, ggates, galpha0};
 }
 
+// ---- Model and diagnostics as JSON (the Python package's relpos.mechanisms / verify) ------------
+
+std::string mechanisms_op() {
+  return catalog_json().dump();
+}
+
+std::string mechanism_op(const std::string& spec, int64_t head_dim, int64_t heads) {
+  return mechanism_json(mechanism_for(spec, head_dim, heads)).dump();
+}
+
+std::string verify_op(const std::vector<std::string>& specs, int64_t max_lag,
+                      const std::string& dtype, int64_t head_dim, int64_t heads, int64_t positions,
+                      int64_t seed, int64_t layout) {
+  return value_errors([&] {
+    diag::VerifyOptions o;
+    if (max_lag < 1 || head_dim < 2 || head_dim > 4096 || heads < 1 || heads > 256 ||
+        positions < 8 || positions > 2000 || seed < 0)
+      throw InputError(
+          "verify: max_lag >= 1, head_dim in [2, 4096], heads in [1, 256], "
+          "positions in [8, 2000], seed >= 0");
+    if (dtype != "f32" && dtype != "f64" && dtype != "both")
+      throw InputError(fmt::format("verify: dtype must be f32, f64 or both, got '{}'", dtype));
+    o.max_lag = max_lag;
+    o.head_dim = static_cast<int>(head_dim);
+    o.heads = static_cast<int>(heads);
+    o.positions = static_cast<int>(positions);
+    o.seed = static_cast<uint64_t>(seed);
+    o.layout = layout ? Layout::HalfSplit : Layout::Interleaved;
+    std::vector<std::string> dtypes;
+    if (dtype != "f32") dtypes.push_back("f64");
+    if (dtype != "f64") dtypes.push_back("f32");
+    nlohmann::json rows = nlohmann::json::array();
+    for (const auto& r :
+         diag::verify_specs(specs.empty() ? verify_default_specs() : specs, o, dtypes))
+      rows.push_back(diag::to_json(r));
+    return rows.dump();
+  });
+}
+
 // ---- Meta (fake): shapes and dtypes only -------------------------------------------------------
+
+std::tuple<torch::Tensor, torch::Tensor> trig_table_meta(const torch::Tensor& positions, double,
+                                                         int64_t batch, const std::string& spec,
+                                                         int64_t head_dim, int64_t heads,
+                                                         int64_t layout, c10::ScalarType dtype) {
+  const auto plan = plan_for(spec, head_dim, heads, layout);
+  const int64_t rows = positions.dim() == 2 ? batch : 1;
+  const int64_t n = rows * positions.size(-1) * plan.total_blocks;
+  const auto o = torch::TensorOptions().dtype(dtype).device(torch::kMeta);
+  return {torch::empty({n}, o), torch::empty({n}, o)};
+}
 
 std::tuple<torch::Tensor, torch::Tensor> transform_meta(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&, const torch::Tensor&,
@@ -329,6 +400,12 @@ std::vector<torch::Tensor> transform_qk(const Mechanism& m, Layout layout, const
 }  // namespace relpos::nn
 
 TORCH_LIBRARY(relpos, m) {
+  m.def("mechanisms() -> str", relpos::nn::mechanisms_op);
+  m.def("mechanism(str spec, int head_dim, int heads) -> str", relpos::nn::mechanism_op);
+  m.def(
+      "verify(str[] specs, int max_lag, str dtype, int head_dim, int heads, int positions, "
+      "int seed, int layout) -> str",
+      relpos::nn::verify_op);
   m.def(
       "trig_table(Tensor positions, float center, int batch, str spec, int head_dim, int heads, "
       "int layout, ScalarType dtype) -> (Tensor, Tensor)");
@@ -350,6 +427,7 @@ TORCH_LIBRARY_IMPL(relpos, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(relpos, Meta, m) {
+  m.impl("trig_table", relpos::nn::trig_table_meta);
   m.impl("transform", relpos::nn::transform_meta);
   m.impl("transform_backward", relpos::nn::transform_backward_meta);
 }

@@ -15,25 +15,7 @@ void add_list_command(CLI::App& app) {
   cmd->callback([format] {
     const auto& cat = mechanism_catalog();
     if (*format == "json") {
-      nlohmann::json j = nlohmann::json::array();
-      for (const auto& m : cat) {
-        nlohmann::json opts = nlohmann::json::array();
-        for (const auto& o : m.options) {
-          nlohmann::json oj{{"key", o.key}, {"default", o.default_value}, {"doc", o.doc}};
-          if (o.has_range()) {
-            oj["min"] = o.min;
-            oj["max"] = o.max;
-          }
-          opts.push_back(std::move(oj));
-        }
-        j.push_back({{"name", m.name},
-                     {"kind", m.kind},
-                     {"summary", m.summary},
-                     {"exactness", m.exactness},
-                     {"paper", m.paper},
-                     {"options", opts},
-                     {"aliases", m.aliases}});
-      }
+      const nlohmann::json j = catalog_json();
       std::cout << j.dump(2) << "\n";
       return;
     }

@@ -22,31 +22,6 @@ struct VerifyArgs {
   uint64_t seed = 1;
 };
 
-nlohmann::json to_json(const diag::VerifyRow& r) {
-  return {
-      {"spec", r.spec},
-      {"canonical", r.canonical},
-      {"head_dim", r.head_dim},
-      {"declared", r.declared},
-      {"transform_exact", r.transform_exact},
-      {"params", r.params},
-      {"dtype", r.dtype},
-      {"center", r.center},
-      {"relative_residual", r.residual},
-      {"relative_residual_qk_norm", r.residual_qk},
-      {"shift_residual", r.shift_residual},
-      {"key_growth_centered", r.key_growth},
-      {"query_growth_centered", r.query_growth},
-      {"key_growth_uncentered", r.key_growth_uncentered},
-      {"query_growth_uncentered", r.query_growth_uncentered},
-      {"clamp_bound_centered", r.clamp_bound},
-      {"clamp_bound_uncentered", r.clamp_bound_uncentered},
-      {"clamp_bound_shifted", r.clamp_bound_shifted},
-      {"alibi_lift_residual",
-       r.alibi_lift_residual < 0 ? nlohmann::json(nullptr) : nlohmann::json(r.alibi_lift_residual)},
-      {"status", r.status},
-      {"reason", r.reason}};
-}
 // reasons quote |gamma p| and |q||k|: keep the markdown cells intact
 std::string md_escape(const std::string& s) {
   std::string out;
@@ -108,7 +83,7 @@ void add_verify_command(CLI::App& app) {
     for (const auto& r : rows) failed += r.status == "FAIL" || r.status == "CLAMPED";
     if (a->format == "json") {
       nlohmann::json j = nlohmann::json::array();
-      for (const auto& r : rows) j.push_back(to_json(r));
+      for (const auto& r : rows) j.push_back(diag::to_json(r));
       std::cout << nlohmann::json{{"max_lag", o.max_lag},
                                   {"exact_tol_f64", o.exact_tol},
                                   {"failed", failed},
