@@ -1,0 +1,75 @@
+"""relpos: relative positional encodings for attention, as PyTorch ops and modules.
+
+The operators live in the compiled library ``relpos/_relpos_ops.so`` (``TORCH_LIBRARY(relpos)``):
+``torch.ops.relpos.transform`` (CPU kernels, a Meta kernel for ``torch.compile``, an autograd
+kernel whose backward is ``torch.ops.relpos.transform_backward``), ``trig_table``, and the model
+and diagnostics as JSON (``mechanism``, ``mechanisms``, ``verify``). The C++ ``PositionEncoding``
+module calls the same ops.
+
+    import torch, relpos
+    enc = relpos.PositionEncoding("jordan(m=2, regime=scaled, c=1)", head_dim=64, num_heads=8)
+    q, k = enc(torch.randn(1, 8, 128, 64), torch.randn(1, 8, 128, 64))
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+
+_LIB = pathlib.Path(__file__).with_name("_relpos_ops.so")
+if not _LIB.exists():  # pragma: no cover - a broken install
+    raise ImportError(f"relpos: the operator library {_LIB} is missing; reinstall the package")
+torch.ops.load_library(str(_LIB))
+
+from .encoding import InputError, PositionEncoding  # noqa: E402
+
+__all__ = ["InputError", "PositionEncoding", "mechanisms", "mechanism", "verify"]
+
+
+def mechanisms() -> list[dict]:
+    """Every mechanism, as ``relpos list --format json`` shows it: name, kind, options with
+    defaults and ranges, exactness, paper section, reference aliases."""
+    return json.loads(torch.ops.relpos.mechanisms())
+
+
+def mechanism(spec: str, head_dim: int, num_heads: int) -> dict:
+    """The mechanism a spec builds for this head shape: canonical spec, transform terms, bias
+    terms, parameter schema with initial values, centre rule. Raises InputError (a ValueError)
+    naming the problem for a bad spec."""
+    try:
+        return json.loads(torch.ops.relpos.mechanism(spec, int(head_dim), int(num_heads)))
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def verify(
+    spec: str | list[str] | None = None,
+    *,
+    max_lag: int = 32768,
+    dtype: str = "both",
+    head_dim: int = 64,
+    num_heads: int = 4,
+    positions: int = 80,
+    seed: int = 1,
+    layout: str = "interleaved",
+) -> list[dict]:
+    """``relpos verify`` from Python: one dict per (spec, parameters, dtype) row with the
+    residuals, growth, clamp flags, status (PASS, FAIL, CLAMPED, APPROX, INFO) and reason."""
+    specs = [] if spec is None else [spec] if isinstance(spec, str) else list(spec)
+    try:
+        out = torch.ops.relpos.verify(
+            specs, max_lag, dtype, head_dim, num_heads, positions, seed, _layout_code(layout)
+        )
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return json.loads(out)
+
+
+def _layout_code(layout: str) -> int:
+    if layout in ("interleaved",):
+        return 0
+    if layout in ("half_split", "neox", "rotate_half"):
+        return 1
+    raise InputError(f"unknown pair layout '{layout}' (valid: interleaved, half_split)")

@@ -1,0 +1,207 @@
+"""PositionEncoding: a mechanism as an nn.Module whose parameters are the mechanism's.
+
+Parameters are built from the mechanism's schema (``torch.ops.relpos.mechanism``), with the same
+names as the C++ module (``raw_<name>`` learnable or buffer, ``<name>_fixed``, ``<name>_bound``,
+``<name>_learn`` buffers, ``fixed<i>_m`` / ``fixed<i>_m_inv_t`` for fixed linear terms), so state
+dicts carry over.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from torch import nn
+
+
+class InputError(ValueError):
+    """Bad input to relpos (malformed spec, wrong shape or dtype, NaN, ...): the message names the
+    problem, as the command-line tool's does."""
+
+
+_LAYOUTS = {"interleaved": 0, "half_split": 1, "neox": 1, "rotate_half": 1}
+
+
+class PositionEncoding(nn.Module):
+    """Applies a mechanism's position-wise transforms to queries and keys.
+
+    Args:
+        spec: a spec string (``relpos.mechanisms()`` lists them), e.g. ``"rope"``,
+            ``"jordan(m=2, regime=scaled, c=1)"``, ``"orthogonal_mix(seed=1) + rope"``.
+        head_dim, num_heads: the head shape.
+        pair_layout: ``"interleaved"`` (coordinates 2j, 2j+1: the Jordan-RoPE and JoFormer
+            convention) or ``"half_split"`` (j, j + D/2: GPT-NeoX / Llama ``rotate_half``).
+        tensor_layout: ``"BHTD"`` ([batch, heads, tokens, head_dim]) or ``"BTHD"`` (the layout
+            of most model code; transposed around the kernel).
+
+    ``forward(q, k, positions=None)`` returns ``(q~, k~)``; positions are ``[T]`` or ``[B, T]``
+    (any real values; float64 keeps them exact), default ``0..T-1``.
+    """
+
+    def __init__(
+        self,
+        spec: str,
+        head_dim: int,
+        num_heads: int,
+        *,
+        pair_layout: str = "interleaved",
+        tensor_layout: str = "BHTD",
+    ) -> None:
+        super().__init__()
+        if pair_layout not in _LAYOUTS:
+            raise InputError(f"unknown pair layout '{pair_layout}' (valid: interleaved, half_split)")
+        if tensor_layout not in ("BHTD", "BTHD"):
+            raise InputError(f"unknown tensor layout '{tensor_layout}' (valid: BHTD, BTHD)")
+        try:
+            info = json.loads(torch.ops.relpos.mechanism(spec, int(head_dim), int(num_heads)))
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        self.spec = info["spec"]
+        self.head_dim = int(head_dim)
+        self.num_heads = int(num_heads)
+        self.layout = _LAYOUTS[pair_layout]
+        self.tensor_layout = tensor_layout
+        self._info = info
+        self._terms = []  # ("position", None) or ("fixed", index)
+        for i, t in enumerate(info["transforms"]):
+            if t["kind"] == "fixed_linear":
+                D = self.head_dim
+                self.register_buffer(f"fixed{i}_m", torch.tensor(t["matrix"], dtype=torch.float64).view(D, D))
+                self.register_buffer(
+                    f"fixed{i}_m_inv_t", torch.tensor(t["matrix_inv_t"], dtype=torch.float64).view(D, D)
+                )
+                self._terms.append(("fixed", i))
+            else:
+                self._terms.append(("position", i))
+        self._params = []
+        for p in info["params"]:
+            name, shape, nb = p["name"], p["shape"], p["shape"][-1]
+            fixed = torch.tensor(p["init"], dtype=torch.float64).view(shape)
+            bound = torch.tensor(p["bound"], dtype=torch.float64).view(1, nb)
+            learn = torch.tensor(p["learn"], dtype=torch.float64).view(1, nb)
+            if p["reparam"] == "softplus_floor":  # a = log(expm1(max(v - floor, 1e-8)))
+                raw = torch.log(torch.expm1((fixed - bound).clamp_min(1e-8)))
+            elif p["reparam"] == "bounded_tanh":
+                raw = torch.atanh((fixed / bound).clamp(-0.999999, 0.999999))
+            else:  # softmax_simplex
+                raw = torch.log(fixed)
+            self.register_buffer(f"{name}_fixed", fixed.float())
+            self.register_buffer(f"{name}_bound", bound.float())
+            self.register_buffer(f"{name}_learn", learn.float())
+            if any(p["learn"]):
+                self.register_parameter(f"raw_{name}", nn.Parameter(raw.float()))
+            else:
+                self.register_buffer(f"raw_{name}", raw.float())
+            self._params.append((name, p["slot"], p["reparam"]))
+        self._center_mode = info["center"]
+        self._center_value = float(info["center_value"])
+        self._max_exp = float(info["max_exp"])
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}"
+
+    def kernel_params(self) -> dict[str, torch.Tensor]:
+        """gamma, eta, alpha0 [H, NB] and gates [rows, H, NB] as the kernels take them."""
+        out: dict[str, torch.Tensor] = {}
+        for name, slot, reparam in self._params:
+            raw = getattr(self, f"raw_{name}")
+            bound = getattr(self, f"{name}_bound")
+            if reparam == "softplus_floor":
+                v = nn.functional.softplus(raw) + bound
+            elif reparam == "bounded_tanh":
+                v = bound * torch.tanh(raw)
+            else:
+                v = torch.softmax(raw, 0)
+            v = torch.where(getattr(self, f"{name}_learn") > 0, v, getattr(self, f"{name}_fixed"))
+            if slot == "spectrum":
+                out["alpha0"], out["gates"] = v[0], v[1:]
+            else:
+                out[slot] = v
+        ref = out.get("gamma")
+        if ref is None:
+            ref = torch.zeros(self.num_heads, 0)
+        out.setdefault("gamma", ref)
+        out.setdefault("eta", torch.zeros_like(ref))
+        out.setdefault("gates", ref.new_zeros(0))
+        out.setdefault("alpha0", torch.ones_like(ref))
+        return out
+
+    def center_for(self, positions: torch.Tensor) -> float:
+        if self._center_mode == "fixed":
+            return self._center_value
+        if self._center_mode == "mid":  # per call (a host sync; not for torch.compile)
+            if positions.numel() == 0:
+                return 0.0
+            return float(math.floor(0.5 * (positions.min().item() + positions.max().item())))
+        return 0.0
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        for name, t in (("q", q), ("k", k)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"{name} must be a tensor")
+            if t.dim() != 4:
+                raise InputError(f"{name} must be [B, H, T, D] (or [B, T, H, D]), got {list(t.shape)}")
+            if t.dtype not in (torch.float32, torch.float64):
+                raise InputError(f"{name} must be float32 or float64, got {t.dtype}")
+            if t.shape[-1] != self.head_dim:
+                raise InputError(f"{name} has head dim {t.shape[-1]}, the encoding was built for {self.head_dim}")
+            if t.shape[1] != self.num_heads:
+                raise InputError(f"{name} has {t.shape[1]} heads, the encoding was built for {self.num_heads}")
+        if q.shape != k.shape:
+            raise InputError(f"q {list(q.shape)} and k {list(k.shape)} differ in shape")
+        if q.dtype != k.dtype:
+            raise InputError(f"q is {q.dtype} but k is {k.dtype}: pass both in one dtype")
+        if q.dtype == torch.float32 and self._max_exp > 88:
+            raise InputError(f"max_exp={self._max_exp:g} overflows float32 (at most 88); use float64")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None):
+        if self.tensor_layout == "BTHD":
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if not torch.compiler.is_compiling():
+            self._check(q, k)
+            for name, t in (("q", q), ("k", k)):
+                if not torch.isfinite(t).all():
+                    raise InputError(f"{name} contains NaN or Inf")
+        B, H, T, D = q.shape
+        if positions is None:
+            pos = torch.arange(T, dtype=torch.float64, device=q.device)
+        else:
+            pos = positions.to(torch.float64)
+            if not torch.compiler.is_compiling():
+                ok = (pos.dim() == 1 and pos.shape[0] == T) or (pos.dim() == 2 and tuple(pos.shape) == (B, T))
+                if not ok:
+                    raise InputError(f"positions must be [T] or [B, T] = [{B}, {T}], got {list(pos.shape)}")
+                if not torch.isfinite(pos).all():
+                    raise InputError("positions contain NaN or Inf")
+        if T == 0 or not self._terms:
+            out = (q, k)
+        else:
+            kp = self.kernel_params()
+            center = self.center_for(pos)
+            for kind, i in self._terms:
+                if kind == "fixed":
+                    m = getattr(self, f"fixed{i}_m").to(q.dtype)
+                    mit = getattr(self, f"fixed{i}_m_inv_t").to(q.dtype)
+                    q, k = q @ mit.T, k @ m.T
+                else:
+                    q, k = torch.ops.relpos.transform(
+                        q,
+                        k,
+                        kp["gamma"].to(q.dtype),
+                        kp["eta"].to(q.dtype),
+                        kp["gates"].to(q.dtype),
+                        kp["alpha0"].to(q.dtype),
+                        pos,
+                        None,
+                        None,
+                        center,
+                        self.spec,
+                        self.head_dim,
+                        self.num_heads,
+                        self.layout,
+                    )
+            out = (q, k)
+        if self.tensor_layout == "BTHD":
+            return out[0].transpose(1, 2), out[1].transpose(1, 2)
+        return out

@@ -1,0 +1,176 @@
+"""The relpos Python package: ops under autograd (gradcheck), equality with plain PyTorch RoPE in
+both pair conventions, torch.compile(fullgraph=True), state dicts, and named errors."""
+
+import io
+import math
+
+import pytest
+import torch
+
+import relpos
+
+SPECS = [m["name"] for m in relpos.mechanisms()]
+
+
+def head_dim_for(spec, heads=2, lo=8, hi=48):
+    for d in range(lo, hi + 1, 2):
+        try:
+            relpos.mechanism(spec, d, heads)
+            return d
+        except relpos.InputError:
+            pass
+    raise AssertionError(f"no head dim fits {spec}")
+
+
+def jitter(enc, scale=0.2):
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(scale * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_gradcheck_every_mechanism(spec):
+    """float64 gradients of the op (q, k and the kernel parameters) and of the module's raw
+    parameters against finite differences."""
+    D = head_dim_for(spec)
+    enc = relpos.PositionEncoding(spec, D, 2).double()
+    jitter(enc)
+    q = torch.randn(1, 2, 5, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 5, D, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([0.0, 1.0, 4.5, 30.0, 31.0], dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b: enc(a, b, pos), (q, k), atol=1e-6, rtol=1e-5)
+    params = dict(enc.named_parameters())
+    if not params:
+        return
+    names = list(params)
+
+    def f(*vals):
+        out = torch.func.functional_call(enc, dict(zip(names, vals)), (q.detach(), k.detach(), pos))
+        return out
+
+    vals = tuple(p.detach().clone().requires_grad_(True) for p in params.values())
+    assert torch.autograd.gradcheck(f, vals, atol=1e-6, rtol=1e-5)
+
+
+def rope_reference(x, pos, theta=10000.0, half_split=False):
+    """RoPE written the usual way: interleaved pairs, or Llama/NeoX rotate_half."""
+    D = x.shape[-1]
+    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]  # [T, D/2]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    if half_split:
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half_split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rope_equals_plain_pytorch(layout, dtype):
+    enc = relpos.PositionEncoding("rope", 64, 4, pair_layout=layout)
+    q, k = torch.randn(2, 4, 33, 64, dtype=dtype), torch.randn(2, 4, 33, 64, dtype=dtype)
+    pos = torch.arange(33, dtype=torch.float64) * 3.0 + 100.0
+    qo, ko = enc(q, k, pos)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    hs = layout == "half_split"
+    torch.testing.assert_close(qo, rope_reference(q, pos, half_split=hs), atol=tol, rtol=tol)
+    torch.testing.assert_close(ko, rope_reference(k, pos, half_split=hs), atol=tol, rtol=tol)
+
+
+def test_bthd_layout_equals_bhtd():
+    a = relpos.PositionEncoding("jordan(m=2, regime=raw, eta0=0.05)", 32, 4)
+    b = relpos.PositionEncoding("jordan(m=2, regime=raw, eta0=0.05)", 32, 4, tensor_layout="BTHD")
+    q, k = torch.randn(2, 4, 9, 32), torch.randn(2, 4, 9, 32)
+    qa, ka = a(q, k)
+    qb, kb = b(q.transpose(1, 2), k.transpose(1, 2))
+    torch.testing.assert_close(qa, qb.transpose(1, 2))
+    torch.testing.assert_close(ka, kb.transpose(1, 2))
+
+
+class Block(torch.nn.Module):
+    """A small causal attention block with a relpos encoding."""
+
+    def __init__(self, spec, d=64, heads=4):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.out = torch.nn.Linear(d, d, bias=False)
+        self.enc = relpos.PositionEncoding(spec, self.hd, heads)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        q, k = self.enc(q, k)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+@pytest.mark.parametrize("spec", ["rope", "jordan(m=2, regime=scaled, c=1, eta0=0.05)"])
+def test_torch_compile_fullgraph_matches_eager(spec):
+    torch._dynamo.reset()
+    block = Block(spec)
+    x = torch.randn(2, 24, 64)
+    eager = block(x)
+    eager.sum().backward()
+    g_eager = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_eager, [p.grad for p in block.parameters()]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_state_dict_round_trip():
+    a = relpos.PositionEncoding("jetmixfull(m=4, alpha=1/0.5/0.3/0.2)", 32, 2)
+    jitter(a)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    b = relpos.PositionEncoding("jetmixfull(m=4, alpha=1/0.5/0.3/0.2)", 32, 2)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
+    q, k = torch.randn(1, 2, 7, 32), torch.randn(1, 2, 7, 32)
+    for x, y in zip(a(q, k), b(q, k)):
+        torch.testing.assert_close(x, y)
+    assert set(a.state_dict()) == set(b.state_dict())
+    assert "raw_gamma" in dict(a.named_parameters())
+
+
+def test_composed_spec_is_shift_invariant():
+    enc = relpos.PositionEncoding("orthogonal_mix(seed=2) + rope", 16, 2).double()
+    q, k = torch.randn(1, 2, 6, 16, dtype=torch.float64), torch.randn(1, 2, 6, 16, dtype=torch.float64)
+    p = torch.tensor([0.0, 1, 3, 8, 20, 21], dtype=torch.float64)
+    qa, ka = enc(q, k, p)
+    qb, kb = enc(q, k, p + 1000)
+    torch.testing.assert_close(qa @ ka.transpose(-1, -2), qb @ kb.transpose(-1, -2), atol=1e-11, rtol=0)
+
+
+def test_bad_input_raises_named_errors():
+    with pytest.raises(relpos.InputError, match="unknown mechanism 'bogus'"):
+        relpos.PositionEncoding("bogus", 64, 4)
+    with pytest.raises(relpos.InputError, match="divisible by 6"):
+        relpos.PositionEncoding("jordan(m=3)", 64, 4)
+    with pytest.raises(relpos.InputError, match="unknown token 'c05O'"):
+        relpos.PositionEncoding("jordan_exact_m3_c05O", 48, 4)
+    enc = relpos.PositionEncoding("rope", 16, 2)
+    x = torch.randn(1, 2, 4, 16)
+    with pytest.raises(relpos.InputError, match="head dim"):
+        enc(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+    with pytest.raises(relpos.InputError, match="NaN"):
+        enc(x * math.nan, x)
+    with pytest.raises(relpos.InputError, match="positions"):
+        enc(x, x, torch.arange(3))
+    with pytest.raises(relpos.InputError, match="float32"):
+        enc(x, x.double())
+    assert issubclass(relpos.InputError, ValueError)
+
+
+def test_mechanisms_and_verify():
+    names = {m["name"] for m in relpos.mechanisms()}
+    assert {"rope", "jordan", "alibi", "orthogonal_mix"} <= names
+    rows = relpos.verify("jordan(m=2, regime=raw)", max_lag=4096, positions=16, dtype="f64")
+    assert [r["status"] for r in rows] == ["PASS", "PASS"]
+    with pytest.raises(relpos.InputError):
+        relpos.verify("jordan(L=0)")
