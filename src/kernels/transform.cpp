@@ -1,8 +1,8 @@
 #include "kernels/transform.hpp"
 
-#include <algorithm>
-#include <cstdlib>
 #include <string>
+
+#include "kernels/isa.hpp"
 
 namespace relpos::kernels {
 
@@ -21,8 +21,6 @@ TransformPlan TransformPlan::from(const Mechanism& m, Layout layout) {
   return p;
 }
 
-namespace {
-
 // Declarations of the per-ISA builds (transform_isa.inc).
 #define RELPOS_DECLARE_ISA(NS)                                                               \
   namespace NS {                                                                             \
@@ -35,44 +33,10 @@ namespace {
   void backward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>, \
                 const T*, const T*, const T*, const T*, T*, T*, const ParamGrads<T>&);       \
   }
-}  // namespace
-RELPOS_DECLARE_ISA(isa_base)
-#if defined(__x86_64__)
-RELPOS_DECLARE_ISA(isa_avx2)
-RELPOS_DECLARE_ISA(isa_avx512)
-#endif
+RELPOS_ISA_FOR_EACH(RELPOS_DECLARE_ISA)
 #undef RELPOS_DECLARE_ISA
 
 namespace {
-
-enum class Isa { Baseline, Avx2, Avx512 };
-
-// The best build this CPU runs, capped by the environment variable RELPOS_KERNEL_ISA
-// (baseline | avx2 | avx512) when it is set: the tests run every build this way, and so can a
-// comparison. Read once per process.
-Isa selected_isa() {
-  static const Isa isa = [] {
-    Isa best = Isa::Baseline;
-#if defined(__x86_64__)
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::Avx2;
-    if (best == Isa::Avx2 && __builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512vl"))
-      best = Isa::Avx512;
-#endif
-    const char* cap = std::getenv("RELPOS_KERNEL_ISA");
-    if (!cap || !*cap) return best;
-    const std::string c = cap;
-    const Isa want =
-        c == "baseline" ? Isa::Baseline
-        : c == "avx2"   ? Isa::Avx2
-        : c == "avx512"
-            ? Isa::Avx512
-            : throw InputError("RELPOS_KERNEL_ISA must be baseline, avx2 or avx512, got '" + c +
-                               "'");
-    return std::min(want, best);
-  }();
-  return isa;
-}
 
 void check_plan(const TransformPlan& plan) {
   for (const auto& s : plan.segments)
@@ -83,41 +47,13 @@ void check_plan(const TransformPlan& plan) {
 
 }  // namespace
 
-const char* kernel_isa() {
-  switch (selected_isa()) {
-    case Isa::Avx512:
-      return "avx512";
-    case Isa::Avx2:
-      return "avx2+fma";
-    case Isa::Baseline:
-      break;
-  }
-  return "baseline";
-}
-
-// Calls the selected build's function NAME with the given arguments.
-#if defined(__x86_64__)
-#define RELPOS_DISPATCH(NAME, ...)          \
-  switch (selected_isa()) {                 \
-    case Isa::Avx512:                       \
-      return isa_avx512::NAME(__VA_ARGS__); \
-    case Isa::Avx2:                         \
-      return isa_avx2::NAME(__VA_ARGS__);   \
-    case Isa::Baseline:                     \
-      break;                                \
-  }                                         \
-  return isa_base::NAME(__VA_ARGS__)
-#else
-#define RELPOS_DISPATCH(NAME, ...) return isa_base::NAME(__VA_ARGS__)
-#endif
-
 int64_t trig_table_size(const TransformPlan& plan, Dims dims, const Positions& pos) {
   return (pos.per_batch ? dims.B : 1) * dims.T * plan.total_blocks;
 }
 
 template <class T>
 void fill_trig_table(const TransformPlan& plan, Dims dims, const Positions& pos, T* cos, T* sin) {
-  RELPOS_DISPATCH(fill_trig<T>, plan, dims, pos, cos, sin);
+  RELPOS_ISA_DISPATCH(fill_trig<T>, plan, dims, pos, cos, sin);
 }
 
 template <class T>
@@ -135,7 +71,7 @@ void transform_forward(const TransformPlan& plan, Dims dims, const Positions& po
                        const Params<T>& params, TrigView<T> trig, const T* q, const T* k, T* q_out,
                        T* k_out) {
   check_plan(plan);
-  RELPOS_DISPATCH(forward<T>, plan, dims, pos, params, trig, q, k, q_out, k_out);
+  RELPOS_ISA_DISPATCH(forward<T>, plan, dims, pos, params, trig, q, k, q_out, k_out);
 }
 
 template <class T>
@@ -144,7 +80,8 @@ void transform_backward(const TransformPlan& plan, Dims dims, const Positions& p
                         const T* gq_out, const T* gk_out, T* gq, T* gk,
                         const ParamGrads<T>& grads) {
   check_plan(plan);
-  RELPOS_DISPATCH(backward<T>, plan, dims, pos, params, trig, q, k, gq_out, gk_out, gq, gk, grads);
+  RELPOS_ISA_DISPATCH(backward<T>, plan, dims, pos, params, trig, q, k, gq_out, gk_out, gq, gk,
+                      grads);
 }
 
 #define RELPOS_INSTANTIATE(T)                                                                      \

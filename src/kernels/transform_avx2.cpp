@@ -1,5 +1,5 @@
 // AVX2 + FMA build of the transform kernels (compiled with -mavx2 -mfma on x86-64 only; see
-// CMakeLists.txt). transform.cpp calls it only when the CPU reports both features.
+// CMakeLists.txt). kernels/isa.hpp selects it only when the CPU reports both features.
 #if defined(__x86_64__)
 #define RELPOS_ISA_NAMESPACE isa_avx2
 #include "kernels/transform_isa.inc"

@@ -1,0 +1,251 @@
+// Driver of the transform kernels: the tile loops of the forward and backward passes (OpenMP over
+// tiles of one (batch, head)), choosing per segment between the fast paths (transform_fast.hpp)
+// and the generic path (transform_generic.hpp), with the segment's Jordan order as a
+// compile-time constant; plus the helpers of the trig-table fill. Included once per instruction
+// set by transform_isa.inc, whose entry points transform.cpp dispatches to. Internal header:
+// include kernels/transform.hpp instead.
+#pragma once
+
+#ifndef RELPOS_ISA_NAMESPACE
+#error "internal kernel header: include it from a per-ISA .inc (RELPOS_ISA_NAMESPACE set)"
+#endif
+
+#include <omp.h>
+
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "kernels/transform_fast.hpp"
+#include "kernels/transform_generic.hpp"
+#include "kernels/transform_tiles.hpp"
+
+namespace relpos::kernels::RELPOS_ISA_NAMESPACE {
+
+// Calls f.template operator()<M>() with the segment's order as a compile-time constant.
+template <class F, int... M>
+void dispatch_order_in(int order, F&& f, std::integer_sequence<int, M...>) {
+  const bool called = ((order == M && (f.template operator()<M>(), true)) || ...);
+  if (!called) throw InputError("kernel supports Jordan orders 1..8, got " + std::to_string(order));
+}
+template <class F>
+void dispatch_order(int order, F&& f) {
+  static_assert(kMaxOrder == 8);
+  dispatch_order_in(order, f, std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7, 8>{});
+}
+
+// Identity on the complex coordinates no segment covers.
+template <class T, Layout LY>
+void copy_uncovered(int first, int D, const T* x, T* y) {
+  if (!x || !y || x == y) return;
+  for (int j = first; j < D / 2; ++j) {
+    y[Addr<LY>::re(j, D)] = x[Addr<LY>::re(j, D)];
+    y[Addr<LY>::im(j, D)] = x[Addr<LY>::im(j, D)];
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Where one segment of one tile lies for the fast paths: tensor offset of its first row and
+// pair, its trig rows, and how many rows remain to the end of the tensors (for prefetching).
+struct FastTile {
+  int64_t x0, rows_after;
+  const float *cos = nullptr, *sin = nullptr;
+  int64_t D, NB;
+  template <class T>
+  FastTile(const SegmentDesc& s, Dims dims, const Positions& pos, TrigView<T> trig, int64_t bh,
+           int64_t b, int64_t t0, int64_t D_, int64_t NB_)
+      : x0((bh * dims.T + t0) * D_ + 2 * s.first_pair),
+        rows_after(dims.B * dims.H * dims.T - (bh * dims.T + t0)),
+        D(D_),
+        NB(NB_) {
+    if constexpr (std::is_same_v<T, float>) {
+      const int64_t trow0 = ((pos.per_batch ? b : 0) * dims.T + t0) * NB_ + s.first_block;
+      cos = trig.cos + trow0;
+      sin = trig.sin + trow0;
+    }
+  }
+  template <class P>
+  P* at(P* p) const {
+    return p ? p + x0 : nullptr;
+  }
+  void fill(m2::Tile* t) const {
+    t->cos = cos;
+    t->sin = sin;
+    t->trig_ld = NB;
+    t->D = D;
+    t->rows_after = rows_after;
+  }
+};
+#endif
+
+template <class T, Layout LY>
+void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
+                  TrigView<T> trig, const T* q, const T* k, T* qo, T* ko) {
+  const int64_t D = plan.head_dim, NB = plan.total_blocks;
+  const int covered = covered_pairs(plan);
+  const Tiling tiling(dims);
+#pragma omp parallel
+  {
+    Scratch<T> sc(plan.total_blocks);
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiling.count; ++tile) {
+      const auto [bh, t0, h, b, n] = start_tile(tile, tiling, dims, pos, sc);
+      for (const auto& s : plan.segments)
+        dispatch_order(s.order, [&]<int M>() {
+#if defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float> && M == 1 && LY == Layout::Interleaved) {
+            if (plain_rotation(s)) {
+              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+              rot::rotate_tile<false>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after, ft.at(q),
+                                      ft.at(k), ft.at(q ? qo : nullptr), ft.at(k ? ko : nullptr));
+              return;
+            }
+          }
+          if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
+            m2::Tile t;
+            if (m2::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
+              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+              ft.fill(&t);
+              m2::forward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(q ? qo : nullptr),
+                               ft.at(k ? ko : nullptr));
+              return;
+            }
+          }
+#endif
+          const bool plain = plain_rotation(s);
+          if (!plain) tile_series<T, M>(s, P, h, dims.H, static_cast<int>(NB), n, sc);
+          for (int tt = 0; tt < n; ++tt) {
+            const int64_t row = bh * dims.T + t0 + tt;
+            const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB;
+            forward_segment<T, M, LY>(s, static_cast<int>(D), trig.cos + trow, trig.sin + trow,
+                                      plain ? nullptr : sc.ck.data() + tt * s.blocks,
+                                      plain ? nullptr : sc.cq.data() + tt * s.blocks, n * s.blocks,
+                                      q ? q + row * D : nullptr, k ? k + row * D : nullptr,
+                                      q ? qo + row * D : nullptr, k ? ko + row * D : nullptr);
+          }
+        });
+      for (int tt = 0; tt < n; ++tt) {
+        const int64_t row = bh * dims.T + t0 + tt;
+        if (q) copy_uncovered<T, LY>(covered, static_cast<int>(D), q + row * D, qo + row * D);
+        if (k) copy_uncovered<T, LY>(covered, static_cast<int>(D), k + row * D, ko + row * D);
+      }
+    }
+  }
+}
+
+template <class T, Layout LY>
+void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
+                   TrigView<T> trig, const T* q, const T* k, const T* gqo, const T* gko, T* gq,
+                   T* gk, const ParamGrads<T>& G) {
+  const int64_t D = plan.head_dim, NB = plan.total_blocks;
+  const int covered = covered_pairs(plan);
+  const Tiling tiling(dims);
+  const GradSlots slot{static_cast<size_t>(dims.H * NB)};
+  const size_t nacc = G.any() ? (3 + plan.gate_rows) * slot.hb : 0;
+  std::vector<std::vector<double>> acc(static_cast<size_t>(omp_get_max_threads()));
+  const T* xin[2] = {q, k};
+  const T* gy[2] = {gqo, gko};
+  T* gx[2] = {gqo ? gq : nullptr, gko ? gk : nullptr};
+#pragma omp parallel
+  {
+    Scratch<T> sc(plan.total_blocks);
+    auto& mine = acc[static_cast<size_t>(omp_get_thread_num())];
+    mine.assign(nacc, 0.0);
+    double* a = nacc ? mine.data() : nullptr;
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiling.count; ++tile) {
+      const auto [bh, t0, h, b, n] = start_tile(tile, tiling, dims, pos, sc);
+      for (const auto& s : plan.segments)
+        dispatch_order(s.order, [&]<int M>() {
+#if defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float> && M == 1 && LY == Layout::Interleaved) {
+            if (plain_rotation(s)) {
+              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+              rot::rotate_tile<true>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after,
+                                     ft.at(gx[0] ? gy[0] : nullptr), ft.at(gx[1] ? gy[1] : nullptr),
+                                     ft.at(gx[0]), ft.at(gx[1]));
+              return;
+            }
+          }
+          if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
+            m2::Tile t;
+            if (m2::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
+              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+              ft.fill(&t);
+              float* dg = sc.part.data();
+              float* dk = sc.dl.data();
+              m2::backward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(gy[0]), ft.at(gy[1]),
+                                ft.at(gx[0]), ft.at(gx[1]), a ? sc.f_acc.data() : nullptr, dg, dk);
+              if (a) {
+                const size_t off = static_cast<size_t>(h) * NB + s.first_block;
+                for (int blk = 0; blk < s.blocks; ++blk) {
+                  if (s.damped) a[slot.gamma(off + blk)] += static_cast<double>(dg[blk]);
+                  if (s.shear == ShearMode::Exponential)
+                    a[slot.eta(off + blk)] += static_cast<double>(dk[blk]);
+                }
+              }
+              return;
+            }
+          }
+#endif
+          const bool plain = plain_rotation(s);
+          if (!plain) tile_series<T, M>(s, P, h, dims.H, static_cast<int>(NB), n, sc);
+          const int stride = n * s.blocks;
+          for (int io = 0; io < 2; ++io) {
+            if (!gy[io]) continue;
+            const bool key = io == 1;
+            const bool params = a && xin[io] && !plain;
+            for (int tt = 0; tt < n; ++tt) {
+              const int64_t row = bh * dims.T + t0 + tt;
+              const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB;
+              const int off = tt * s.blocks;
+              backward_segment<T, M, LY>(
+                  s, static_cast<int>(D), trig.cos + trow, trig.sin + trow,
+                  plain ? nullptr : (key ? sc.ck.data() : sc.cq.data()) + off, stride, key,
+                  params ? xin[io] + row * D : nullptr, gy[io] + row * D,
+                  gx[io] ? gx[io] + row * D : nullptr, sc.dl.data() + off, sc.de.data() + off,
+                  sc.dser.data() + off);
+            }
+            if (params)
+              accumulate_param_grads<T, M>(s, h, static_cast<int>(NB), n, key, sc, a, slot);
+          }
+        });
+      for (int io = 0; io < 2; ++io)
+        if (gy[io] && gx[io])
+          for (int tt = 0; tt < n; ++tt) {
+            const int64_t row = bh * dims.T + t0 + tt;
+            copy_uncovered<T, LY>(covered, static_cast<int>(D), gy[io] + row * D, gx[io] + row * D);
+          }
+    }
+  }
+  if (!nacc) return;
+  for (size_t i = 0; i < slot.hb; ++i) {
+    double g = 0, e = 0, a0 = 0;
+    for (const auto& v : acc)
+      if (!v.empty()) g += v[slot.gamma(i)], e += v[slot.eta(i)], a0 += v[slot.alpha0(i)];
+    if (G.gamma) G.gamma[i] += static_cast<T>(g);
+    if (G.eta) G.eta[i] += static_cast<T>(e);
+    if (G.alpha0) G.alpha0[i] += static_cast<T>(a0);
+    for (int kk = 1; kk <= plan.gate_rows && G.gates; ++kk) {
+      double sum = 0;
+      for (const auto& v : acc)
+        if (!v.empty()) sum += v[slot.gate(kk, i)];
+      G.gates[(kk - 1) * slot.hb + i] += static_cast<T>(sum);
+    }
+  }
+}
+
+// True when every row of positions is p0 + t * step exactly (then the trig table can be filled by
+// rotation recurrences instead of one sin/cos per entry).
+bool arithmetic(const Positions& pos, int64_t rows, int64_t T, double* step) {
+  *step = T > 1 ? pos.data[1] - pos.data[0] : 1.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* p = pos.data + r * T;
+    if (T > 1 && p[1] - p[0] != *step) return false;
+    for (int64_t t = 0; t < T; ++t)
+      if (p[t] != p[0] + static_cast<double>(t) * *step) return false;
+  }
+  return true;
+}
+
+}  // namespace relpos::kernels::RELPOS_ISA_NAMESPACE
