@@ -59,7 +59,7 @@ void add_verify_command(CLI::App& app) {
       ->check(CLI::Range(2, 4096));
   cmd->add_option("--heads", a->heads, "heads")->check(CLI::Range(1, 256));
   cmd->add_option("--positions", a->positions, "sampled positions (all pairs are scored)")->check(CLI::Range(8, 2000));
-  cmd->add_option("--seed", a->seed, "random seed");
+  add_seed_option(cmd, &a->seed, "random seed");
   cmd->callback([a] {
     diag::VerifyOptions o;
     o.max_lag = a->len;
