@@ -4,4 +4,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/install-deps.sh"
 bash "$root/scripts/build.sh" "$root/build"
+bash "$root/scripts/install-python.sh" "$root/build"
 ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
+# the Python package's tests (pytest fails when it collects none)
+"$root/.venv/bin/python" -m pytest "$root/tests/python" -q -p no:cacheprovider
