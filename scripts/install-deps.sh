@@ -38,5 +38,10 @@ if ! [ -x "$venv/bin/python" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
 fi
 echo "relpos: pip install -r requirements.txt into $venv (LibTorch: ~3 GB the first time)" >&2
 rm -f "$stamp"
-"$venv/bin/python" -m pip install --disable-pip-version-check --no-input -q -r "$req"
-cp "$req" "$stamp"
+# install from a snapshot, and stamp that snapshot: an edit of requirements.txt during the
+# install is picked up by the next run
+snapshot=$(mktemp)
+trap 'rm -f "$snapshot"' EXIT
+cp "$req" "$snapshot"
+"$venv/bin/python" -m pip install --disable-pip-version-check --no-input -q -r "$snapshot"
+cp "$snapshot" "$stamp"

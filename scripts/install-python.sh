@@ -7,7 +7,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${1:-$root/build}
 py=$root/.venv/bin/python
 prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')
-"$py" -m pip install --disable-pip-version-check --no-input -q --no-build-isolation --no-deps \
-  --config-settings=build-dir="$dir" \
-  --config-settings=cmake.define.CMAKE_PREFIX_PATH="$prefix" "$root/python"
+SKBUILD_BUILD_DIR="$dir" "$py" -m pip install --disable-pip-version-check --no-input -q \
+  --no-build-isolation --no-deps --config-settings=cmake.define.CMAKE_PREFIX_PATH="$prefix" \
+  "$root/python"
 "$py" -c 'import relpos, torch; print("relpos: Python package installed (torch", torch.__version__ + ")")'
