@@ -34,6 +34,7 @@ class PositionEncoding(nn.Module):
             convention) or ``"half_split"`` (j, j + D/2: GPT-NeoX / Llama ``rotate_half``).
         tensor_layout: ``"BHTD"`` ([batch, heads, tokens, head_dim]) or ``"BTHD"`` (the layout
             of most model code; transposed around the kernel).
+        check_finite: reject NaN / Inf in q and k (one extra pass over each; off for speed).
 
     ``forward(q, k, positions=None)`` returns ``(q~, k~)``; positions are ``[T]`` or ``[B, T]``
     (any real values; float64 keeps them exact), default ``0..T-1``.
@@ -47,6 +48,7 @@ class PositionEncoding(nn.Module):
         *,
         pair_layout: str = "interleaved",
         tensor_layout: str = "BHTD",
+        check_finite: bool = True,
     ) -> None:
         super().__init__()
         if pair_layout not in _LAYOUTS:
@@ -62,7 +64,9 @@ class PositionEncoding(nn.Module):
         self.num_heads = int(num_heads)
         self.layout = _LAYOUTS[pair_layout]
         self.tensor_layout = tensor_layout
+        self.check_finite = check_finite
         self._info = info
+        self._trig_cache: tuple | None = None  # (key, cos, sin) of the last eager call
         self._terms = []  # ("position", None) or ("fixed", index)
         for i, t in enumerate(info["transforms"]):
             if t["kind"] == "fixed_linear":
@@ -136,6 +140,26 @@ class PositionEncoding(nn.Module):
             return float(math.floor(0.5 * (positions.min().item() + positions.max().item())))
         return 0.0
 
+    def _trig(self, pos, default_pos, center, batch, dtype):
+        """The kernels' cos/sin table for these positions: built once per call (the backward reuses
+        it), and in eager mode kept while the positions repeat (training calls 0..T-1 each step)."""
+        rows = batch if pos.dim() == 2 else 1
+        if torch.compiler.is_compiling():
+            return torch.ops.relpos.trig_table(
+                pos, center, rows, self.spec, self.head_dim, self.num_heads, self.layout, dtype
+            )
+        # the cache holds the positions tensor itself: identity plus its version counter say that
+        # the values are unchanged (a freed tensor's address cannot be reused while it is held)
+        key = (("arange", pos.shape[-1]) if default_pos else None, center, dtype, rows)
+        c = self._trig_cache
+        if c is not None and c[0] == key and (default_pos or (c[1] is pos and c[2] == pos._version)):
+            return c[3], c[4]
+        cos, sin = torch.ops.relpos.trig_table(
+            pos, center, rows, self.spec, self.head_dim, self.num_heads, self.layout, dtype
+        )
+        self._trig_cache = (key, None if default_pos else pos, pos._version, cos, sin)
+        return cos, sin
+
     def _check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         for name, t in (("q", q), ("k", k)):
             if not isinstance(t, torch.Tensor):
@@ -160,9 +184,10 @@ class PositionEncoding(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         if not torch.compiler.is_compiling():
             self._check(q, k)
-            for name, t in (("q", q), ("k", k)):
-                if not torch.isfinite(t).all():
-                    raise InputError(f"{name} contains NaN or Inf")
+            if self.check_finite:
+                for name, t in (("q", q), ("k", k)):
+                    if not torch.isfinite(t).all():
+                        raise InputError(f"{name} contains NaN or Inf")
         B, H, T, D = q.shape
         if positions is None:
             pos = torch.arange(T, dtype=torch.float64, device=q.device)
@@ -179,6 +204,7 @@ class PositionEncoding(nn.Module):
         else:
             kp = self.kernel_params()
             center = self.center_for(pos)
+            cos, sin = self._trig(pos, positions is None, center, B, q.dtype)
             for kind, i in self._terms:
                 if kind == "fixed":
                     m = getattr(self, f"fixed{i}_m").to(q.dtype)
@@ -193,8 +219,8 @@ class PositionEncoding(nn.Module):
                         kp["gates"].to(q.dtype),
                         kp["alpha0"].to(q.dtype),
                         pos,
-                        None,
-                        None,
+                        cos,
+                        sin,
                         center,
                         self.spec,
                         self.head_dim,

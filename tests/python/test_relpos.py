@@ -183,3 +183,16 @@ def test_mechanisms_and_verify():
     assert [r["status"] for r in rows] == ["PASS", "PASS"]
     with pytest.raises(relpos.InputError):
         relpos.verify("jordan(L=0)")
+
+
+def test_trig_cache_follows_position_changes():
+    enc = relpos.PositionEncoding("rope", 16, 2).double()
+    q = torch.randn(1, 2, 5, 16, dtype=torch.float64)
+    pos = torch.arange(5, dtype=torch.float64)
+    first = enc(q, q, pos)[0]
+    pos.add_(10.0)  # in place: the version counter moves, the cache must not be used
+    moved = enc(q, q, pos)[0]
+    fresh = relpos.PositionEncoding("rope", 16, 2).double()(q, q, pos.clone())[0]
+    torch.testing.assert_close(moved, fresh)
+    assert not torch.allclose(first, moved)
+    torch.testing.assert_close(enc(q, q)[0], enc(q, q, torch.arange(5, dtype=torch.float64))[0])
