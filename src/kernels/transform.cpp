@@ -22,16 +22,19 @@ TransformPlan TransformPlan::from(const Mechanism& m, Layout layout) {
 }
 
 // Declarations of the per-ISA builds (transform_isa.inc).
-#define RELPOS_DECLARE_ISA(NS)                                                               \
-  namespace NS {                                                                             \
-  template <class T>                                                                         \
-  void fill_trig(const TransformPlan&, Dims, const Positions&, T*, T*);                      \
-  template <class T>                                                                         \
-  void forward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>,  \
-               const T*, const T*, T*, T*);                                                  \
-  template <class T>                                                                         \
-  void backward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>, \
-                const T*, const T*, const T*, const T*, T*, T*, const ParamGrads<T>&);       \
+#define RELPOS_DECLARE_ISA(NS)                                                                     \
+  namespace NS {                                                                                   \
+  template <class T>                                                                               \
+  void fill_trig(const TransformPlan&, Dims, const Positions&, T*, T*);                            \
+  template <class T>                                                                               \
+  void forward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>,        \
+               const T*, const T*, T*, T*);                                                        \
+  template <class T>                                                                               \
+  void backward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>,       \
+                const T*, const T*, const T*, const T*, T*, T*, const ParamGrads<T>&);             \
+  template <class T>                                                                               \
+  void apply(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>, MapRole, \
+             const T*, T*);                                                                        \
   }
 RELPOS_ISA_FOR_EACH(RELPOS_DECLARE_ISA)
 #undef RELPOS_DECLARE_ISA
@@ -84,6 +87,14 @@ void transform_backward(const TransformPlan& plan, Dims dims, const Positions& p
                       grads);
 }
 
+template <class T>
+void transform_apply(const TransformPlan& plan, Dims dims, const Positions& pos,
+                     const Params<T>& params, TrigView<T> trig, MapRole role, const T* x, T* y) {
+  check_plan(plan);
+  if (!x || !y) throw InputError("transform_apply needs an input and an output tensor");
+  RELPOS_ISA_DISPATCH(apply<T>, plan, dims, pos, params, trig, role, x, y);
+}
+
 #define RELPOS_INSTANTIATE(T)                                                                      \
   template TrigTable<T> build_trig_table<T>(const TransformPlan&, Dims, const Positions&);         \
   template void fill_trig_table<T>(const TransformPlan&, Dims, const Positions&, T*, T*);          \
@@ -91,7 +102,9 @@ void transform_backward(const TransformPlan& plan, Dims dims, const Positions& p
                                      const Params<T>&, TrigView<T>, const T*, const T*, T*, T*);   \
   template void transform_backward<T>(const TransformPlan&, Dims, const Positions&,                \
                                       const Params<T>&, TrigView<T>, const T*, const T*, const T*, \
-                                      const T*, T*, T*, const ParamGrads<T>&);
+                                      const T*, T*, T*, const ParamGrads<T>&);                     \
+  template void transform_apply<T>(const TransformPlan&, Dims, const Positions&, const Params<T>&, \
+                                   TrigView<T>, MapRole, const T*, T*);
 RELPOS_INSTANTIATE(float)
 RELPOS_INSTANTIATE(double)
 #undef RELPOS_INSTANTIATE

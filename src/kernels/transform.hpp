@@ -97,4 +97,18 @@ void transform_backward(const TransformPlan& plan, Dims dims, const Positions& p
                         const Params<T>& params, TrigView<T> trig, const T* q, const T* k,
                         const T* gq_out, const T* gk_out, T* gq, T* gk, const ParamGrads<T>& grads);
 
+// The four roles one block map A = A(p - c0) plays (all from one kernel template):
+//   Primal          A       keys (forward); journey values A(j)
+//   Contragredient  A^{-T}  queries (forward)
+//   PrimalTranspose A^T     key input gradients (backward); journey output gradients
+//   Inverse         A^{-1}  query input gradients (backward); journey outputs A(i)^{-1}
+// transform_forward is Primal on k and Contragredient on q; transform_backward is
+// PrimalTranspose on gk_out and Inverse on gq_out, fused with the parameter gradients.
+enum class MapRole { Primal, Contragredient, PrimalTranspose, Inverse };
+
+// y = role(A) x for one tensor [B, H, T, D] (x and y non-null; in place allowed).
+template <class T>
+void transform_apply(const TransformPlan& plan, Dims dims, const Positions& pos,
+                     const Params<T>& params, TrigView<T> trig, MapRole role, const T* x, T* y);
+
 }  // namespace relpos::kernels

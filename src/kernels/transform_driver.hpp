@@ -78,9 +78,22 @@ struct FastTile {
 };
 #endif
 
+// One tensor and the role it is mapped by (x -> y, in place allowed).
+template <class T>
+struct MapJob {
+  MapRole role;
+  const T* x;
+  T* y;
+};
+
+// The tile loop of every map: jobs[0..njobs) (at most one per role) over the same tiles, each
+// tile's series computed once for all of them. Per segment: the plain-rotation fast path (A =
+// A^{-T} = R there, and A^T = A^{-1} = R^T), the order-2 fast path (its forward tile serves A on
+// keys and A^{-T} on queries, its backward tile without parameters the transposes), or the
+// generic map_segment of each job's role.
 template <class T, Layout LY>
-void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
-                  TrigView<T> trig, const T* q, const T* k, T* qo, T* ko) {
+void map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
+              TrigView<T> trig, const MapJob<T>* jobs, int njobs) {
   const int64_t D = plan.head_dim, NB = plan.total_blocks;
   const int covered = covered_pairs(plan);
   const Tiling tiling(dims);
@@ -93,22 +106,52 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
 #if defined(__AVX2__) && defined(__FMA__)
-          if constexpr (std::is_same_v<T, float> && M == 1 && LY == Layout::Interleaved) {
-            if (plain_rotation(s)) {
-              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
-              rot::rotate_tile<false>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after, ft.at(q),
-                                      ft.at(k), ft.at(q ? qo : nullptr), ft.at(k ? ko : nullptr));
-              return;
+          if constexpr (std::is_same_v<T, float> && LY == Layout::Interleaved && M <= 2) {
+            // the fast paths take the roles by slot: [A^{-T} | A] forward, [A^{-1} | A^T] back
+            const float *fx[2] = {}, *bx[2] = {};
+            float *fy[2] = {}, *by[2] = {};
+            for (int i = 0; i < njobs; ++i) {
+              const MapJob<T>& jb = jobs[i];
+              switch (jb.role) {
+                case MapRole::Contragredient:
+                  fx[0] = jb.x, fy[0] = jb.y;
+                  break;
+                case MapRole::Primal:
+                  fx[1] = jb.x, fy[1] = jb.y;
+                  break;
+                case MapRole::Inverse:
+                  bx[0] = jb.x, by[0] = jb.y;
+                  break;
+                case MapRole::PrimalTranspose:
+                  bx[1] = jb.x, by[1] = jb.y;
+                  break;
+              }
             }
-          }
-          if constexpr (std::is_same_v<T, float> && M == 2 && LY == Layout::Interleaved) {
-            m2::Tile t;
-            if (m2::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
-              const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
-              ft.fill(&t);
-              m2::forward_tile(t, s.blocks, ft.at(q), ft.at(k), ft.at(q ? qo : nullptr),
-                               ft.at(k ? ko : nullptr));
-              return;
+            const bool fwd = fx[0] || fx[1], bwd = bx[0] || bx[1];
+            if constexpr (M == 1) {
+              if (plain_rotation(s)) {
+                const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+                if (fwd)
+                  rot::rotate_tile<false>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after,
+                                          ft.at(fx[0]), ft.at(fx[1]), ft.at(fy[0]), ft.at(fy[1]));
+                if (bwd)
+                  rot::rotate_tile<true>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after,
+                                         ft.at(bx[0]), ft.at(bx[1]), ft.at(by[0]), ft.at(by[1]));
+                return;
+              }
+            } else {
+              m2::Tile t;
+              if (m2::prepare(s, P, h, dims.H, static_cast<int>(NB), n, sc, &t)) {
+                const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+                ft.fill(&t);
+                if (fwd)
+                  m2::forward_tile(t, s.blocks, ft.at(fx[0]), ft.at(fx[1]), ft.at(fy[0]),
+                                   ft.at(fy[1]));
+                if (bwd)
+                  m2::backward_tile(t, s.blocks, nullptr, nullptr, ft.at(bx[0]), ft.at(bx[1]),
+                                    ft.at(by[0]), ft.at(by[1]), nullptr, nullptr, nullptr);
+                return;
+              }
             }
           }
 #endif
@@ -117,26 +160,54 @@ void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, co
           for (int tt = 0; tt < n; ++tt) {
             const int64_t row = bh * dims.T + t0 + tt;
             const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB;
-            forward_segment<T, M, LY>(s, static_cast<int>(D), trig.cos + trow, trig.sin + trow,
-                                      plain ? nullptr : sc.ck.data() + tt * s.blocks,
-                                      plain ? nullptr : sc.cq.data() + tt * s.blocks, n * s.blocks,
-                                      q ? q + row * D : nullptr, k ? k + row * D : nullptr,
-                                      q ? qo + row * D : nullptr, k ? ko + row * D : nullptr);
+            for (int i = 0; i < njobs; ++i) {
+              const MapJob<T>& jb = jobs[i];
+              dispatch_role(jb.role, [&]<MapRole ROLE>() {
+                const T* coef = plain                          ? nullptr
+                                : RoleTraits<ROLE>::key_series ? sc.ck.data() + tt * s.blocks
+                                                               : sc.cq.data() + tt * s.blocks;
+                map_segment<T, M, LY, ROLE>(s, static_cast<int>(D), trig.cos + trow,
+                                            trig.sin + trow, coef, n * s.blocks, jb.x + row * D,
+                                            jb.y + row * D);
+              });
+            }
           }
         });
       for (int tt = 0; tt < n; ++tt) {
         const int64_t row = bh * dims.T + t0 + tt;
-        if (q) copy_uncovered<T, LY>(covered, static_cast<int>(D), q + row * D, qo + row * D);
-        if (k) copy_uncovered<T, LY>(covered, static_cast<int>(D), k + row * D, ko + row * D);
+        for (int i = 0; i < njobs; ++i)
+          copy_uncovered<T, LY>(covered, static_cast<int>(D), jobs[i].x + row * D,
+                                jobs[i].y + row * D);
       }
     }
   }
 }
 
+// y = A x on keys and y = A^{-T} x on queries (either may be null).
+template <class T, Layout LY>
+void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
+                  TrigView<T> trig, const T* q, const T* k, T* qo, T* ko) {
+  MapJob<T> jobs[2];
+  int n = 0;
+  if (q) jobs[n++] = {MapRole::Contragredient, q, qo};
+  if (k) jobs[n++] = {MapRole::Primal, k, ko};
+  map_impl<T, LY>(plan, dims, pos, P, trig, jobs, n);
+}
+
+// Backward with the parameter gradients: the transposed maps and the parameter-gradient
+// reductions fused in one tile loop (each tile reads q, k and the output gradients once).
 template <class T, Layout LY>
 void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
                    TrigView<T> trig, const T* q, const T* k, const T* gqo, const T* gko, T* gq,
                    T* gk, const ParamGrads<T>& G) {
+  if (!G.any()) {  // input gradients only: A^{-1} on queries, A^T on keys, the maps' tile loop
+    MapJob<T> jobs[2];
+    int nj = 0;
+    if (gqo && gq) jobs[nj++] = {MapRole::Inverse, gqo, gq};
+    if (gko && gk) jobs[nj++] = {MapRole::PrimalTranspose, gko, gk};
+    map_impl<T, LY>(plan, dims, pos, P, trig, jobs, nj);
+    return;
+  }
   const int64_t D = plan.head_dim, NB = plan.total_blocks;
   const int covered = covered_pairs(plan);
   const Tiling tiling(dims);
@@ -199,12 +270,18 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
               const int64_t row = bh * dims.T + t0 + tt;
               const int64_t trow = ((pos.per_batch ? b : 0) * dims.T + t0 + tt) * NB;
               const int off = tt * s.blocks;
-              backward_segment<T, M, LY>(
-                  s, static_cast<int>(D), trig.cos + trow, trig.sin + trow,
-                  plain ? nullptr : (key ? sc.ck.data() : sc.cq.data()) + off, stride, key,
-                  params ? xin[io] + row * D : nullptr, gy[io] + row * D,
-                  gx[io] ? gx[io] + row * D : nullptr, sc.dl.data() + off, sc.de.data() + off,
-                  sc.dser.data() + off);
+              const auto seg = [&]<MapRole ROLE>() {
+                backward_segment<T, M, LY, ROLE>(
+                    s, static_cast<int>(D), trig.cos + trow, trig.sin + trow,
+                    plain ? nullptr : (key ? sc.ck.data() : sc.cq.data()) + off, stride,
+                    params ? xin[io] + row * D : nullptr, gy[io] + row * D,
+                    gx[io] ? gx[io] + row * D : nullptr, sc.dl.data() + off, sc.de.data() + off,
+                    sc.dser.data() + off);
+              };
+              if (key)
+                seg.template operator()<MapRole::PrimalTranspose>();
+              else
+                seg.template operator()<MapRole::Inverse>();
             }
             if (params)
               accumulate_param_grads<T, M>(s, h, static_cast<int>(NB), n, key, sc, a, slot);

@@ -1,7 +1,9 @@
-// Generic path of the transform kernels (any Jordan order, both layouts, float and double): the
-// per-segment maps of one token row with a tile's coefficient series, the transposed maps of the
-// backward input gradients, and the parameter-gradient reductions. Used wherever no fast path
-// (transform_fast.hpp) applies. Part of the per-ISA build (transform_isa.inc): internal header.
+// Generic path of the transform kernels (any Jordan order, both layouts, float and double): one
+// per-segment map template for the four roles A, A^{-T}, A^T, A^{-1} of one token row with a
+// tile's coefficient series (forward, backward input gradients, transform_apply), the fused
+// backward with the parameter gradients, and the parameter-gradient reductions. Used wherever no
+// fast path (transform_fast.hpp) applies. Part of the per-ISA build (transform_isa.inc): internal
+// header.
 #pragma once
 
 #ifndef RELPOS_ISA_NAMESPACE
@@ -12,65 +14,120 @@
 
 namespace relpos::kernels::RELPOS_ISA_NAMESPACE {
 
-// Forward of one segment on one token row for q and k, with the tile's series at token tt.
-// key:   y_r = e_k sum_{c>=r} c_{c-r}  R z_c      query: y_r = e_q sum_{c<=r} ic_{r-c} R z_c
-template <class T, int M, Layout LY>
-void forward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr, const T* ck,
-                     const T* cq, int stride, const T* q, const T* k, T* qo, T* ko) {
+// The four roles of a block map (MapRole, transform.hpp) as compile-time properties. A block of
+// order m acts as N (x) R: R the rotation by the trig table's angle on every complex slot, N the
+// m x m Toeplitz mixing of the slots - upper triangular in the key series ck for A, lower in the
+// query series cq for A^{-T} (Jordan-RoPE Prop. 1). N and R commute, so
+//   Primal          A      = N_k R        y_r = sum_{c>=r} ck_{c-r} (R x)_c
+//   Contragredient  A^{-T} = N_q R        y_r = sum_{c<=r} cq_{r-c} (R x)_c
+//   PrimalTranspose A^T    = N_k^T R^T    y_r = sum_{c<=r} ck_{r-c} (R^T x)_c
+//   Inverse         A^{-1} = N_q^T R^T    y_r = sum_{c>=r} cq_{c-r} (R^T x)_c
+// (as ggml's rope serves both directions with a sign: the transposes only flip sin and the
+// triangle).
+template <MapRole ROLE>
+struct RoleTraits {
+  static constexpr bool transposed = ROLE == MapRole::PrimalTranspose || ROLE == MapRole::Inverse;
+  static constexpr bool key_series = ROLE == MapRole::Primal || ROLE == MapRole::PrimalTranspose;
+  static constexpr bool upper = ROLE == MapRole::Primal || ROLE == MapRole::Inverse;
+};
+
+// z = R x (or R^T x when TRANSPOSED) of block b's M slots starting at pair j0.
+template <class T, int M, Layout LY, bool TRANSPOSED>
+[[gnu::always_inline]] inline void rotate_block(const T* x, int D, int j0, T c, T s, T* zr, T* zi) {
   using A = Addr<LY>;
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) {
+    const T xr = x[A::re(j0 + r, D)], xi = x[A::im(j0 + r, D)];
+    if constexpr (TRANSPOSED) {
+      zr[r] = xr * c + xi * s;
+      zi[r] = -xr * s + xi * c;
+    } else {
+      zr[r] = xr * c - xi * s;
+      zi[r] = xr * s + xi * c;
+    }
+  }
+}
+
+// y_r = sum_{c>=r} coef_{c-r} z_c (UPPER) or sum_{c<=r} coef_{r-c} z_c, coef_k at
+// coef[k * stride + b], stored to block b's M slots starting at pair j0.
+template <class T, int M, Layout LY, bool UPPER>
+[[gnu::always_inline]] inline void mix_block(const T* coef, int stride, int b, const T* zr,
+                                             const T* zi, int D, int j0, T* y) {
+  using A = Addr<LY>;
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) {
+    T ar = 0, ai = 0;
+#pragma GCC unroll 8
+    for (int c = 0; c < M; ++c) {
+      if (UPPER ? c < r : c > r) continue;
+      const T w = coef[(UPPER ? c - r : r - c) * stride + b];
+      ar += w * zr[c];
+      ai += w * zi[c];
+    }
+    y[A::re(j0 + r, D)] = ar;
+    y[A::im(j0 + r, D)] = ai;
+  }
+}
+
+// The map of one role on one segment of one token row, with the tile's series at that token
+// (coef: ck for the key-series roles, cq for the others; null for a plain rotation). In place is
+// fine: each block loads its slots before it stores them.
+template <class T, int M, Layout LY, MapRole ROLE>
+void map_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr, const T* coef,
+                 int stride, const T* x, T* y) {
+  using A = Addr<LY>;
+  using RT = RoleTraits<ROLE>;
   const T* cs = cosr + s.first_block;
   const T* sn = sinr + s.first_block;
   const int nb = s.blocks;
-  for (int io = 0; io < 2; ++io) {
-    const bool key = io == 1;
-    const T* x = key ? k : q;
-    T* y = key ? ko : qo;
-    if (!x) continue;
-    if (M == 1 && !ck) {  // plain rotation: the RoPE hot loop (in place is fine: no overlap)
+  if (M == 1 && !coef) {  // plain rotation: the RoPE hot loop (in place is fine: no overlap)
 #pragma GCC ivdep
-      for (int b = 0; b < nb; ++b) {
-        const int j = s.first_pair + b;
-        const T xr = x[A::re(j, D)], xi = x[A::im(j, D)];
+    for (int b = 0; b < nb; ++b) {
+      const int j = s.first_pair + b;
+      const T xr = x[A::re(j, D)], xi = x[A::im(j, D)];
+      if constexpr (RT::transposed) {
+        y[A::re(j, D)] = xr * cs[b] + xi * sn[b];
+        y[A::im(j, D)] = -xr * sn[b] + xi * cs[b];
+      } else {
         y[A::re(j, D)] = xr * cs[b] - xi * sn[b];
         y[A::im(j, D)] = xr * sn[b] + xi * cs[b];
       }
-      continue;
     }
-    const T* coef = key ? ck : cq;
-    // one fused pass per block: load the m slots, rotate, mix with the token's series, store.
-    // The slot loops are unrolled by hand (pragma) so that the block loop vectorises.
-    const auto block_loop = [&]<bool KEY>() {
-#pragma GCC ivdep
-      for (int b = 0; b < nb; ++b) {
-        const int j0 = s.first_pair + b * M;
-        T zr[M], zi[M];
-#pragma GCC unroll 8
-        for (int r = 0; r < M; ++r) {
-          const T xr = x[A::re(j0 + r, D)], xi = x[A::im(j0 + r, D)];
-          zr[r] = xr * cs[b] - xi * sn[b];
-          zi[r] = xr * sn[b] + xi * cs[b];
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < M; ++r) {
-          T ar = 0, ai = 0;
-#pragma GCC unroll 8
-          for (int c = 0; c < M; ++c) {
-            if (KEY ? c < r : c > r) continue;
-            const T w = coef[(KEY ? c - r : r - c) * stride + b];
-            ar += w * zr[c];
-            ai += w * zi[c];
-          }
-          y[A::re(j0 + r, D)] = ar;
-          y[A::im(j0 + r, D)] = ai;
-        }
-      }
-    };
-    if (key) {
-      block_loop.template operator()<true>();
-    } else {
-      block_loop.template operator()<false>();
-    }
+    return;
   }
+  // one fused pass per block: load the m slots, rotate, mix with the token's series, store.
+  // The slot loops are unrolled by hand (pragma) so that the block loop vectorises.
+#pragma GCC ivdep
+  for (int b = 0; b < nb; ++b) {
+    const int j0 = s.first_pair + b * M;
+    T zr[M], zi[M];
+    rotate_block<T, M, LY, RT::transposed>(x, D, j0, cs[b], sn[b], zr, zi);
+    mix_block<T, M, LY, RT::upper>(coef, stride, b, zr, zi, D, j0, y);
+  }
+}
+
+// Calls f.template operator()<ROLE>() with the role as a compile-time constant.
+template <class F>
+void dispatch_role(MapRole role, F&& f) {
+  switch (role) {
+    case MapRole::Primal:
+      return f.template operator()<MapRole::Primal>();
+    case MapRole::Contragredient:
+      return f.template operator()<MapRole::Contragredient>();
+    case MapRole::PrimalTranspose:
+      return f.template operator()<MapRole::PrimalTranspose>();
+    case MapRole::Inverse:
+      return f.template operator()<MapRole::Inverse>();
+  }
+}
+
+// Forward of one segment on one token row for q and k, with the tile's series at token tt:
+// A^{-T} on queries, A on keys.
+template <class T, int M, Layout LY>
+void forward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr, const T* ck,
+                     const T* cq, int stride, const T* q, const T* k, T* qo, T* ko) {
+  if (q) map_segment<T, M, LY, MapRole::Contragredient>(s, D, cosr, sinr, cq, stride, q, qo);
+  if (k) map_segment<T, M, LY, MapRole::Primal>(s, D, cosr, sinr, ck, stride, k, ko);
 }
 
 // Index of the parameter-gradient accumulators: [gamma | eta | alpha0 | gates rows] x (H*NB).
@@ -82,68 +139,45 @@ struct GradSlots {
   size_t gate(int k, size_t i) const { return (3 + k - 1) * hb + i; }
 };
 
-// Backward of one segment on one token row: input gradients by the transposed maps and, when
-// xin is given, dser'_k = sum_r <w_r, x_{r+k}> (key) or <w_r, x_{r-k}> (query) with w = R^T gy,
-// reduced with the scaled series coef = e * series into dl = sum_k coef_k dser'_k
-// (dL/dexponent) and de = sum_{k>=1} coef_{k-1} dser'_k (dL/deta up to +-u).
-template <class T, int M, Layout LY>
+// Backward of one segment on one token row, fused: the input gradient by the transposed map
+// (ROLE: PrimalTranspose for keys, Inverse for queries; into o when given) and, when xin is
+// given, dser'_k = sum_r <w_r, x_{r+k}> (key) or <w_r, x_{r-k}> (query) with w = R^T gy, reduced
+// with the scaled series coef = e * series into dl = sum_k coef_k dser'_k (dL/dexponent) and
+// de = sum_{k>=1} coef_{k-1} dser'_k (dL/deta up to +-u). w is rotated once for both.
+template <class T, int M, Layout LY, MapRole ROLE>
 void backward_segment(const SegmentDesc& s, int D, const T* cosr, const T* sinr, const T* coef,
-                      int stride, bool key, const T* x, const T* g, T* o, T* dl, T* de, T* dser) {
+                      int stride, const T* x, const T* g, T* o, T* dl, T* de, T* dser) {
+  static_assert(RoleTraits<ROLE>::transposed);
+  constexpr bool key = ROLE == MapRole::PrimalTranspose;
   using A = Addr<LY>;
+  if (!x || (M == 1 && !coef)) {  // input gradient only (a plain rotation has no parameters)
+    if (o) map_segment<T, M, LY, ROLE>(s, D, cosr, sinr, coef, stride, g, o);
+    return;
+  }
   const T* cs = cosr + s.first_block;
   const T* sn = sinr + s.first_block;
   const int nb = s.blocks;
-  if (M == 1 && !coef) {  // transpose of a rotation
-    if (!o) return;
-#pragma GCC ivdep
-    for (int b = 0; b < nb; ++b) {
-      const int j = s.first_pair + b;
-      const T gr = g[A::re(j, D)], gi = g[A::im(j, D)];
-      o[A::re(j, D)] = gr * cs[b] + gi * sn[b];
-      o[A::im(j, D)] = -gr * sn[b] + gi * cs[b];
-    }
-    return;
-  }
 #pragma GCC ivdep
   for (int b = 0; b < nb; ++b) {
     const int j0 = s.first_pair + b * M;
     T wr[M], wi[M];
-    for (int r = 0; r < M; ++r) {
-      const T gr = g[A::re(j0 + r, D)], gi = g[A::im(j0 + r, D)];
-      wr[r] = gr * cs[b] + gi * sn[b];
-      wi[r] = -gr * sn[b] + gi * cs[b];
-    }
-    if (o) {
-      for (int c = 0; c < M; ++c) {
-        T ar = 0, ai = 0;
-        if (key) {
-          for (int r = 0; r <= c; ++r)
-            ar += coef[(c - r) * stride + b] * wr[r], ai += coef[(c - r) * stride + b] * wi[r];
-        } else {
-          for (int r = c; r < M; ++r)
-            ar += coef[(r - c) * stride + b] * wr[r], ai += coef[(r - c) * stride + b] * wi[r];
-        }
-        o[A::re(j0 + c, D)] = ar;
-        o[A::im(j0 + c, D)] = ai;
+    rotate_block<T, M, LY, true>(g, D, j0, cs[b], sn[b], wr, wi);
+    if (o) mix_block<T, M, LY, RoleTraits<ROLE>::upper>(coef, stride, b, wr, wi, D, j0, o);
+    T xr[M], xi[M];
+    for (int c = 0; c < M; ++c) xr[c] = x[A::re(j0 + c, D)], xi[c] = x[A::im(j0 + c, D)];
+    T dlb = 0, deb = 0;
+    for (int kk = 0; kk < M; ++kk) {
+      T d = 0;
+      for (int r = 0; r < M; ++r) {
+        const int c = key ? r + kk : r - kk;
+        if (c >= 0 && c < M) d += wr[r] * xr[c] + wi[r] * xi[c];
       }
+      dser[kk * stride + b] = d;
+      dlb += coef[kk * stride + b] * d;
+      if (kk >= 1) deb += coef[(kk - 1) * stride + b] * d;
     }
-    if (x) {
-      T xr[M], xi[M];
-      for (int c = 0; c < M; ++c) xr[c] = x[A::re(j0 + c, D)], xi[c] = x[A::im(j0 + c, D)];
-      T dlb = 0, deb = 0;
-      for (int kk = 0; kk < M; ++kk) {
-        T d = 0;
-        for (int r = 0; r < M; ++r) {
-          const int c = key ? r + kk : r - kk;
-          if (c >= 0 && c < M) d += wr[r] * xr[c] + wi[r] * xi[c];
-        }
-        dser[kk * stride + b] = d;
-        dlb += coef[kk * stride + b] * d;
-        if (kk >= 1) deb += coef[(kk - 1) * stride + b] * d;
-      }
-      dl[b] = dlb;
-      de[b] = deb;
-    }
+    dl[b] = dlb;
+    de[b] = deb;
   }
 }
 
