@@ -46,23 +46,17 @@ struct Positions {
   double at(int64_t b, int64_t t, int64_t T) const { return data[per_batch ? b * T + t : t] - center; }
 };
 
-// Per-head, per-block parameters (see ParamValues for the layout); unused ones may be null.
+// Per-head, per-block parameters (the set and layout of core's BlockParamSet / ParamValues);
+// unused ones may be null.
 template <class T>
-struct Params {
-  const T* gamma = nullptr;
-  const T* eta = nullptr;
-  const T* gates = nullptr;  // [gate_rows, H, NB]
-  const T* alpha0 = nullptr;
-};
+using Params = BlockParamSet<const T*>;
 // Gradient outputs, accumulated (+=) in place; null entries are not computed.
 template <class T>
-struct ParamGrads {
-  T* gamma = nullptr;
-  T* eta = nullptr;
-  T* gates = nullptr;
-  T* alpha0 = nullptr;
-  bool any() const { return gamma || eta || gates || alpha0; }
-};
+using ParamGrads = BlockParamSet<T*>;
+template <class T>
+bool any(const ParamGrads<T>& g) {
+  return g.gamma || g.eta || g.gates || g.alpha0;
+}
 
 // cos/sin of the angle -omega_b (p - c0) for every (row of positions, block): computed once per
 // call in float64 with a compensated product (so long positions keep their phase), stored as T.

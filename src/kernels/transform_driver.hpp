@@ -200,7 +200,7 @@ template <class T, Layout LY>
 void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
                    TrigView<T> trig, const T* q, const T* k, const T* gqo, const T* gko, T* gq,
                    T* gk, const ParamGrads<T>& G) {
-  if (!G.any()) {  // input gradients only: A^{-1} on queries, A^T on keys, the maps' tile loop
+  if (!any(G)) {  // input gradients only: A^{-1} on queries, A^T on keys, the maps' tile loop
     MapJob<T> jobs[2];
     int nj = 0;
     if (gqo && gq) jobs[nj++] = {MapRole::Inverse, gqo, gq};
@@ -212,7 +212,7 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
   const int covered = covered_pairs(plan);
   const Tiling tiling(dims);
   const GradSlots slot{static_cast<size_t>(dims.H * NB)};
-  const size_t nacc = G.any() ? (3 + plan.gate_rows) * slot.hb : 0;
+  const size_t nacc = any(G) ? (3 + plan.gate_rows) * slot.hb : 0;
   std::vector<std::vector<double>> acc(static_cast<size_t>(omp_get_max_threads()));
   const T* xin[2] = {q, k};
   const T* gy[2] = {gqo, gko};
