@@ -18,9 +18,9 @@
 namespace relpos::kernels::RELPOS_ISA_NAMESPACE {
 
 // Asks for every cache line of the rows kAhead tokens ahead in the given tensors: on the
-// development VM the hardware prefetchers alone leave the kernels far from memory speed (Jordan
-// m = 2 forward at T = 8192: 1.55 -> 1.13 ms; every line has to be asked for, every second one
-// is not enough). Addresses are formed as integers: the last rows reach past a tensor.
+// development VM the hardware prefetchers alone leave the kernels far from memory speed (figures
+// in docs/performance.md; every line has to be asked for, every second one is not enough).
+// Addresses are formed as integers: the last rows reach past a tensor.
 class RowPrefetcher {
  public:
   static constexpr int kAhead = 8;
