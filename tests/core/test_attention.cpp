@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/types.hpp"
 #include "kernels/attention/attention.hpp"
 #include "test_util.hpp"
 
@@ -251,6 +252,39 @@ std::vector<Case> random_cases() {
 }
 
 }  // namespace
+
+// Lag table index: nearest integer, clamped to the table (negative lags to entry 0).
+TEST(AttentionKernel, LagIndexRoundsAndClamps) {
+  EXPECT_EQ(attention_lag_index(0.0, 5), 0);
+  EXPECT_EQ(attention_lag_index(2.0, 5), 2);
+  EXPECT_EQ(attention_lag_index(2.4, 5), 2);
+  EXPECT_EQ(attention_lag_index(2.6, 5), 3);
+  EXPECT_EQ(attention_lag_index(4.0, 5), 4);
+  EXPECT_EQ(attention_lag_index(1e9, 5), 4);
+  EXPECT_EQ(attention_lag_index(-3.0, 5), 0);
+  EXPECT_EQ(attention_lag_index(7.0, 1), 0);
+}
+
+// Bad arguments are input errors, before any work.
+TEST(AttentionKernel, RejectsBadArguments) {
+  std::vector<float> x(64, 0.0f), out(64), lse(8);
+  AttentionDims d{1, 3, 2, 2, 2, 4};  // 2 key heads do not divide 3 query heads
+  EXPECT_THROW(
+      attention_forward<float>(d, x.data(), x.data(), x.data(), {}, {}, {}, out.data(), lse.data()),
+      InputError);
+  d = {1, 2, 1, 2, 2, 4};
+  AttentionBias<float> bias;
+  bias.lag_table = x.data();  // lag_len 0
+  EXPECT_THROW(attention_forward<float>(d, x.data(), x.data(), x.data(), {}, bias, {}, out.data(),
+                                        lse.data()),
+               InputError);
+  std::vector<double> c(8, 0.0);
+  AttentionBias<float> half;
+  half.cq = c.data();  // ck missing
+  EXPECT_THROW(attention_forward<float>(d, x.data(), x.data(), x.data(), {}, half, {}, out.data(),
+                                        lse.data()),
+               InputError);
+}
 
 TEST(AttentionKernel, FloatMatchesReference) {
   std::mt19937_64 rng(1);
