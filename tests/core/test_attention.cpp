@@ -456,23 +456,34 @@ TEST(AttentionKernel, DecodeMatchesLastRowOfFullForward) {
   }
 }
 
-// Timing at B=1, H=8, T=4096, D=64, float, causal (not run by default):
-//   relpos_core_tests --gtest_filter='*AttentionTiming*' --gtest_also_run_disabled_tests
-TEST(AttentionKernel, DISABLED_AttentionTiming) {
+// One timing line of DISABLED_AttentionTiming.
+static void time_attention(bool biases) {
   std::mt19937_64 rng(7);
   Case c;
   c.d = {1, 8, 8, 4096, 4096, 64};
+  c.lag = c.slopes = c.tokens = biases;
   const Data x = make_data(c, rng);
   const auto q = cast<float>(x.q), k = cast<float>(x.k), v = cast<float>(x.v),
              dout = cast<float>(x.dout);
   std::vector<float> out(x.nq()), lse(x.rows()), dq(x.nq()), dk(x.nk()), dv(x.nk());
+  const auto lag = cast<float>(x.lag), slopes = cast<float>(x.slopes);
+  std::vector<float> glag(lag.size()), gslopes(slopes.size());
+  std::vector<double> gcq(x.cq.size()), gck(x.ck.size());
+  AttentionBias<float> bias;
+  AttentionBiasGrads<float> grads;
+  if (biases) {
+    bias = {lag.data(), static_cast<int64_t>(lag.size()) / c.d.Hq, slopes.data(), x.cq.data(),
+            x.ck.data()};
+    grads = {glag.data(), gslopes.data(), gcq.data(), gck.data()};
+  }
   using clock = std::chrono::steady_clock;
   auto fwd = [&] {
-    attention_forward<float>(c.d, q.data(), k.data(), v.data(), {}, {}, {}, out.data(), lse.data());
+    attention_forward<float>(c.d, q.data(), k.data(), v.data(), {}, bias, {}, out.data(),
+                             lse.data());
   };
   auto bwd = [&] {
-    attention_backward<float>(c.d, q.data(), k.data(), v.data(), {}, {}, {}, dout.data(),
-                              out.data(), lse.data(), dq.data(), dk.data(), dv.data(), {});
+    attention_backward<float>(c.d, q.data(), k.data(), v.data(), {}, bias, {}, dout.data(),
+                              out.data(), lse.data(), dq.data(), dk.data(), dv.data(), grads);
   };
   // best of 5, wall clock and process CPU time: the development VM is shared, and its load
   // shows in the wall clock alone
@@ -500,11 +511,18 @@ TEST(AttentionKernel, DISABLED_AttentionTiming) {
   const double flops = 8.0 * 4.0 * 4096.0 * 4096.0 * 64.0 / 2.0;  // causal forward, 8 heads
   const int threads = omp_get_max_threads();
   std::printf(
-      "attention B=1 H=8 T=4096 D=64 fp32 causal (%s, %d threads): forward %.1f ms wall "
+      "attention B=1 H=8 T=4096 D=64 fp32 causal%s (%s, %d threads): forward %.1f ms wall "
       "(%.1f GFLOP/s), %.1f ms CPU (%.1f GFLOP/s per core); backward %.1f ms wall, %.1f ms CPU; "
       "forward+backward %.1f ms wall (%.1f GFLOP/s counting 3.5x the forward flops), %.1f ms "
       "CPU (%.1f GFLOP/s per core)\n",
-      kernel_isa(), threads, tf * 1e3, flops / tf * 1e-9, cf * 1e3, flops / cf * 1e-9, tb * 1e3,
-      cb * 1e3, (tf + tb) * 1e3, 3.5 * flops / (tf + tb) * 1e-9, (cf + cb) * 1e3,
-      3.5 * flops / (cf + cb) * 1e-9);
+      biases ? " + lag table, slopes, per-token biases" : "", kernel_isa(), threads, tf * 1e3,
+      flops / tf * 1e-9, cf * 1e3, flops / cf * 1e-9, tb * 1e3, cb * 1e3, (tf + tb) * 1e3,
+      3.5 * flops / (tf + tb) * 1e-9, (cf + cb) * 1e3, 3.5 * flops / (cf + cb) * 1e-9);
+}
+
+// Timings at B=1, H=8, T=4096, D=64, float, causal, without and with every bias (not run by
+// default): relpos_core_tests --gtest_filter='*AttentionTiming*' --gtest_also_run_disabled_tests
+TEST(AttentionKernel, DISABLED_AttentionTiming) {
+  time_attention(false);
+  time_attention(true);
 }

@@ -38,8 +38,9 @@ void check(const AttentionDims& d, const AttentionBias<T>& bias, const Attention
   if (d.Hq % d.Hk)
     throw InputError("attention: key/value heads (" + std::to_string(d.Hk) +
                      ") must divide query heads (" + std::to_string(d.Hq) + ")");
-  if (bias.lag_table && bias.lag_len < 1)
-    throw InputError("attention: a lag table needs lag_len >= 1");
+  const int64_t lag_len = bias.lag_len, max_lag_len = (int64_t{1} << 31) - 1;
+  if (bias.lag_table && (lag_len < 1 || lag_len > max_lag_len))
+    throw InputError("attention: a lag table needs 1 <= lag_len < 2^31");
   if (static_cast<bool>(bias.cq) != static_cast<bool>(bias.ck))
     throw InputError("attention: per-token biases need both cq and ck");
   if (!(o.window >= 0)) throw InputError("attention: window must be >= 0");

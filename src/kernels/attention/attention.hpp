@@ -17,6 +17,7 @@
 // output, lse = -inf, and zero gradients (never NaN).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -86,11 +87,11 @@ struct AttentionBiasGrads {
   bool any() const { return lag_table || slopes || cq || ck; }
 };
 
-// Lag table index of the lag d = p_q - p_k (shared by the kernels and the reference).
+// Lag table index of the lag d = p_q - p_k: floor(d + 1/2) clamped to [0, lag_len - 1] (the
+// truncation is a floor once clamped to >= 0; a NaN lag gives 0). Branch-free, as the kernels'
+// vectorised copy of it. lag_len < 2^31.
 inline int64_t attention_lag_index(double d, int64_t lag_len) {
-  const double r = std::floor(d + 0.5);
-  if (!(r > 0)) return 0;
-  return r >= static_cast<double>(lag_len - 1) ? lag_len - 1 : static_cast<int64_t>(r);
+  return static_cast<int32_t>(std::min(std::max(0.0, d + 0.5), static_cast<double>(lag_len - 1)));
 }
 
 // out = softmax(logits) v per query row; lse [B, Hq, Tq] = log-sum-exp of the visible logits
