@@ -1,0 +1,195 @@
+// Public wrappers of the attention kernels (argument checks, ISA dispatch) and the float64
+// references.
+#include "kernels/attention/attention.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/types.hpp"
+#include "kernels/isa.hpp"
+
+namespace relpos::kernels {
+
+// Declarations of the per-ISA builds (attention_isa.inc).
+#define RELPOS_DECLARE_ISA(NS)                                                               \
+  namespace NS {                                                                             \
+  template <class T>                                                                         \
+  void attention_forward(const AttentionDims&, const T*, const T*, const T*,                 \
+                         const AttentionPositions&, const AttentionBias<T>&,                 \
+                         const AttentionOptions&, T*, T*);                                   \
+  template <class T>                                                                         \
+  void attention_backward(const AttentionDims&, const T*, const T*, const T*,                \
+                          const AttentionPositions&, const AttentionBias<T>&,                \
+                          const AttentionOptions&, const T*, const T*, const T*, T*, T*, T*, \
+                          const AttentionBiasGrads<T>&);                                     \
+  }
+RELPOS_ISA_FOR_EACH(RELPOS_DECLARE_ISA)
+#undef RELPOS_DECLARE_ISA
+
+namespace {
+
+template <class T>
+void check(const AttentionDims& d, const AttentionBias<T>& bias, const AttentionOptions& o) {
+  if (d.B < 1 || d.Hq < 1 || d.Hk < 1 || d.Tq < 1 || d.Tk < 1 || d.D < 1)
+    throw InputError("attention: every dimension must be positive");
+  if (d.Hq % d.Hk)
+    throw InputError("attention: key/value heads (" + std::to_string(d.Hk) +
+                     ") must divide query heads (" + std::to_string(d.Hq) + ")");
+  const int64_t lag_len = bias.lag_len, max_lag_len = (int64_t{1} << 31) - 1;
+  if (bias.lag_table && (lag_len < 1 || lag_len > max_lag_len))
+    throw InputError("attention: a lag table needs 1 <= lag_len < 2^31");
+  if (static_cast<bool>(bias.cq) != static_cast<bool>(bias.ck))
+    throw InputError("attention: per-token biases need both cq and ck");
+  if (!(o.window >= 0)) throw InputError("attention: window must be >= 0");
+  if (!(o.scale >= 0)) throw InputError("attention: scale must be >= 0 (0: 1/sqrt(D))");
+}
+
+// Row r's logits against every key (-inf where not visible); returns whether any is visible.
+bool reference_logits(const AttentionDims& d, const double* q, const double* k,
+                      const AttentionPositions& pos, const AttentionBias<double>& bias,
+                      const AttentionOptions& o, int64_t b, int64_t h, int64_t i,
+                      std::vector<double>& s) {
+  const int64_t hk = h / (d.Hq / d.Hk);
+  const double scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(d.D));
+  const int64_t kl = o.key_len ? std::clamp<int64_t>(o.key_len[b], 0, d.Tk) : d.Tk;
+  const double* qi = q + ((b * d.Hq + h) * d.Tq + i) * d.D;
+  const double pq = pos.query(b, i, d.Tq, d.Tk);
+  bool any = false;
+  s.assign(static_cast<size_t>(d.Tk), -std::numeric_limits<double>::infinity());
+  for (int64_t j = 0; j < kl; ++j) {
+    const double pk = pos.key(b, j, d.Tk);
+    if (o.causal && !(pk <= pq)) continue;
+    if (o.window > 0 && !(pq - pk < o.window)) continue;
+    const double* kj = k + ((b * d.Hk + hk) * d.Tk + j) * d.D;
+    double x = 0;
+    for (int64_t e = 0; e < d.D; ++e) x += qi[e] * kj[e];
+    x *= scale;
+    if (bias.lag_table)
+      x += bias.lag_table[h * bias.lag_len + attention_lag_index(pq - pk, bias.lag_len)];
+    if (bias.slopes) x -= bias.slopes[h] * (pq - pk);
+    if (bias.cq) x += bias.cq[(b * d.Hq + h) * d.Tq + i] - bias.ck[(b * d.Hq + h) * d.Tk + j];
+    s[j] = x;
+    any = true;
+  }
+  return any;
+}
+
+}  // namespace
+
+template <class T>
+void attention_forward(const AttentionDims& dims, const T* q, const T* k, const T* v,
+                       const AttentionPositions& pos, const AttentionBias<T>& bias,
+                       const AttentionOptions& options, T* out, T* lse) {
+  check(dims, bias, options);
+  RELPOS_ISA_DISPATCH(attention_forward<T>, dims, q, k, v, pos, bias, options, out, lse);
+}
+
+template <class T>
+void attention_backward(const AttentionDims& dims, const T* q, const T* k, const T* v,
+                        const AttentionPositions& pos, const AttentionBias<T>& bias,
+                        const AttentionOptions& options, const T* dout, const T* out, const T* lse,
+                        T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads) {
+  check(dims, bias, options);
+  if (!dout || !out || !lse) throw InputError("attention backward needs dout, out and lse");
+  if (grads.lag_table && !bias.lag_table)
+    throw InputError("attention: a lag table gradient needs the lag table");
+  if (grads.slopes && !bias.slopes) throw InputError("attention: a slope gradient needs slopes");
+  if ((grads.cq || grads.ck) && !bias.cq)
+    throw InputError("attention: per-token gradients need the per-token biases");
+  RELPOS_ISA_DISPATCH(attention_backward<T>, dims, q, k, v, pos, bias, options, dout, out, lse, dq,
+                      dk, dv, grads);
+}
+
+#define RELPOS_INSTANTIATE(T)                                                                    \
+  template void attention_forward<T>(const AttentionDims&, const T*, const T*, const T*,         \
+                                     const AttentionPositions&, const AttentionBias<T>&,         \
+                                     const AttentionOptions&, T*, T*);                           \
+  template void attention_backward<T>(const AttentionDims&, const T*, const T*, const T*,        \
+                                      const AttentionPositions&, const AttentionBias<T>&,        \
+                                      const AttentionOptions&, const T*, const T*, const T*, T*, \
+                                      T*, T*, const AttentionBiasGrads<T>&);
+RELPOS_INSTANTIATE(float)
+RELPOS_INSTANTIATE(double)
+#undef RELPOS_INSTANTIATE
+
+void attention_reference(const AttentionDims& d, const double* q, const double* k, const double* v,
+                         const AttentionPositions& pos, const AttentionBias<double>& bias,
+                         const AttentionOptions& o, double* out, double* lse) {
+  check(d, bias, o);
+  std::vector<double> s;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.Hq; ++h)
+      for (int64_t i = 0; i < d.Tq; ++i) {
+        const int64_t row = (b * d.Hq + h) * d.Tq + i, hk = h / (d.Hq / d.Hk);
+        double* oi = out + row * d.D;
+        std::fill(oi, oi + d.D, 0.0);
+        if (!reference_logits(d, q, k, pos, bias, o, b, h, i, s)) {
+          if (lse) lse[row] = -std::numeric_limits<double>::infinity();
+          continue;
+        }
+        const double m = *std::max_element(s.begin(), s.end());
+        double sum = 0;
+        for (auto& x : s) sum += (x = std::exp(x - m));
+        for (int64_t j = 0; j < d.Tk; ++j) {
+          const double* vj = v + ((b * d.Hk + hk) * d.Tk + j) * d.D;
+          for (int64_t e = 0; e < d.D; ++e) oi[e] += s[j] / sum * vj[e];
+        }
+        if (lse) lse[row] = m + std::log(sum);
+      }
+}
+
+void attention_reference_backward(const AttentionDims& d, const double* q, const double* k,
+                                  const double* v, const AttentionPositions& pos,
+                                  const AttentionBias<double>& bias, const AttentionOptions& o,
+                                  const double* dout, double* dq, double* dk, double* dv,
+                                  const AttentionBiasGrads<double>& g) {
+  check(d, bias, o);
+  const double scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(d.D));
+  const size_t nq = static_cast<size_t>(d.B * d.Hq * d.Tq * d.D);
+  const size_t nk = static_cast<size_t>(d.B * d.Hk * d.Tk * d.D);
+  if (dq) std::fill(dq, dq + nq, 0.0);
+  if (dk) std::fill(dk, dk + nk, 0.0);
+  if (dv) std::fill(dv, dv + nk, 0.0);
+  std::vector<double> s, dp;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.Hq; ++h)
+      for (int64_t i = 0; i < d.Tq; ++i) {
+        if (!reference_logits(d, q, k, pos, bias, o, b, h, i, s)) continue;
+        const int64_t row = (b * d.Hq + h) * d.Tq + i, hk = h / (d.Hq / d.Hk);
+        const double m = *std::max_element(s.begin(), s.end());
+        double sum = 0;
+        for (auto& x : s) sum += (x = std::exp(x - m));
+        for (auto& x : s) x /= sum;  // probabilities p_j
+        // dL/dlogit_j = p_j (dp_j - sum_l p_l dp_l), dp_j = dout_i . v_j (softmax Jacobian)
+        dp.assign(static_cast<size_t>(d.Tk), 0.0);
+        double mean = 0;
+        const double* go = dout + row * d.D;
+        for (int64_t j = 0; j < d.Tk; ++j) {
+          const double* vj = v + ((b * d.Hk + hk) * d.Tk + j) * d.D;
+          for (int64_t e = 0; e < d.D; ++e) dp[j] += go[e] * vj[e];
+          mean += s[j] * dp[j];
+        }
+        const double pq = pos.query(b, i, d.Tq, d.Tk);
+        for (int64_t j = 0; j < d.Tk; ++j) {
+          if (s[j] == 0) continue;
+          const double ds = s[j] * (dp[j] - mean);
+          const int64_t kr = ((b * d.Hk + hk) * d.Tk + j) * d.D;
+          for (int64_t e = 0; e < d.D; ++e) {
+            if (dq) dq[row * d.D + e] += scale * ds * k[kr + e];
+            if (dk) dk[kr + e] += scale * ds * q[row * d.D + e];
+            if (dv) dv[kr + e] += s[j] * go[e];
+          }
+          const double lag = pq - pos.key(b, j, d.Tk);
+          if (g.lag_table)
+            g.lag_table[h * bias.lag_len + attention_lag_index(lag, bias.lag_len)] += ds;
+          if (g.slopes) g.slopes[h] -= ds * lag;
+          if (g.cq) g.cq[row] += ds;
+          if (g.ck) g.ck[(b * d.Hq + h) * d.Tk + j] -= ds;
+        }
+      }
+}
+
+}  // namespace relpos::kernels

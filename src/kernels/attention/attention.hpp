@@ -1,0 +1,124 @@
+// Fused softmax attention on the CPU, forward and backward, with the additive logit biases of
+// DESIGN.md section 1 (B) computed inside the kernel (never a T x T tensor). The FlashAttention-2
+// scheme: the forward walks key tiles with an online softmax and keeps per-row log-sum-exp; the
+// backward recomputes the probabilities from it. No LibTorch: an inference engine can take this
+// file alone.
+//
+// Layout: q, out, dout, dq [B, Hq, Tq, D]; k, v, dk, dv [B, Hk, Tk, D] (contiguous); lse
+// [B, Hq, Tq]. Grouped-query attention: Hk divides Hq, query head h reads key/value head
+// h / (Hq / Hk). float (fp32 accumulation) and double (for tests) instantiations; AVX2 and
+// AVX-512 builds chosen at run time (kernels/isa.hpp); OpenMP threads over batch x heads x tiles.
+//
+// Visibility, on the position ids (float64): key j is visible to query i iff
+//   j < key_len[b]                          (key padding; all keys when key_len is null)
+//   and p_k[j] <= p_q[i]                    (causal only)
+//   and p_q[i] - p_k[j] < window            (window > 0 only; also applies when non-causal)
+// logit(i, j) = scale * q_i . k_j + bias(i, j). A query row with no visible key gets a zero
+// output, lse = -inf, and zero gradients (never NaN).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace relpos::kernels {
+
+struct AttentionDims {
+  int64_t B = 1, Hq = 1, Hk = 1, Tq = 1, Tk = 1, D = 1;
+};
+
+// Position ids, float64 (integers, offsets, gaps or real values; not necessarily sorted).
+// q: [Tq] (or [B, Tq] when per_batch); null means Tk - Tq + i (queries are the last Tq
+// positions of the key range: the decode convention). k: [Tk] (or [B, Tk]); null means j.
+struct AttentionPositions {
+  const double* q = nullptr;
+  const double* k = nullptr;
+  bool per_batch = false;
+  double query(int64_t b, int64_t i, int64_t Tq, int64_t Tk) const {
+    return q ? q[per_batch ? b * Tq + i : i] : static_cast<double>(Tk - Tq + i);
+  }
+  double key(int64_t b, int64_t j, int64_t Tk) const {
+    return k ? k[per_batch ? b * Tk + j : j] : static_cast<double>(j);
+  }
+};
+
+struct AttentionOptions {
+  bool causal = true;
+  double window = 0.0;               // > 0: sliding window (see above); 0: none
+  const int64_t* key_len = nullptr;  // [B] valid keys per batch (clamped to [0, Tk]); null: Tk
+  double scale = 0.0;                // softmax scale; 0 means 1 / sqrt(D)
+};
+
+// Additive logit biases; every part optional (null), all of them summed:
+//   lag table   + lag_table[h][idx(p_q[i] - p_k[j])], table [Hq, lag_len] (ALiBi, learned lag
+//               kernels). idx = attention_lag_index: the lag rounded to the nearest integer
+//               and clamped to [0, lag_len - 1]: lags beyond the table use its last entry, and
+//               negative lags (non-causal attention) its first.
+//   slopes      - slopes[h] * (p_q[i] - p_k[j]), [Hq], on the real positions (ALiBi slope form).
+//   per-token   + cq[b, h, i] - ck[b, h, j], [B, Hq, Tq] and [B, Hq, Tk] (FoX forget gates as
+//               cumulative log-sums, GRAPE-A gates; FoX passes the same cumulative sums twice).
+//               float64 in both instantiations, and the kernel subtracts in float64 before
+//               rounding to T: a cumulative sum that grows to 1e5 keeps |c_i - c_j| exact to
+//               float64 rounding, where fp32 inputs alone would already lose ~1e-2 of it.
+//   path integrals sum_{l=j+1..i} psi_h(i, l) (GRAPE-AP): not yet; the key-tile loop walks
+//               from the diagonal toward the past so that a later issue can carry a per-row
+//               running suffix sum (see the hook in attention_isa.inc).
+// All per-head arrays are indexed by the query head.
+template <class T>
+struct AttentionBias {
+  const T* lag_table = nullptr;
+  int64_t lag_len = 0;
+  const T* slopes = nullptr;
+  const double* cq = nullptr;
+  const double* ck = nullptr;
+  bool any() const { return lag_table || slopes || cq || ck; }
+};
+
+// Gradients of the bias parameters, accumulated (+=) in place, as the transform ParamGrads;
+// null entries are not computed. lag_table[h][d] gets the sum of dL/dlogit over the pairs whose
+// (clamped) lag index is d; slopes[h] gets -sum dL/dlogit (p_q - p_k); cq[b,h,i] the row sums
+// and ck[b,h,j] minus the column sums of dL/dlogit.
+template <class T>
+struct AttentionBiasGrads {
+  T* lag_table = nullptr;
+  T* slopes = nullptr;
+  double* cq = nullptr;
+  double* ck = nullptr;
+  bool any() const { return lag_table || slopes || cq || ck; }
+};
+
+// Lag table index of the lag d = p_q - p_k: floor(d + 1/2) clamped to [0, lag_len - 1] (the
+// truncation is a floor once clamped to >= 0; a NaN lag gives 0). Branch-free, as the kernels'
+// vectorised copy of it. lag_len < 2^31.
+inline int64_t attention_lag_index(double d, int64_t lag_len) {
+  return static_cast<int32_t>(std::min(std::max(0.0, d + 0.5), static_cast<double>(lag_len - 1)));
+}
+
+// out = softmax(logits) v per query row; lse [B, Hq, Tq] = log-sum-exp of the visible logits
+// (-inf for a row without visible keys), kept for the backward. lse may be null.
+template <class T>
+void attention_forward(const AttentionDims& dims, const T* q, const T* k, const T* v,
+                       const AttentionPositions& pos, const AttentionBias<T>& bias,
+                       const AttentionOptions& options, T* out, T* lse);
+
+// Gradients from dout = dL/dout, given the forward's out and lse: dq, dk, dv are written
+// (overwritten; any may be null), the bias gradients accumulated (see AttentionBiasGrads).
+template <class T>
+void attention_backward(const AttentionDims& dims, const T* q, const T* k, const T* v,
+                        const AttentionPositions& pos, const AttentionBias<T>& bias,
+                        const AttentionOptions& options, const T* dout, const T* out, const T* lse,
+                        T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads);
+
+// Plain float64 references straight from the definition (materialised logits per row, one
+// thread): for the tests. Same arguments and conventions as the kernels; lse may be null.
+void attention_reference(const AttentionDims& dims, const double* q, const double* k,
+                         const double* v, const AttentionPositions& pos,
+                         const AttentionBias<double>& bias, const AttentionOptions& options,
+                         double* out, double* lse);
+void attention_reference_backward(const AttentionDims& dims, const double* q, const double* k,
+                                  const double* v, const AttentionPositions& pos,
+                                  const AttentionBias<double>& bias,
+                                  const AttentionOptions& options, const double* dout, double* dq,
+                                  double* dk, double* dv, const AttentionBiasGrads<double>& grads);
+
+}  // namespace relpos::kernels
