@@ -9,24 +9,26 @@ relpos=$(realpath "$1"); close=$(realpath "$2"); mode=${3:-check}
 dir=$(cd "$(dirname "$0")" && pwd)/golden
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 fail=0
-run() { # name rtol atol command...
-  local name=$1 rtol=$2 atol=$3; shift 3
+run() { # name rtol atol loose command...   (loose: KEY=VALUE:RTOL or -)
+  local name=$1 rtol=$2 atol=$3 loose=$4; shift 4
+  local extra=(); [ "$loose" = - ] || extra=(--loose "$loose")
   local rc=0
   "$@" > "$tmp/$name.json" 2> "$tmp/$name.err" || rc=$?
   # verify exits 1 when a row fails; the golden file records that too
   if [ $rc -gt 1 ]; then echo "FAIL: $name: exit $rc: $(head -c 500 "$tmp/$name.err")"; fail=1; return; fi
   if [ "$mode" = --record ]; then cp "$tmp/$name.json" "$dir/$name.json"; echo "recorded $name"; return; fi
-  if "$close" "$dir/$name.json" "$tmp/$name.json" --rtol "$rtol" --atol "$atol" > "$tmp/$name.diff"; then
+  if "$close" "$dir/$name.json" "$tmp/$name.json" --rtol "$rtol" --atol "$atol" "${extra[@]}" > "$tmp/$name.diff"; then
     echo "ok: $name"
   else
     echo "FAIL: $name differs from tests/golden/$name.json:"; head -25 "$tmp/$name.diff"; fail=1
   fi
 }
-run probe-all 1e-12 0 "$relpos" probe --suite all --format json
-run reproduce-jordan-basis 1e-12 0 "$relpos" reproduce jordan-basis --format json
-run reproduce-jordan-basis-f32 1e-6 1e-9 "$relpos" reproduce jordan-basis --dtype f32 --format json
-# verify's residuals are rounding-level numbers (1e-16 .. 1e-7) that depend on the kernel build:
-# statuses and strings must match exactly, numbers to 1e-6 relative or 1e-9 absolute
-run verify-default 1e-6 1e-9 "$relpos" verify --format json
-run verify-composed 1e-6 1e-9 "$relpos" verify --format json --len 4096 --positions 24 --enc "rope + alibi" --enc "damped_rope(gamma0=10, max_exp=700)" --enc "jordan(m=8, regime=raw, zero_gamma=true, eta0=0.09)"
+run probe-all 1e-12 0 - "$relpos" probe --suite all --format json
+run reproduce-jordan-basis 1e-12 0 - "$relpos" reproduce jordan-basis --format json
+run reproduce-jordan-basis-f32 1e-6 1e-9 - "$relpos" reproduce jordan-basis --dtype f32 --format json
+# verify's residuals are rounding-level numbers (1e-16 .. 1e-7) that depend on the kernel build
+# (ISA, -O2 / -O3 contraction): statuses and strings must match exactly, float64 rows' numbers to
+# 1e-6 relative or 1e-9 absolute, float32 rows' (the rounding noise of float) to a factor 2
+run verify-default 1e-6 1e-9 dtype=f32:0.5 "$relpos" verify --format json
+run verify-composed 1e-6 1e-9 dtype=f32:0.5 "$relpos" verify --format json --len 4096 --positions 24 --enc "rope + alibi" --enc "damped_rope(gamma0=10, max_exp=700)" --enc "jordan(m=8, regime=raw, zero_gamma=true, eta0=0.09)"
 exit $fail
