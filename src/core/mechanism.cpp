@@ -158,6 +158,25 @@ double Mechanism::window_center(double pmin, double pmax) const {
   return resolve_center(pmin, pmax);
 }
 
+std::vector<double> slot_values(const ParamValues& p, BlockParam slot) {
+  switch (slot) {
+    case BlockParam::Gamma:
+      return p.gamma;
+    case BlockParam::Eta:
+      return p.eta;
+    case BlockParam::Gates:
+      return p.gates;
+    case BlockParam::Alpha0:
+      return p.alpha0;
+    case BlockParam::Spectrum: {
+      std::vector<double> v = p.alpha0;
+      v.insert(v.end(), p.gates.begin(), p.gates.end());
+      return v;
+    }
+  }
+  return {};
+}
+
 ParamValues default_params(const Mechanism& m) {
   ParamValues p;
   p.heads = m.heads;

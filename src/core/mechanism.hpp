@@ -190,6 +190,8 @@ struct ParamValues : BlockParamSet<std::vector<double>> {
 };
 
 ParamValues default_params(const Mechanism& m);
+// The values of one schema slot, row-major in its ParamSpec shape (a spectrum: alpha0 then gates).
+std::vector<double> slot_values(const ParamValues& p, BlockParam slot);
 // Random draw inside the documented ranges (gamma in [gamma_min, gamma_random_max],
 // eta in [-eta_max, eta_max], gates in [-gate_max, gate_max], spectra on the simplex).
 ParamValues random_params(const Mechanism& m, std::mt19937_64& rng);

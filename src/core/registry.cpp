@@ -217,25 +217,7 @@ nlohmann::json mechanism_json(const Mechanism& m) {
   const ParamValues init = default_params(m);
   nlohmann::json params = nlohmann::json::array();
   for (const auto& p : m.params) {
-    std::vector<double> v;
-    switch (p.slot) {
-      case BlockParam::Gamma:
-        v = init.gamma;
-        break;
-      case BlockParam::Eta:
-        v = init.eta;
-        break;
-      case BlockParam::Gates:
-        v = init.gates;
-        break;
-      case BlockParam::Alpha0:
-        v = init.alpha0;
-        break;
-      case BlockParam::Spectrum:
-        v = init.alpha0;
-        v.insert(v.end(), init.gates.begin(), init.gates.end());
-        break;
-    }
+    const std::vector<double> v = slot_values(init, p.slot);
     std::vector<int> learn(p.learn.begin(), p.learn.end());
     params.push_back({{"name", p.name},
                       {"slot", slot(p.slot)},

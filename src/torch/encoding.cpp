@@ -66,25 +66,7 @@ PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head
   const ParamValues init = default_params(mech_);
   for (size_t pi = 0; pi < mech_.params.size(); ++pi) {
     const ParamSpec& ps = mech_.params[pi];
-    std::vector<double> v;
-    switch (ps.slot) {
-      case BlockParam::Gamma:
-        v = init.gamma;
-        break;
-      case BlockParam::Eta:
-        v = init.eta;
-        break;
-      case BlockParam::Gates:
-        v = init.gates;
-        break;
-      case BlockParam::Alpha0:
-        v = init.alpha0;
-        break;
-      case BlockParam::Spectrum:
-        v = init.alpha0;
-        v.insert(v.end(), init.gates.begin(), init.gates.end());
-        break;
-    }
+    const std::vector<double> v = slot_values(init, ps.slot);
     const int64_t NB = ps.shape.back();
     std::vector<double> learn(ps.learn.begin(), ps.learn.end());
     SchemaTensors st;

@@ -113,6 +113,21 @@ std::tuple<torch::Tensor, torch::Tensor> trig_table_cpu(const torch::Tensor& pos
   return {cos, sin};
 }
 
+// The caller's trig table (checked against the inputs), or a fresh one.
+std::tuple<torch::Tensor, torch::Tensor> trig_for(
+    const c10::optional<torch::Tensor>& cos_in, const c10::optional<torch::Tensor>& sin_in,
+    const kernels::TransformPlan& plan, const kernels::Dims& dims, const torch::Tensor& pos,
+    double center, const std::string& spec, int64_t head_dim, int64_t heads, int64_t layout,
+    c10::ScalarType dtype) {
+  if (!(cos_in && sin_in && cos_in->defined()))
+    return trig_table_cpu(pos, center, dims.B, spec, head_dim, heads, layout, dtype);
+  const auto cos = cos_in->contiguous(), sin = sin_in->contiguous();
+  TORCH_CHECK(cos.numel() == kernels::trig_table_size(plan, dims, positions_of(pos, center)) &&
+                  cos.scalar_type() == dtype && sin.sizes() == cos.sizes(),
+              "relpos: trig table does not match the inputs' positions, length or dtype");
+  return {cos, sin};
+}
+
 std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
     const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& gamma,
     const torch::Tensor& eta, const torch::Tensor& gates, const torch::Tensor& alpha0,
@@ -125,17 +140,8 @@ std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
   const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
   const auto pos = positions.contiguous();
   const auto P = positions_of(pos, center);
-  torch::Tensor cos, sin;
-  if (cos_in && sin_in && cos_in->defined()) {
-    cos = cos_in->contiguous();
-    sin = sin_in->contiguous();
-    TORCH_CHECK(cos.numel() == kernels::trig_table_size(plan, dims, P) &&
-                    cos.scalar_type() == q.scalar_type() && sin.sizes() == cos.sizes(),
-                "relpos: trig table does not match the inputs' positions, length or dtype");
-  } else {
-    std::tie(cos, sin) =
-        trig_table_cpu(pos, center, dims.B, spec, head_dim, heads, layout, q.scalar_type());
-  }
+  const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
+                                   layout, q.scalar_type());
   auto qo = output_like(q), ko = output_like(k);
   const auto gm = gamma.contiguous(), et = eta.contiguous(), gt = gates.contiguous(),
              a0 = alpha0.contiguous();
@@ -168,14 +174,8 @@ Grads6 transform_backward_cpu(const torch::Tensor& gq_out_in, const torch::Tenso
   const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
   const auto pos = positions.contiguous();
   const auto P = positions_of(pos, center);
-  torch::Tensor cos, sin;
-  if (cos_in && sin_in && cos_in->defined()) {
-    cos = cos_in->contiguous();
-    sin = sin_in->contiguous();
-  } else {
-    std::tie(cos, sin) =
-        trig_table_cpu(pos, center, dims.B, spec, head_dim, heads, layout, q.scalar_type());
-  }
+  const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
+                                   layout, q.scalar_type());
   const auto gm = gamma.contiguous(), et = eta.contiguous(), gt = gates.contiguous(),
              a0 = alpha0.contiguous();
   // every output is a tensor (the op schema has no optional outputs); unrequested ones are
