@@ -18,12 +18,7 @@ std::vector<TermDef> direct_sum_family() {
                  [](const Args& a, TermBuilder& b) {
                    const int D = b.m.head_dim;
                    require_divisible(a, D, 8, "half RoPE, half order-2 real blocks");
-                   JordanSegment r;
-                   r.order = 1;
-                   r.blocks = D / 4;
-                   r.omega = rope_frequencies(a.positive("theta"), D / 2, r.blocks);
-                   for (auto& w : r.omega) w = -w;  // RoPE half: +omega p, as `rope`
-                   b.add(r);
+                   b.add(rope_segment(a.positive("theta"), D / 2, D / 4));  // RoPE half
                    JordanSegment s = jordan_base(a, 2);
                    set_shear(a, s);
                    s.blocks = D / 8;

@@ -164,6 +164,10 @@ std::vector<OptionInfo> jordan_common_options(const std::string& regime_default)
 JordanSegment jordan_base(const Args& a, int order, bool scaled_damping = false);
 std::vector<OptionInfo> shear_options(std::vector<OptionInfo> o);  // + eta0, eta_max, learn_eta
 void set_shear(const Args& a, JordanSegment& s);                   // exponential shear from them
+// A RoPE segment of `pairs` rotating pairs with the grid theta^(-2k/dim). RoFormer / reference
+// convention: q and k rotate by +omega p, i.e. G(d) = R(-omega d); as a segment (maps rotate by
+// -omega p) that is a negated frequency.
+JordanSegment rope_segment(double theta, int dim, int pairs);
 
 // One function per family file; list.inc names them all.
 #define RELPOS_FAMILY(NAME) std::vector<TermDef> NAME##_family();

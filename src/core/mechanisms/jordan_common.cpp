@@ -105,6 +105,15 @@ JordanSegment jordan_base(const Args& a, int order, bool scaled_damping) {
   return s;
 }
 
+JordanSegment rope_segment(double theta, int dim, int pairs) {
+  JordanSegment s;
+  s.order = 1;
+  s.blocks = pairs;
+  s.omega = rope_frequencies(theta, dim, pairs);
+  for (auto& w : s.omega) w = -w;
+  return s;
+}
+
 std::vector<OptionInfo> shear_options(std::vector<OptionInfo> o) {
   o.push_back({"eta0", "0", "initial nilpotent amplitude eta (eta = eta_max tanh(b))"});
   o.push_back({"eta_max", "0.1", "bound of |eta|"});

@@ -23,12 +23,7 @@ std::vector<TermDef> partial_rope_family() {
              if (pairs < 1)
                throw InputError(fmt::format("{}: fraction {} of head dim {} rotates no pair",
                                             a.term(), f, b.m.head_dim));
-             JordanSegment s;
-             s.order = 1;
-             s.blocks = pairs;
-             s.omega = rope_frequencies(a.positive("theta"), 2 * pairs, pairs);
-             for (auto& w : s.omega) w = -w;  // +omega p, as rope
-             b.add(s);
+             b.add(rope_segment(a.positive("theta"), 2 * pairs, pairs));
            }}};
 }
 

@@ -15,15 +15,7 @@ std::vector<TermDef> rope_family() {
                [](const Args& a, TermBuilder& b) {
                  const int D = b.m.head_dim;
                  require_divisible(a, D, 2, "rotary pairs");
-                 JordanSegment s;
-                 s.order = 1;
-                 s.blocks = D / 2;
-                 // RoFormer / reference convention: q and k rotate by +omega p, i.e. G(d) =
-                 // R(-omega d); as a segment (maps rotate by -omega p) that is a negated
-                 // frequency
-                 s.omega = rope_frequencies(a.positive("theta"), D, s.blocks);
-                 for (auto& w : s.omega) w = -w;
-                 b.add(s);
+                 b.add(rope_segment(a.positive("theta"), D, D / 2));
                }});
 
   return d;
