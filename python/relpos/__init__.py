@@ -2,13 +2,17 @@
 
 The operators live in the compiled library ``relpos/_relpos_ops.so`` (``TORCH_LIBRARY(relpos)``):
 ``torch.ops.relpos.transform`` (CPU kernels, a Meta kernel for ``torch.compile``, an autograd
-kernel whose backward is ``torch.ops.relpos.transform_backward``), ``trig_table``, and the model
-and diagnostics as JSON (``mechanism``, ``mechanisms``, ``verify``). The C++ ``PositionEncoding``
-module calls the same ops.
+kernel whose backward is ``torch.ops.relpos.transform_backward``), ``trig_table``, the fused
+attention kernel ``torch.ops.relpos.fused_attention`` (same scheme) with :func:`attention` adding a
+mechanism's transforms and biases, and the model and diagnostics as JSON (``mechanism``,
+``mechanisms``, ``verify``). The C++ ``PositionEncoding`` module and ``relpos::nn::attention`` call
+the same ops.
 
     import torch, relpos
     enc = relpos.PositionEncoding("jordan(m=2, regime=scaled, c=1)", head_dim=64, num_heads=8)
     q, k = enc(torch.randn(1, 8, 128, 64), torch.randn(1, 8, 128, 64))
+    x = torch.randn(1, 8, 128, 64)
+    out = relpos.attention(x, x, x, "rope + alibi")  # fused causal attention
 """
 
 from __future__ import annotations
@@ -23,9 +27,18 @@ if not _LIB.exists():  # pragma: no cover - a broken install
     raise ImportError(f"relpos: the operator library {_LIB} is missing; reinstall the package")
 torch.ops.load_library(str(_LIB))
 
+from .attention import attention, fused_attention  # noqa: E402
 from .encoding import InputError, PositionEncoding  # noqa: E402
 
-__all__ = ["InputError", "PositionEncoding", "mechanisms", "mechanism", "verify"]
+__all__ = [
+    "InputError",
+    "PositionEncoding",
+    "attention",
+    "fused_attention",
+    "mechanisms",
+    "mechanism",
+    "verify",
+]
 
 
 def mechanisms() -> list[dict]:

@@ -1,0 +1,159 @@
+"""Attention through the fused CPU kernel, with a mechanism's transforms and biases.
+
+``torch.ops.relpos.fused_attention`` is the kernel (forward + an autograd kernel whose backward is
+``fused_attention_backward``, Meta kernels for ``torch.compile``); :func:`attention` adds a
+mechanism: its transforms (a :class:`PositionEncoding`, so learnable parameters train) on q and k,
+its biases (ALiBi slopes) handed to the kernel. The C++ ``relpos::nn::attention`` does the same.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .encoding import InputError, PositionEncoding
+
+
+def fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    window: float = 0.0,
+    key_len: torch.Tensor | None = None,
+    scale: float | None = None,
+    lag_table: torch.Tensor | None = None,
+    slopes: torch.Tensor | None = None,
+    cq: torch.Tensor | None = None,
+    ck: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused softmax attention; returns ``(out, lse)``.
+
+    q ``[B, Hq, Tq, D]``, k and v ``[B, Hk, Tk, D]`` (Hk divides Hq: grouped-query attention),
+    float32 or float64 on the CPU. Positions ``[T]`` or ``[B, T]`` (float64 keeps them exact;
+    default: queries are the last Tq of the Tk key positions). Key j is visible to query i when
+    ``j < key_len[b]``, ``p_j <= p_i`` (causal) and ``p_i - p_j < window`` (window > 0).
+    Biases, all optional and summed: ``lag_table [Hq, L]`` indexed by the rounded lag (clamped to
+    the table), ``- slopes[h] (p_i - p_j)``, and ``cq[b,h,i] - ck[b,h,j]`` (FoX / GRAPE-A gates;
+    pass float64 cumulative sums: the kernel subtracts them in float64). A row with no visible key
+    gives zeros. Differentiable in q, k, v and every bias tensor.
+    """
+    try:
+        return torch.ops.relpos.fused_attention(
+            q, k, v, q_positions, k_positions, lag_table, slopes, cq, ck, causal, float(window),
+            key_len, 0.0 if scale is None else float(scale),
+        )
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_encoding(spec: str, head_dim: int, heads: int, pair_layout: str, dtype) -> PositionEncoding:
+    """A mechanism with its initial parameters, frozen (a spec string names a fixed mechanism), in
+    the inputs' dtype so that float64 calls keep float64 parameters."""
+    enc = PositionEncoding(spec, head_dim, heads, pair_layout=pair_layout, check_finite=False)
+    enc.requires_grad_(False)
+    return enc.to(dtype)
+
+
+_SLOPES: dict = {}  # (spec, head_dim, heads) -> ALiBi slopes or None
+
+
+@torch.compiler.assume_constant_result  # a function of the spec and head count only
+def _alibi_slopes(spec: str, head_dim: int, heads: int):
+    key = (spec, head_dim, heads)
+    if key not in _SLOPES:
+        from . import mechanism  # late: the package imports this module
+
+        biases = [b for b in mechanism(spec, head_dim, heads)["biases"] if b["name"] == "alibi"]
+        _SLOPES[key] = tuple(biases[0]["slopes"]) if biases else None
+    return _SLOPES[key]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mechanism: str | PositionEncoding | None = None,
+    *,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    window: float = 0.0,
+    key_len: torch.Tensor | None = None,
+    scale: float | None = None,
+    lag_table: torch.Tensor | None = None,
+    slopes: torch.Tensor | None = None,
+    cq: torch.Tensor | None = None,
+    ck: torch.Tensor | None = None,
+    pair_layout: str = "interleaved",
+    return_lse: bool = False,
+    check_finite: bool = True,
+):
+    """Attention with a mechanism: ``mechanism`` is a spec string (its initial parameters, frozen),
+    a :class:`PositionEncoding` built for the key/value heads (its parameters train), or None
+    (no position encoding). Other arguments as :func:`fused_attention`. With grouped-query
+    attention every query head uses the transform of its key/value head (the relative law needs one
+    map per scored pair). Returns ``out`` (and ``lse`` with ``return_lse``).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise InputError(f"{name} must be a [B, H, T, D] tensor")
+    if check_finite and not torch.compiler.is_compiling():
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not torch.isfinite(t).all():
+                raise InputError(f"{name} contains NaN or Inf")
+    B, Hq, Tq, D = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    if isinstance(mechanism, str):
+        enc = _fixed_encoding(mechanism, D, Hk, pair_layout, q.dtype)
+    elif isinstance(mechanism, PositionEncoding) or mechanism is None:
+        enc = mechanism
+    else:
+        raise InputError("mechanism must be a spec string, a PositionEncoding or None")
+    if enc is not None:
+        if enc.num_heads != Hk:
+            raise InputError(
+                f"the encoding has {enc.num_heads} heads; it must have the key/value heads ({Hk})"
+            )
+        if enc.tensor_layout != "BHTD":
+            raise InputError("attention takes [B, H, T, D] tensors: build the encoding with tensor_layout='BHTD'")
+        if Hq % Hk:
+            raise InputError(f"key/value heads ({Hk}) must divide query heads ({Hq})")
+        # the kernel's default positions, made explicit: transforms and visibility see one set
+        # one transform call when queries and keys share heads and positions (decided from the
+        # arguments, not the values, so that it traces under torch.compile)
+        g = Hq // Hk
+        shared = g == 1 and Tq == Tk and (
+            (q_positions is None and k_positions is None) or q_positions is k_positions
+        )
+        qpos = (torch.arange(Tk - Tq, Tk, dtype=torch.float64) if q_positions is None
+                else q_positions.to(torch.float64))
+        kpos = qpos if shared else (
+            torch.arange(Tk, dtype=torch.float64) if k_positions is None else k_positions.to(torch.float64)
+        )
+        if shared:
+            q, k = enc(q, k, qpos)
+        else:
+            # queries grouped onto their key/value head and keys in one call: one centre for both
+            per_batch = qpos.dim() == 2 or kpos.dim() == 2
+            qr = qpos.expand(B, Tq) if per_batch and qpos.dim() == 1 else qpos
+            kr = kpos.expand(B, Tk) if per_batch and kpos.dim() == 1 else kpos
+            both = torch.cat([q.reshape(B, Hk, g * Tq, D), k], 2)
+            pos = torch.cat([qr.repeat(1, g) if per_batch else qr.repeat(g), kr], -1)
+            tq, tk = enc(both, both, pos)
+            q, k = tq[:, :, : g * Tq].reshape(B, Hq, Tq, D), tk[:, :, g * Tq :]
+        q_positions, k_positions = qpos, kpos
+        s = _alibi_slopes(enc.spec, D, Hq)
+        if s is not None:
+            t = torch.tensor(s, dtype=q.dtype)
+            slopes = t if slopes is None else slopes + t
+    out, lse = fused_attention(
+        q, k, v, q_positions=q_positions, k_positions=k_positions, causal=causal, window=window,
+        key_len=key_len, scale=scale, lag_table=lag_table, slopes=slopes, cq=cq, ck=ck,
+    )
+    return (out, lse) if return_lse else out

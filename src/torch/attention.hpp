@@ -1,0 +1,54 @@
+// Attention through the fused CPU kernel (kernels/attention) as LibTorch calls: thin wrappers
+// over the `relpos::fused_attention` op (torch/attention_ops.cpp: CPU, Meta and Autograd kernels)
+// and the mechanism-level call that applies a mechanism's transforms and hands its biases to the
+// kernel. C++ and Python (relpos.attention) share these ops.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <optional>
+#include <string>
+
+#include "torch/encoding.hpp"
+
+namespace relpos::nn {
+
+// Everything of an attention call except q, k, v. Tensors are optional (undefined = absent).
+struct AttentionArgs {
+  torch::Tensor q_positions;  // [Tq] or [B, Tq], any real dtype; default Tk - Tq + i
+  torch::Tensor k_positions;  // [Tk] or [B, Tk]; default j
+  bool causal = true;
+  double window = 0.0;    // > 0: key j visible to query i only when p_i - p_j < window
+  torch::Tensor key_len;  // int64 [B]: valid keys per batch row (key padding)
+  double scale = 0.0;     // 0: 1 / sqrt(D)
+  // Additive biases on top of the mechanism's own (kernels/attention/attention.hpp):
+  torch::Tensor lag_table;  // [Hq, L], q's dtype: + lag_table[h][round(p_i - p_j)] (clamped)
+  torch::Tensor slopes;     // [Hq]: - slopes[h] (p_i - p_j)
+  torch::Tensor cq, ck;  // [B, Hq, Tq], [B, Hq, Tk]: + cq[i] - ck[j] (pass float64 for long sums)
+};
+
+// Fused softmax attention: q [B, Hq, Tq, D], k and v [B, Hk, Tk, D] (Hk divides Hq), float32 or
+// float64 on the CPU. Returns {out [B, Hq, Tq, D], lse [B, Hq, Tq]}; differentiable in q, k, v and
+// every bias tensor (lse is not differentiable). The T x T scores are never stored.
+std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                           const torch::Tensor& v, const AttentionArgs& args = {});
+
+// Attention with a mechanism: its transforms (the encoding's parameters, so they train) on q and k,
+// its biases (ALiBi slopes) added to args' biases inside the kernel. The encoding is built for
+// Hk heads: with grouped-query attention every query head uses the transform of its key/value
+// head (the relative law needs one map per scored pair). Returns out [B, Hq, Tq, D].
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        PositionEncodingImpl& encoding, const AttentionArgs& args = {});
+
+// The same with a spec string and the mechanism's initial parameters (exact fixed mechanisms:
+// rope, alibi, damped_rope, ...): the `relpos::attention` op.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const std::string& spec, const AttentionArgs& args = {},
+                        Layout layout = Layout::Interleaved);
+
+// Plain LibTorch composition with materialised float64-capable scores (the correctness reference
+// and the baseline of the benchmarks): same arguments and conventions as fused_attention.
+torch::Tensor composed_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const AttentionArgs& args = {});
+
+}  // namespace relpos::nn

@@ -1,0 +1,528 @@
+// The attention operators of TORCH_LIBRARY(relpos): `fused_attention` (CPU kernel = the fused
+// FlashAttention-2-style kernel of kernels/attention, a Meta kernel for torch.compile, an Autograd
+// kernel whose backward is the `fused_attention_backward` op) and `attention` (a mechanism spec:
+// its transforms, then fused_attention with its biases). The C++ entry points of
+// torch/attention.hpp call the same ops through the dispatcher.
+#include <fmt/format.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "core/registry.hpp"
+#include "kernels/attention/attention.hpp"
+#include "torch/attention.hpp"
+#include "torch/op_util.hpp"
+
+namespace relpos::nn {
+
+namespace {
+
+using op_util::mptr;
+using op_util::output_like;
+using op_util::ptr;
+using op_util::value_errors;
+using OptTensor = c10::optional<torch::Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+torch::Tensor get(const OptTensor& t) {
+  return t && t->defined() ? *t : torch::Tensor();
+}
+OptTensor opt(const torch::Tensor& t) {
+  return t.defined() ? OptTensor(t) : c10::nullopt;
+}
+
+std::string shape_of(const torch::Tensor& t) {
+  return fmt::format("[{}]", fmt::join(t.sizes(), ", "));
+}
+
+// The operands as the kernel takes them: contiguous, positions and per-token biases float64,
+// key lengths int64; every problem named.
+struct Operands {
+  torch::Tensor q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len;
+  kernels::AttentionDims dims;
+  bool per_batch = false;
+
+  template <class T>
+  kernels::AttentionBias<T> bias() const {
+    return {ptr<T>(lag_table), lag_table.defined() ? lag_table.size(1) : 0, ptr<T>(slopes),
+            ptr<double>(cq), ptr<double>(ck)};
+  }
+  kernels::AttentionPositions positions() const {
+    return {ptr<double>(q_pos), ptr<double>(k_pos), per_batch};
+  }
+  kernels::AttentionOptions options(bool causal, double window, double scale) const {
+    return {causal, window, ptr<int64_t>(key_len), scale};
+  }
+};
+
+torch::Tensor attention_positions(const torch::Tensor& p, int64_t B, int64_t T, const char* name) {
+  if (!p.defined()) return p;
+  if (!((p.dim() == 1 && p.size(0) == T) || (p.dim() == 2 && p.size(0) == B && p.size(1) == T)))
+    throw InputError(
+        fmt::format("attention: {} must be [{}] or [{}, {}], got {}", name, T, B, T, shape_of(p)));
+  if (p.is_complex() || p.scalar_type() == torch::kBool)
+    throw InputError(fmt::format("attention: {} must be real numbers", name));
+  auto d = p.to(torch::kDouble).contiguous();
+  if (!torch::isfinite(d).all().item<bool>())
+    throw InputError(fmt::format("attention: {} contain NaN or Inf", name));
+  return d;
+}
+
+Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                 const OptTensor& q_pos, const OptTensor& k_pos, const OptTensor& lag_table,
+                 const OptTensor& slopes, const OptTensor& cq, const OptTensor& ck,
+                 const OptTensor& key_len, double window, double scale) {
+  for (const auto* t : {&q, &k, &v}) {
+    const char* name = t == &q ? "q" : t == &k ? "k" : "v";
+    if (!t->defined()) throw InputError(fmt::format("attention: {} is undefined", name));
+    if (t->dim() != 4)
+      throw InputError(
+          fmt::format("attention: {} must be [B, H, T, D], got {}", name, shape_of(*t)));
+    if (t->scalar_type() != torch::kFloat && t->scalar_type() != torch::kDouble)
+      throw InputError(fmt::format("attention: {} must be float32 or float64", name));
+    if (!t->device().is_cpu())
+      throw InputError(fmt::format("attention: {} must be on the CPU", name));
+  }
+  if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type())
+    throw InputError("attention: q, k and v must have one dtype");
+  if (k.sizes() != v.sizes())
+    throw InputError(
+        fmt::format("attention: k {} and v {} differ in shape", shape_of(k), shape_of(v)));
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hk = k.size(1),
+                Tk = k.size(2);
+  if (k.size(0) != B || k.size(3) != D)
+    throw InputError(fmt::format("attention: q {} and k {} differ in batch or head dim",
+                                 shape_of(q), shape_of(k)));
+  if (Hk < 1 || Hq % Hk)
+    throw InputError(
+        fmt::format("attention: key/value heads ({}) must divide query heads ({})", Hk, Hq));
+  if (!(window >= 0) || std::isinf(window))
+    throw InputError("attention: window must be >= 0 and finite");
+  if (!(scale >= 0) || std::isinf(scale))
+    throw InputError("attention: scale must be >= 0 (0: 1/sqrt(D))");
+  Operands o;
+  o.q = q.contiguous();
+  o.k = k.contiguous();
+  o.v = v.contiguous();
+  o.dims = {B, Hq, Hk, Tq, Tk, D};
+  o.q_pos = attention_positions(get(q_pos), B, Tq, "q_positions");
+  o.k_pos = attention_positions(get(k_pos), B, Tk, "k_positions");
+  // one indexing rule for both: a shared [T] row next to a per-batch one is expanded to [B, T]
+  o.per_batch =
+      (o.q_pos.defined() && o.q_pos.dim() == 2) || (o.k_pos.defined() && o.k_pos.dim() == 2);
+  if (o.per_batch) {
+    if (o.q_pos.defined() && o.q_pos.dim() == 1) o.q_pos = o.q_pos.expand({B, Tq}).contiguous();
+    if (o.k_pos.defined() && o.k_pos.dim() == 1) o.k_pos = o.k_pos.expand({B, Tk}).contiguous();
+  }
+  if (auto t = get(lag_table); t.defined()) {
+    if (t.dim() != 2 || t.size(0) != Hq || t.size(1) < 1)
+      throw InputError(
+          fmt::format("attention: lag_table must be [{}, L] with L >= 1, got {}", Hq, shape_of(t)));
+    if (t.scalar_type() != q.scalar_type())
+      throw InputError("attention: lag_table must have q's dtype");
+    o.lag_table = t.contiguous();
+  }
+  if (auto t = get(slopes); t.defined()) {
+    if (t.dim() != 1 || t.size(0) != Hq)
+      throw InputError(fmt::format("attention: slopes must be [{}], got {}", Hq, shape_of(t)));
+    if (t.scalar_type() != q.scalar_type())
+      throw InputError("attention: slopes must have q's dtype");
+    o.slopes = t.contiguous();
+  }
+  const auto tcq = get(cq), tck = get(ck);
+  if (tcq.defined() != tck.defined())
+    throw InputError("attention: the per-token bias needs both cq and ck");
+  if (tcq.defined()) {
+    if (tcq.dim() != 3 || tcq.size(0) != B || tcq.size(1) != Hq || tcq.size(2) != Tq)
+      throw InputError(
+          fmt::format("attention: cq must be [{}, {}, {}], got {}", B, Hq, Tq, shape_of(tcq)));
+    if (tck.dim() != 3 || tck.size(0) != B || tck.size(1) != Hq || tck.size(2) != Tk)
+      throw InputError(
+          fmt::format("attention: ck must be [{}, {}, {}], got {}", B, Hq, Tk, shape_of(tck)));
+    if (!tcq.is_floating_point() || !tck.is_floating_point())
+      throw InputError("attention: cq and ck must be floating point");
+    o.cq = tcq.to(torch::kDouble).contiguous();
+    o.ck = tck.to(torch::kDouble).contiguous();
+  }
+  if (auto t = get(key_len); t.defined()) {
+    if (t.dim() != 1 || t.size(0) != B || t.is_floating_point() || t.scalar_type() == torch::kBool)
+      throw InputError(
+          fmt::format("attention: key_len must be an integer tensor [{}], got {}", B, shape_of(t)));
+    o.key_len = t.to(torch::kLong).contiguous();
+  }
+  return o;
+}
+
+// ---- CPU ---------------------------------------------------------------------------------------
+
+std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
+    const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
+    const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
+    double scale) {
+  return value_errors([&] {
+    const auto o =
+        prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale);
+    const auto& d = o.dims;
+    auto out = output_like(o.q);
+    auto lse = torch::empty({d.B, d.Hq, d.Tq}, o.q.options());
+    if (out.numel() == 0) return std::make_tuple(out, lse);
+    if (d.Tk == 0) {  // no key at all: every row is empty
+      out.zero_();
+      lse.fill_(-std::numeric_limits<double>::infinity());
+      return std::make_tuple(out, lse);
+    }
+    AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention", [&] {
+      kernels::attention_forward<scalar_t>(d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(),
+                                           o.v.data_ptr<scalar_t>(), o.positions(),
+                                           o.bias<scalar_t>(), o.options(causal, window, scale),
+                                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+    });
+    return std::make_tuple(out, lse);
+  });
+}
+
+constexpr int kGrads = 7;  // q, k, v, lag_table, slopes, cq, ck
+using Grads7 = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                          torch::Tensor, torch::Tensor>;
+
+Grads7 fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q,
+                                    const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& out_in, const torch::Tensor& lse_in,
+                                    const OptTensor& q_pos, const OptTensor& k_pos,
+                                    const OptTensor& lag_table, const OptTensor& slopes,
+                                    const OptTensor& cq, const OptTensor& ck, bool causal,
+                                    double window, const OptTensor& key_len, double scale,
+                                    std::array<bool, kGrads> mask) {
+  return value_errors([&] {
+    const auto o =
+        prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale);
+    const auto& d = o.dims;
+    const auto out = out_in.contiguous(), lse = lse_in.contiguous();
+    const auto dout = grad_out.defined() ? grad_out.contiguous() : torch::zeros_like(out);
+    if (dout.sizes() != out.sizes() || lse.sizes() != torch::IntArrayRef({d.B, d.Hq, d.Tq}))
+      throw InputError("attention backward: grad_out, out or lse does not match q");
+    // every output is a tensor (the schema has no optional outputs): absent or unrequested ones
+    // are empty; the bias gradients are accumulated by the kernel, so they start at zero
+    const auto grad_for = [&](int i, const torch::Tensor& like) {
+      if (!mask[i] || !like.defined()) return torch::empty({0}, o.q.options());
+      return i < 3 ? output_like(like) : torch::zeros_like(like);
+    };
+    auto dq = grad_for(0, o.q), dk = grad_for(1, o.k), dv = grad_for(2, o.v),
+         dlag = grad_for(3, o.lag_table), dslopes = grad_for(4, o.slopes), dcq = grad_for(5, o.cq),
+         dck = grad_for(6, o.ck);
+    if (d.Tk == 0 || o.q.numel() == 0) {  // no visible key: every gradient is zero
+      for (auto* t : {&dq, &dk, &dv}) t->zero_();
+    } else {
+      AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention_backward", [&] {
+        kernels::attention_backward<scalar_t>(
+            d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(), o.v.data_ptr<scalar_t>(),
+            o.positions(), o.bias<scalar_t>(), o.options(causal, window, scale),
+            dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+            mptr<scalar_t>(dq), mptr<scalar_t>(dk), mptr<scalar_t>(dv),
+            {mptr<scalar_t>(dlag), mptr<scalar_t>(dslopes), mptr<double>(dcq), mptr<double>(dck)});
+      });
+    }
+    // per-token gradients back in the caller's dtype
+    if (dcq.numel()) dcq = dcq.to(get(cq).scalar_type());
+    if (dck.numel()) dck = dck.to(get(ck).scalar_type());
+    return std::make_tuple(dq, dk, dv, dlag, dslopes, dcq, dck);
+  });
+}
+
+// ---- Meta (fake): shapes and dtypes only -------------------------------------------------------
+
+std::tuple<torch::Tensor, torch::Tensor> fused_attention_meta(
+    const torch::Tensor& q, const torch::Tensor&, const torch::Tensor&, const OptTensor&,
+    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool,
+    double, const OptTensor&, double) {
+  return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
+          torch::empty({q.size(0), q.size(1), q.size(2)}, q.options())};
+}
+
+Grads7 fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q,
+                                     const torch::Tensor& k, const torch::Tensor& v,
+                                     const torch::Tensor&, const torch::Tensor&, const OptTensor&,
+                                     const OptTensor&, const OptTensor& lag_table,
+                                     const OptTensor& slopes, const OptTensor& cq,
+                                     const OptTensor& ck, bool, double, const OptTensor&, double,
+                                     std::array<bool, kGrads> mask) {
+  const auto like = [&](int i, const torch::Tensor& t) {
+    return mask[i] && t.defined() ? torch::empty_like(t, torch::MemoryFormat::Contiguous)
+                                  : torch::empty({0}, q.options());
+  };
+  return {like(0, q),           like(1, k),       like(2, v),      like(3, get(lag_table)),
+          like(4, get(slopes)), like(5, get(cq)), like(6, get(ck))};
+}
+
+// ---- Autograd: the backward is the fused_attention_backward op ---------------------------------
+
+std::tuple<torch::Tensor, torch::Tensor> call_fused_attention(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
+    const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
+    const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
+    double scale) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("relpos::fused_attention", "")
+                             .typed<decltype(fused_attention_cpu)>();
+  return op.call(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal, window, key_len, scale);
+}
+
+Grads7 call_fused_attention_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
+                                     const torch::Tensor& k, const torch::Tensor& v,
+                                     const torch::Tensor& out, const torch::Tensor& lse,
+                                     const OptTensor& q_pos, const OptTensor& k_pos,
+                                     const OptTensor& lag_table, const OptTensor& slopes,
+                                     const OptTensor& cq, const OptTensor& ck, bool causal,
+                                     double window, const OptTensor& key_len, double scale,
+                                     std::array<bool, kGrads> mask) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("relpos::fused_attention_backward", "")
+                             .typed<decltype(fused_attention_backward_cpu)>();
+  return op.call(grad_out, q, k, v, out, lse, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
+                 window, key_len, scale, mask);
+}
+
+class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
+ public:
+  // inputs in schema order: q k v q_pos k_pos lag_table slopes cq ck causal window key_len scale
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const OptTensor& q_pos,
+                               const OptTensor& k_pos, const OptTensor& lag_table,
+                               const OptTensor& slopes, const OptTensor& cq, const OptTensor& ck,
+                               bool causal, double window, const OptTensor& key_len, double scale) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse] = call_fused_attention(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
+                                           window, key_len, scale);
+    ctx->save_for_backward({q, k, v, out, lse, get(q_pos), get(k_pos), get(lag_table), get(slopes),
+                            get(cq), get(ck), get(key_len)});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window;
+    ctx->saved_data["scale"] = scale;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const auto s = ctx->get_saved_variables();
+    // needs_input_grad counts only the tensor inputs that were present (an absent optional is no
+    // edge): the edge index of each gradient output q k v lag_table slopes cq ck
+    std::array<bool, kGrads> mask{};
+    int edge = 0;
+    for (int slot = 0; slot < 9; ++slot) {  // q k v q_pos k_pos lag_table slopes cq ck
+      const bool present = slot < 3 || s[slot + 2].defined();
+      if (!present) continue;
+      if (slot < 3) mask[slot] = ctx->needs_input_grad(edge);
+      if (slot >= 5) mask[slot - 2] = ctx->needs_input_grad(edge);
+      ++edge;
+    }
+    auto g = call_fused_attention_backward(grad_out[0], s[0], s[1], s[2], s[3], s[4], opt(s[5]),
+                                           opt(s[6]), opt(s[7]), opt(s[8]), opt(s[9]), opt(s[10]),
+                                           ctx->saved_data["causal"].toBool(),
+                                           ctx->saved_data["window"].toDouble(), opt(s[11]),
+                                           ctx->saved_data["scale"].toDouble(), mask);
+    const auto keep = [&](int i, torch::Tensor t) { return mask[i] ? t : torch::Tensor(); };
+    return {keep(0, std::get<0>(g)),
+            keep(1, std::get<1>(g)),
+            keep(2, std::get<2>(g)),
+            {},
+            {},
+            keep(3, std::get<3>(g)),
+            keep(4, std::get<4>(g)),
+            keep(5, std::get<5>(g)),
+            keep(6, std::get<6>(g)),
+            {},
+            {},
+            {},
+            {}};
+  }
+};
+
+std::tuple<torch::Tensor, torch::Tensor> fused_attention_autograd(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
+    const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
+    const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
+    double scale) {
+  auto r = FusedAttentionFunction::apply(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
+                                         window, key_len, scale);
+  return {r[0], r[1]};
+}
+
+// `relpos::attention`: composite (its autograd comes from the transform and fused ops it calls).
+torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const std::string& spec, const OptTensor& q_pos, const OptTensor& k_pos,
+                           bool causal, double window, const OptTensor& key_len, double scale,
+                           const OptTensor& lag_table, const OptTensor& slopes, const OptTensor& cq,
+                           const OptTensor& ck, int64_t layout) {
+  return value_errors([&] {
+    AttentionArgs a{get(q_pos), get(k_pos),     causal,      window,  get(key_len),
+                    scale,      get(lag_table), get(slopes), get(cq), get(ck)};
+    return attention(q, k, v, spec, a, layout ? Layout::HalfSplit : Layout::Interleaved);
+  });
+}
+
+}  // namespace
+
+// ---- the C++ entry points (torch/attention.hpp) ------------------------------------------------
+
+std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                           const torch::Tensor& v, const AttentionArgs& a) {
+  auto [out, lse] = call_fused_attention(q, k, v, opt(a.q_positions), opt(a.k_positions),
+                                         opt(a.lag_table), opt(a.slopes), opt(a.cq), opt(a.ck),
+                                         a.causal, a.window, opt(a.key_len), a.scale);
+  return {out, lse};
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        PositionEncodingImpl& enc, const AttentionArgs& args) {
+  const Mechanism& m = enc.mechanism();
+  if (q.dim() != 4 || k.dim() != 4 || q.size(0) != k.size(0) || q.size(3) != k.size(3))
+    throw InputError(fmt::format("attention: q {} and k {} must be [B, H, T, D] with one B and D",
+                                 shape_of(q), shape_of(k)));
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hk = k.size(1),
+                Tk = k.size(2);
+  if (Hk != m.heads || Hq % Hk)
+    throw InputError(fmt::format(
+        "attention: the encoding has {} heads; it must have the key/value heads ({}), which "
+        "divide the query heads ({})",
+        m.heads, Hk, Hq));
+  // the kernel's default positions, made explicit: the transforms and the visibility rule must
+  // see the same numbers
+  const auto qpos = args.q_positions.defined()
+                        ? attention_positions(args.q_positions, B, Tq, "q_positions")
+                        : torch::arange(Tk - Tq, Tk, torch::kDouble);
+  const auto kpos = args.k_positions.defined()
+                        ? attention_positions(args.k_positions, B, Tk, "k_positions")
+                        : torch::arange(Tk, torch::kDouble);
+  torch::Tensor qt = q, kt = k;
+  if (m.has_transform() && q.numel() && k.numel()) {
+    const int64_t g = Hq / Hk;
+    // one call when queries and keys share heads and positions (decided from the arguments, as
+    // the Python function does, which must not read values under torch.compile)
+    const bool shared = g == 1 && Tq == Tk &&
+                        ((!args.q_positions.defined() && !args.k_positions.defined()) ||
+                         args.q_positions.is_same(args.k_positions));
+    if (shared) {
+      const auto o = enc.forward(q, k, qpos);
+      qt = o.q;
+      kt = o.k;
+    } else {
+      // queries grouped onto their key/value head ([B, Hk, g Tq, D]) and keys, in one call so that
+      // both get the same centre; the transform runs both maps over both halves (2x its work,
+      // still small next to attention)
+      const bool per_batch = qpos.dim() == 2 || kpos.dim() == 2;
+      const auto rows = [&](const torch::Tensor& p, int64_t T) {
+        return per_batch && p.dim() == 1 ? p.expand({B, T}) : p;
+      };
+      const auto qg = q.reshape({B, Hk, g * Tq, D});
+      const auto both = torch::cat({qg, k}, 2);
+      const auto pos = torch::cat(
+          {rows(qpos, Tq).repeat(per_batch ? std::vector<int64_t>{1, g} : std::vector<int64_t>{g}),
+           rows(kpos, Tk)},
+          -1);
+      const auto o = enc.forward(both, both, pos);
+      qt = o.q.narrow(2, 0, g * Tq).reshape({B, Hq, Tq, D});
+      kt = o.k.narrow(2, g * Tq, Tk);
+    }
+  }
+  AttentionArgs a = args;
+  a.q_positions = qpos;
+  a.k_positions = kpos;
+  if (const BiasTerm* alibi = m.alibi()) {
+    // slopes per query head (ALiBi's geometric sequence depends on the head count)
+    const std::vector<double> s =
+        Hq == m.heads ? alibi->slopes
+                      : build_mechanism(m.spec, m.head_dim, static_cast<int>(Hq)).alibi()->slopes;
+    const auto t = torch::tensor(s, torch::kDouble).to(q.scalar_type());
+    a.slopes = a.slopes.defined() ? a.slopes + t : t;
+  }
+  return fused_attention(qt, kt, v, a)[0];
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const std::string& spec, const AttentionArgs& args, Layout layout) {
+  if (!k.defined() || k.dim() != 4 || !q.defined() || q.dim() != 4)
+    throw InputError("attention: q and k must be [B, H, T, D]");
+  PositionEncoding enc(spec, k.size(3), k.size(1), EncodingOptions{layout, true});
+  return attention(q, k, v, *enc, args);
+}
+
+torch::Tensor composed_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const AttentionArgs& a) {
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hk = k.size(1),
+                Tk = k.size(2);
+  const auto dt = q.scalar_type();
+  const int64_t g = Hq / Hk;
+  const auto ke = k.repeat_interleave(g, 1), ve = v.repeat_interleave(g, 1);
+  const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  // positions [B or 1, T] in float64
+  const auto rows = [&](const torch::Tensor& p, int64_t T, int64_t first) {
+    const auto d =
+        p.defined() ? p.to(torch::kDouble) : torch::arange(first, first + T, torch::kDouble);
+    return d.dim() == 1 ? d.unsqueeze(0) : d;
+  };
+  const auto qp = rows(a.q_positions, Tq, Tk - Tq), kp = rows(a.k_positions, Tk, 0);
+  const auto lag = qp.unsqueeze(-1) - kp.unsqueeze(-2);  // [Bp, Tq, Tk]
+  auto scores = torch::matmul(q, ke.transpose(-1, -2)) * scale;
+  if (a.lag_table.defined()) {
+    const int64_t L = a.lag_table.size(1);
+    const auto idx = torch::floor(lag + 0.5).clamp(0, L - 1).to(torch::kLong);
+    scores =
+        scores +
+        a.lag_table.index_select(1, idx.flatten()).view({Hq, idx.size(0), Tq, Tk}).transpose(0, 1);
+  }
+  if (a.slopes.defined()) scores = scores - a.slopes.view({1, Hq, 1, 1}) * lag.unsqueeze(1).to(dt);
+  if (a.cq.defined())
+    scores = scores +
+             (a.cq.unsqueeze(-1).to(torch::kDouble) - a.ck.unsqueeze(-2).to(torch::kDouble)).to(dt);
+  auto visible = torch::ones({1, 1, Tq, Tk}, torch::kBool);
+  if (a.causal) visible = visible & (lag >= 0).unsqueeze(1);
+  if (a.window > 0) visible = visible & (lag < a.window).unsqueeze(1);
+  if (a.key_len.defined())
+    visible = visible & (torch::arange(Tk).view({1, Tk}) < a.key_len.view({B, 1}).to(torch::kLong))
+                            .view({B, 1, 1, Tk});
+  visible = visible.expand({B, Hq, Tq, Tk});
+  // rows without a visible key give zeros (and zero gradients), as the kernel does
+  const auto any = visible.any(-1, true);
+  const auto masked = scores.masked_fill(~visible, -std::numeric_limits<double>::infinity());
+  const auto p = torch::softmax(torch::where(any, masked, torch::zeros_like(masked)), -1) * any;
+  return torch::matmul(p, ve);
+}
+
+}  // namespace relpos::nn
+
+TORCH_LIBRARY_FRAGMENT(relpos, m) {
+  m.def(
+      "fused_attention(Tensor q, Tensor k, Tensor v, Tensor? q_positions=None, "
+      "Tensor? k_positions=None, Tensor? lag_table=None, Tensor? slopes=None, Tensor? cq=None, "
+      "Tensor? ck=None, bool causal=True, float window=0., Tensor? key_len=None, "
+      "float scale=0.) -> (Tensor, Tensor)");
+  m.def(
+      "fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor? q_positions, Tensor? k_positions, Tensor? lag_table, Tensor? slopes, "
+      "Tensor? cq, Tensor? ck, bool causal, float window, Tensor? key_len, float scale, "
+      "bool[7] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, str mechanism, Tensor? q_positions=None, "
+      "Tensor? k_positions=None, bool causal=True, float window=0., Tensor? key_len=None, "
+      "float scale=0., Tensor? lag_table=None, Tensor? slopes=None, Tensor? cq=None, "
+      "Tensor? ck=None, int layout=0) -> Tensor",
+      relpos::nn::attention_op);
+}
+
+TORCH_LIBRARY_IMPL(relpos, CPU, m) {
+  m.impl("fused_attention", relpos::nn::fused_attention_cpu);
+  m.impl("fused_attention_backward", relpos::nn::fused_attention_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(relpos, Meta, m) {
+  m.impl("fused_attention", relpos::nn::fused_attention_meta);
+  m.impl("fused_attention_backward", relpos::nn::fused_attention_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(relpos, Autograd, m) {
+  m.impl("fused_attention", relpos::nn::fused_attention_autograd);
+}
