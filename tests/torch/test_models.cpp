@@ -1,0 +1,89 @@
+// Transformer LMs: shapes, the reference block's parameter layout (tied head, bias-free), causality
+// through every layer, gradients reaching the mechanism's parameters, and named config errors.
+#include <gtest/gtest.h>
+
+#include "core/types.hpp"
+#include "models/transformer.hpp"
+
+using namespace relpos;
+
+namespace {
+models::ModelConfig small(const std::string& mechanism,
+                          models::Preset preset = models::Preset::Jordan) {
+  models::ModelConfig c;
+  c.preset = preset;
+  c.vocab = 11;
+  c.d_model = 64;
+  c.heads = 2;
+  c.layers = 2;
+  c.mlp_ratio = 2;
+  c.mechanism = mechanism;
+  return c;
+}
+}  // namespace
+
+TEST(Models, JordanPresetHasTheReferenceParameterLayout) {
+  // Table 5 model: d 128, 4 heads, 3 layers, ratio 2, vocab 3, no positional parameters (rope)
+  models::ModelConfig c;
+  c.mechanism = "rope";
+  models::TransformerLM m(c);
+  const int64_t d = 128, per_block = 3 * d * d + d * d + 2 * (2 * d * d) + 2 * d;
+  EXPECT_EQ(m->parameter_count(), 3 * per_block + d + 3 * d);  // blocks, final norm, tied embed
+  torch::manual_seed(0);
+  const auto tokens = torch::randint(0, 3, {2, 17}, torch::kLong);
+  EXPECT_EQ(m->forward(tokens).sizes(), (std::vector<int64_t>{2, 17, 3}));
+}
+
+TEST(Models, EveryLayerIsCausal) {
+  for (auto preset : {models::Preset::Jordan, models::Preset::PJ})
+    for (const std::string spec : {"rope", "jordan(m=2, regime=raw) + alibi", "nope"}) {
+      SCOPED_TRACE(spec);
+      torch::manual_seed(1);
+      models::TransformerLM m(small(spec, preset));
+      auto tokens = torch::randint(0, 11, {1, 30}, torch::kLong);
+      const auto a = m->forward(tokens);
+      tokens[0][20] = (tokens[0][20].item<int64_t>() + 1) % 11;
+      const auto b = m->forward(tokens);
+      EXPECT_EQ((a - b).narrow(1, 0, 20).abs().max().item<double>(), 0.0);
+      EXPECT_GT((a - b).narrow(1, 20, 10).abs().max().item<double>(), 0.0);
+    }
+}
+
+TEST(Models, GradientsReachTheMechanismParameters) {
+  torch::manual_seed(2);
+  models::TransformerLM m(small("jordan(m=2, regime=scaled, c=1, eta0=0.05)"));
+  const auto tokens = torch::randint(0, 11, {2, 12}, torch::kLong);
+  const auto logits = m->forward(tokens);
+  torch::nn::functional::cross_entropy(logits.reshape({-1, 11}), tokens.reshape({-1})).backward();
+  int positional = 0;
+  for (const auto& p : m->named_parameters()) {
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_TRUE(torch::isfinite(p.value().grad()).all().item<bool>()) << p.key();
+    if (p.key().find(".pos") != std::string::npos) {
+      ++positional;
+      EXPECT_GT(p.value().grad().abs().max().item<double>(), 0) << p.key();
+    }
+  }
+  EXPECT_GT(positional, 0);
+}
+
+TEST(Models, BadConfigsAreNamed) {
+  auto c = small("rope");
+  c.d_model = 66;
+  c.heads = 4;
+  EXPECT_THROW(
+      {
+        try {
+          c.validate();
+        } catch (const InputError& e) {
+          EXPECT_NE(std::string(e.what()).find("not divisible by heads"), std::string::npos);
+          throw;
+        }
+      },
+      InputError);
+  c = small("no_such_mechanism");
+  EXPECT_THROW(c.validate(), InputError);
+  EXPECT_THROW(models::parse_preset("gpt"), InputError);
+  models::TransformerLM m(small("rope"));
+  EXPECT_THROW(m->forward(torch::full({1, 4}, 11, torch::kLong)), InputError);
+}
