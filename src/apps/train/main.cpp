@@ -1,0 +1,115 @@
+// relpos-train: the LibTorch side of `relpos train | eval | sweep` (the relpos CLI links no
+// LibTorch and runs this program from its own directory with the arguments verbatim).
+//   train  --config FILE.toml | flags, --set section.key=value, --out DIR, --resume, --nproc N
+//   eval   --checkpoint RUN_DIR [--lengths L,...]
+//   sweep  --config SWEEP.toml [--resume]: methods x seeds x settings, finished runs skipped
+// Exit codes as the CLI (docs/errors.md): 0 ok, 2 bad input, 3 a bug.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "core/files.hpp"
+#include "core/parse.hpp"
+#include "core/types.hpp"
+#include "train/config.hpp"
+#include "train/sweep.hpp"
+#include "train/trainer.hpp"
+
+namespace fs = std::filesystem;
+using namespace relpos;
+
+namespace {
+
+struct TrainArgs {
+  std::string config;
+  std::vector<std::string> sets;
+  std::string out;
+  bool resume = false;
+  bool quiet = false;
+  int nproc = 1;
+};
+
+train::TrainConfig resolve(const TrainArgs& a) {
+  train::TrainConfig c = a.config.empty() ? train::TrainConfig{} : train::load_config(a.config);
+  for (const auto& s : a.sets) train::apply_override(c, s);
+  c.validate();
+  return c;
+}
+
+void print_eval(const std::vector<train::EvalResult>& ev) {
+  fmt::print("| length | loss | accuracy | perplexity |\n|---:|---:|---:|---:|\n");
+  for (const auto& e : ev)
+    fmt::print("| {} | {:.4f} | {:.4f} | {:.3f} |\n", e.length, e.loss, e.accuracy, e.perplexity);
+}
+
+void run_train(const TrainArgs& a) {
+  const auto c = resolve(a);
+  train::RunOptions o;
+  o.out = a.out.empty() ? fs::path("runs") / c.name : fs::path(a.out);
+  o.resume = a.resume;
+  o.progress = !a.quiet;
+  const auto r = train::run_training(c, o);
+  fmt::print("{}: {} steps, {} parameters, {:.1f} s, {:.0f} tokens/s -> {}\n", c.name, r.steps,
+             r.parameters, r.wall_s, r.tokens_per_s, o.out.string());
+  print_eval(r.final_eval);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"relpos-train: transformer LMs with any mechanism (train, eval, sweep)"};
+  app.require_subcommand(1);
+
+  TrainArgs ta;
+  auto* train_cmd = app.add_subcommand("train", "Train one model");
+  train_cmd->add_option("--config", ta.config, "TOML configuration (train/config.hpp lists keys)");
+  train_cmd->add_option("--set", ta.sets, "Override: section.key=value (repeatable)");
+  train_cmd->add_option("--out", ta.out, "Run folder (default runs/NAME)");
+  train_cmd->add_flag("--resume", ta.resume, "Continue from OUT/checkpoints/last.pt");
+  train_cmd->add_flag("--quiet", ta.quiet, "No progress on stderr");
+  train_cmd->callback([&] { run_train(ta); });
+
+  std::string ckpt;
+  std::vector<int64_t> lengths;
+  auto* eval_cmd =
+      app.add_subcommand("eval", "Evaluate a run's last checkpoint at several lengths");
+  eval_cmd->add_option("--checkpoint", ckpt, "Run folder (with config.toml, checkpoints/last.pt)")
+      ->required();
+  eval_cmd->add_option("--lengths", lengths, "Lengths (default: the run's eval.lengths)")
+      ->delimiter(',');
+  eval_cmd->callback([&] {
+    const auto r = train::evaluate_run(ckpt, lengths);
+    print_eval(r);
+  });
+
+  std::string sweep_config;
+  bool sweep_quiet = false;
+  auto* sweep_cmd = app.add_subcommand(
+      "sweep", "Methods x seeds x settings from one TOML; finished runs skipped");
+  sweep_cmd->add_option("--config", sweep_config, "Sweep TOML")->required();
+  sweep_cmd->add_option("--set", ta.sets, "Override for every run: section.key=value");
+  sweep_cmd->add_option("--out", ta.out, "Sweep folder (default runs/SWEEP_NAME)");
+  sweep_cmd->add_flag("--quiet", sweep_quiet, "No progress on stderr");
+  sweep_cmd->callback([&] {
+    const auto md = train::run_sweep(sweep_config, ta.sets, ta.out, !sweep_quiet);
+    fmt::print("{}", md);
+  });
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::cerr << "relpos: error: " << brief(e.what(), 1000) << "\n";
+    return 2;
+  } catch (const InputError& e) {
+    std::cerr << "relpos: error: " << brief(e.what(), 1000) << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "relpos: internal error (please report): " << brief(e.what(), 1000) << "\n";
+    return 3;
+  }
+  return 0;
+}

@@ -1,0 +1,68 @@
+// A training run's configuration: one TOML file (`relpos train --config FILE.toml`), flags on top
+// (`--set section.key=value`), every key checked before training starts. Unknown keys, wrong types
+// and values out of range are InputErrors naming the key. The resolved configuration is written
+// back as runs/NAME/config.toml, so a run can be repeated from its own folder.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "models/transformer.hpp"
+
+namespace relpos::train {
+
+struct TaskConfig {
+  std::string kind = "query_lm";        // query_lm | bytes | chars | midi
+  std::string benchmark = "mixed_raw";  // query_lm: the teacher
+  int64_t train_length = 1024;          // tokens per training sequence
+  std::string path;                     // bytes / chars: a text file; midi: a folder of .mid files
+  std::string validation_path;          // optional separate validation file
+  double validation_fraction = 0.1;     // else the tail of `path`
+};
+
+struct OptimConfig {
+  int64_t steps = 1200;
+  int64_t batch = 24;  // global batch (split across data-parallel workers)
+  double lr = 5e-4;
+  double weight_decay = 0.01;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double clip = 1.0;                  // global gradient-norm clip (0: none)
+  int64_t warmup = 0;                 // linear warmup steps
+  std::string schedule = "constant";  // constant | cosine (to min_lr at the last step)
+  double min_lr = 0.0;
+};
+
+struct EvalConfig {
+  int64_t every = 600;  // and at the last step
+  std::vector<int64_t> lengths{1024, 2048, 4096, 8192};
+  int64_t batches = 32;
+  int64_t batch_size = 1;
+};
+
+struct TrainConfig {
+  std::string name = "run";
+  int64_t seed = 0;
+  int64_t threads = 0;  // 0: every core of the machine
+  std::string device = "cpu";
+  models::ModelConfig model;  // vocab comes from the task
+  TaskConfig task;
+  OptimConfig optim;
+  EvalConfig eval;
+  int64_t checkpoint_every = 100;
+  int64_t log_every = 10;
+
+  // Checks every value (and the mechanism against the head shape) with named errors.
+  void validate() const;
+  // The configuration as TOML (what config.toml holds; parse_config reads it back).
+  std::string to_toml() const;
+};
+
+// Parses TOML text (`source` names it in messages). Keys absent keep the defaults above.
+TrainConfig parse_config(const std::string& text, const std::string& source);
+TrainConfig load_config(const std::filesystem::path& path);
+// Applies "section.key=value" (or "key=value" for top-level keys), value in TOML syntax.
+void apply_override(TrainConfig& c, const std::string& assignment);
+
+}  // namespace relpos::train

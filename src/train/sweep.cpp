@@ -1,0 +1,233 @@
+#include "train/sweep.hpp"
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/files.hpp"
+#include "core/types.hpp"
+
+namespace relpos::train {
+
+namespace fs = std::filesystem;
+
+std::string method_folder(const std::string& spec) {
+  std::string out;
+  for (const char ch : spec) {
+    if (std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '-') {
+      out += ch;
+    } else if (ch == '=' || ch == '/') {
+      continue;  // m=2 -> m2
+    } else if (!out.empty() && out.back() != '_') {
+      out += '_';
+    }
+  }
+  while (!out.empty() && out.back() == '_') out.pop_back();
+  if (out.empty())
+    throw InputError(fmt::format("sweep: method '{}' gives an empty folder name", spec));
+  return out;
+}
+
+namespace {
+
+struct Sweep {
+  std::string base_toml;  // the configuration without [sweep]
+  std::vector<std::string> methods;
+  std::vector<int64_t> seeds{0};
+  std::vector<std::pair<std::string, std::vector<std::string>>> settings{{"", {}}};
+};
+
+Sweep parse_sweep(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in)
+    throw InputError(fmt::format("sweep file '{}' does not exist or is unreadable", path.string()));
+  std::ostringstream text;
+  text << in.rdbuf();
+  toml::table root;
+  try {
+    root = toml::parse(text.str(), path.string());
+  } catch (const toml::parse_error& e) {
+    throw InputError(
+        fmt::format("{}:{}: {}", path.string(), e.source().begin.line, e.description()));
+  }
+  Sweep s;
+  const auto* sw = root.get_as<toml::table>("sweep");
+  if (!sw) throw InputError(fmt::format("{}: no [sweep] table", path.string()));
+  for (const auto& [k, v] : *sw) {
+    const std::string key(k.str());
+    if (key == "methods") {
+      const auto* a = v.as_array();
+      if (!a || a->empty())
+        throw InputError(
+            fmt::format("{}: sweep.methods must be a non-empty array of strings", path.string()));
+      for (const auto& e : *a) {
+        const auto str = e.value<std::string>();
+        if (!str) throw InputError(fmt::format("{}: sweep.methods must be strings", path.string()));
+        s.methods.push_back(*str);
+      }
+    } else if (key == "seeds") {
+      const auto* a = v.as_array();
+      if (!a || a->empty())
+        throw InputError(
+            fmt::format("{}: sweep.seeds must be a non-empty array of integers", path.string()));
+      s.seeds.clear();
+      for (const auto& e : *a) {
+        const auto i = e.value_exact<int64_t>();
+        if (!i || *i < 0)
+          throw InputError(fmt::format("{}: sweep.seeds must be integers >= 0", path.string()));
+        s.seeds.push_back(*i);
+      }
+    } else if (key == "settings") {
+      const auto* t = v.as_table();
+      if (!t)
+        throw InputError(
+            fmt::format("{}: sweep.settings must be a table of override lists", path.string()));
+      s.settings.clear();
+      for (const auto& [name, list] : *t) {
+        std::vector<std::string> sets;
+        const auto* a = list.as_array();
+        if (!a)
+          throw InputError(fmt::format("{}: sweep.settings.{} must be an array of \"key=value\"",
+                                       path.string(), name.str()));
+        for (const auto& e : *a) {
+          const auto str = e.value<std::string>();
+          if (!str)
+            throw InputError(
+                fmt::format("{}: sweep.settings.{} must hold strings", path.string(), name.str()));
+          sets.push_back(*str);
+        }
+        s.settings.push_back({std::string(name.str()), sets});
+      }
+    } else {
+      throw InputError(fmt::format("{}: unknown key 'sweep.{}' (valid: methods, seeds, settings)",
+                                   path.string(), key));
+    }
+  }
+  if (s.methods.empty())
+    throw InputError(fmt::format("{}: sweep.methods is missing", path.string()));
+  root.erase("sweep");
+  std::ostringstream base;
+  base << root;
+  s.base_toml = base.str();
+  return s;
+}
+
+struct Job {
+  std::string method, setting;
+  int64_t seed;
+  TrainConfig config;
+  fs::path dir;
+};
+
+double mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return s / static_cast<double>(v.size());
+}
+double sample_std(const std::vector<double>& v) {
+  if (v.size() < 2) return NAN;
+  const double m = mean(v);
+  double s = 0;
+  for (double x : v) s += (x - m) * (x - m);
+  return std::sqrt(s / static_cast<double>(v.size() - 1));
+}
+
+}  // namespace
+
+std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>& sets,
+                      const std::string& out, bool progress) {
+  const Sweep sw = parse_sweep(sweep_file);
+  const TrainConfig base = parse_config(sw.base_toml, sweep_file.string());
+  const fs::path root = out.empty() ? fs::path("runs") / base.name : fs::path(out);
+  // every configuration is built and checked before the first run starts
+  std::vector<Job> jobs;
+  for (const auto& method : sw.methods)
+    for (const auto& [setting, overrides] : sw.settings)
+      for (const int64_t seed : sw.seeds) {
+        TrainConfig c = base;
+        for (const auto& s : sets) apply_override(c, s);
+        for (const auto& s : overrides) apply_override(c, s);
+        c.model.mechanism = method;
+        c.seed = seed;
+        const std::string folder = method_folder(method) + (setting.empty() ? "" : "-" + setting);
+        c.name = folder + "-s" + std::to_string(seed);
+        c.validate();
+        jobs.push_back({method, setting, seed, c, root / folder / ("s" + std::to_string(seed))});
+      }
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const auto& j = jobs[i];
+    if (fs::exists(j.dir / "summary.json")) continue;  // finished earlier
+    if (progress)
+      fmt::print(stderr, "sweep: run {}/{}: {} seed {}{}\n", i + 1, jobs.size(), j.method, j.seed,
+                 j.setting.empty() ? "" : " (" + j.setting + ")");
+    RunOptions o;
+    o.out = j.dir;
+    o.resume = true;
+    o.progress = progress;
+    run_training(j.config, o);
+  }
+  // the table: mean and sample std over seeds of the final loss and accuracy at each length
+  std::map<std::pair<std::string, std::string>,
+           std::map<int64_t, std::vector<std::pair<double, double>>>>
+      agg;
+  std::vector<std::pair<std::string, std::string>> order;
+  std::string csv = "method,setting,seed,length,loss,accuracy,perplexity,wall_s\n";
+  std::vector<int64_t> lengths;
+  for (const auto& j : jobs) {
+    std::ifstream in(j.dir / "summary.json");
+    const auto s = nlohmann::json::parse(in, nullptr, false);
+    if (s.is_discarded())
+      throw InputError(fmt::format("sweep: '{}' is corrupt", (j.dir / "summary.json").string()));
+    const auto key = std::make_pair(j.method, j.setting);
+    if (!agg.count(key)) order.push_back(key);
+    for (const auto& e : s["final_eval"]) {
+      const int64_t L = e["length"];
+      agg[key][L].push_back({e["loss"].get<double>(), e["accuracy"].get<double>()});
+      if (std::find(lengths.begin(), lengths.end(), L) == lengths.end()) lengths.push_back(L);
+      csv += fmt::format("{},{},{},{},{:.9g},{:.9g},{:.9g},{:.3f}\n", j.method, j.setting, j.seed,
+                         L, e["loss"].get<double>(), e["accuracy"].get<double>(),
+                         e["perplexity"].get<double>(), s["wall_s"].get<double>());
+    }
+  }
+  std::string md = fmt::format(
+      "| method |{}\n|---|{}\n",
+      [&] {
+        std::string h;
+        for (auto L : lengths) h += fmt::format(" loss@{} | acc@{} |", L, L);
+        return h;
+      }(),
+      [&] {
+        std::string h;
+        for (size_t i = 0; i < lengths.size(); ++i) h += "---:|---:|";
+        return h;
+      }());
+  for (const auto& key : order) {
+    md += "| " + key.first + (key.second.empty() ? "" : " (" + key.second + ")") + " |";
+    for (auto L : lengths) {
+      std::vector<double> loss, acc;
+      for (const auto& [l, a] : agg[key][L]) {
+        loss.push_back(l);
+        acc.push_back(a);
+      }
+      md += fmt::format(" {:.4f} ± {:.4f} | {:.4f} ± {:.4f} |", mean(loss), sample_std(loss),
+                        mean(acc), sample_std(acc));
+    }
+    md += "\n";
+  }
+  md += fmt::format("\nmean ± sample std over seeds {}\n", [&] {
+    std::string s;
+    for (auto x : sw.seeds) s += (s.empty() ? "" : ", ") + std::to_string(x);
+    return s;
+  }());
+  fs::create_directories(root);
+  write_file_atomic(root / "summary.md", md);
+  write_file_atomic(root / "results.csv", csv);
+  return md;
+}
+
+}  // namespace relpos::train

@@ -1,0 +1,28 @@
+// Sweeps: methods x seeds x settings from one TOML file.
+//
+// A sweep file is a training configuration (train/config.hpp) plus a [sweep] table:
+//   [sweep]
+//   methods = ["nope", "rope", "jordan(m=2, regime=stabilized)"]   # model.mechanism values
+//   seeds = [0, 1, 2]
+//   settings = { lr3 = ["optim.lr=1e-3"], long = ["task.train_length=2048"] }  # optional
+// Each combination runs in OUT/METHOD[-SETTING]/s<SEED> with resume on; a run whose
+// summary.json exists is skipped, so a killed sweep continues where it stopped. The summary
+// (mean and sample std over seeds) is written as OUT/summary.md and OUT/results.csv.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "train/trainer.hpp"
+
+namespace relpos::train {
+
+// Returns the Markdown summary table.
+std::string run_sweep(const std::filesystem::path& sweep_file, const std::vector<std::string>& sets,
+                      const std::string& out, bool progress);
+
+// A folder-safe name for a method spec: "jordan(m=2, regime=raw)" -> "jordan_m2_regime_raw".
+std::string method_folder(const std::string& spec);
+
+}  // namespace relpos::train

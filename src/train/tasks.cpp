@@ -1,0 +1,133 @@
+// The tasks of tasks/ behind the training loop's Task interface.
+#include <fmt/format.h>
+
+#include "core/types.hpp"
+#include "tasks/corpus.hpp"
+#include "tasks/midi.hpp"
+#include "tasks/query_lm.hpp"
+#include "tasks/text_lm.hpp"
+#include "train/task.hpp"
+
+namespace relpos::train {
+
+namespace {
+
+torch::Tensor long_tensor(const std::vector<int64_t>& v, int64_t rows, int64_t cols) {
+  return torch::tensor(v, torch::kLong).view({rows, cols});
+}
+
+// The synthetic query-LM (jordan-rope.md 3.4-3.5): bits then QUERY; the label of the last position
+// is the teacher's sign; loss over the logits of tokens 0 and 1 at the last position only.
+class QueryLmTask : public Task {
+ public:
+  explicit QueryLmTask(const TrainConfig& c)
+      : cfg_(config_of(c)), seed_(c.seed), stream_(tasks::query_lm_train_stream(cfg_, c.seed)) {}
+  int64_t vocab() const override { return 3; }
+  int64_t classes() const override { return 2; }
+  bool language_model() const override { return false; }
+  Batch next_train_batch(int64_t batch) override {
+    return to_batch(stream_.next(cfg_.seq_len_train, batch));
+  }
+  std::vector<Batch> eval_set(int64_t length) override {
+    std::vector<Batch> out;
+    for (const auto& b : tasks::query_lm_eval_set(cfg_, seed_, length)) out.push_back(to_batch(b));
+    return out;
+  }
+
+ private:
+  static tasks::QueryLmConfig config_of(const TrainConfig& c) {
+    tasks::QueryLmConfig q;
+    q.benchmark = c.task.benchmark;
+    q.seq_len_train = c.task.train_length;
+    // the teacher's frequency uses the model's head dim (omega = theta^(-2 i / d_head))
+    q.d_model = c.model.d_model;
+    q.n_heads = c.model.heads;
+    q.eval_lengths = c.eval.lengths;
+    q.eval_batches = c.eval.batches;
+    q.eval_batch_size = c.eval.batch_size;
+    tasks::QueryLmTeacher check(q);  // a bad benchmark name fails here, before training
+    return q;
+  }
+  static Batch to_batch(const tasks::QueryLmBatch& b) {
+    Batch out;
+    out.tokens = long_tensor(b.tokens, b.batch, b.length);
+    out.targets = torch::full({b.batch, b.length}, -1, torch::kLong);
+    out.targets.select(1, b.length - 1).copy_(torch::tensor(b.labels, torch::kLong));
+    return out;
+  }
+  tasks::QueryLmConfig cfg_;
+  int64_t seed_;
+  tasks::QueryLmGenerator stream_;
+};
+
+// Next-token prediction on a token corpus (bytes, characters, MIDI events) with the reference's
+// window sampling: random training windows from one generator per seed, fixed evaluation windows.
+class CorpusLmTask : public Task {
+ public:
+  CorpusLmTask(const TrainConfig& c, tasks::TokenCorpus corpus)
+      : corpus_(std::move(corpus)),
+        protocol_(protocol_of(c)),
+        sampler_(static_cast<int64_t>(corpus_.train.size()), c.task.train_length,
+                 tasks::lm_train_generator_seed(protocol_, c.seed)),
+        eval_starts_(
+            tasks::lm_eval_starts(static_cast<int64_t>(corpus_.validation.size()), protocol_)) {}
+  int64_t vocab() const override { return corpus_.vocab_size; }
+  Batch next_train_batch(int64_t batch) override {
+    return windows(corpus_.train, sampler_.next_starts(batch), protocol_.seq_len_train);
+  }
+  std::vector<Batch> eval_set(int64_t length) override {
+    for (const auto& e : eval_starts_)
+      if (e.length == length) {
+        std::vector<Batch> out;
+        for (const auto& starts : e.batches)
+          out.push_back(windows(corpus_.validation, starts, length));
+        return out;
+      }
+    throw InputError(fmt::format("evaluation length {} is not in eval.lengths", length));
+  }
+
+ private:
+  static tasks::LmProtocol protocol_of(const TrainConfig& c) {
+    tasks::LmProtocol p;
+    p.seq_len_train = c.task.train_length;
+    p.batch_size = c.optim.batch;
+    p.train_steps = c.optim.steps;
+    p.eval_lengths = c.eval.lengths;
+    p.eval_batches = c.eval.batches;
+    p.eval_batch_size = c.eval.batch_size;
+    return p;
+  }
+  static Batch windows(const std::vector<int64_t>& tokens, const std::vector<int64_t>& starts,
+                       int64_t T) {
+    const int64_t B = static_cast<int64_t>(starts.size());
+    const auto w = long_tensor(tasks::gather_windows(tokens, starts, T), B, T + 1);
+    return {w.narrow(1, 0, T).contiguous(), w.narrow(1, 1, T).contiguous()};
+  }
+  tasks::TokenCorpus corpus_;
+  tasks::LmProtocol protocol_;
+  tasks::WindowSampler sampler_;
+  std::vector<tasks::EvalStarts> eval_starts_;
+};
+
+tasks::TokenCorpus load_corpus(const TaskConfig& t) {
+  const bool split = t.validation_path.empty();
+  if (t.kind == "bytes")
+    return split ? tasks::byte_corpus_split(t.path, t.validation_fraction)
+                 : tasks::byte_corpus(t.path, t.validation_path);
+  if (t.kind == "chars")
+    return (split ? tasks::char_corpus_split(t.path, t.validation_fraction)
+                  : tasks::char_corpus(t.path, t.validation_path))
+        .tokens;
+  tasks::MidiCorpusOptions o;
+  o.eval_fraction = t.validation_fraction;
+  return tasks::load_midi_corpus(t.path, o).tokens;
+}
+
+}  // namespace
+
+std::unique_ptr<Task> make_task(const TrainConfig& c) {
+  if (c.task.kind == "query_lm") return std::make_unique<QueryLmTask>(c);
+  return std::make_unique<CorpusLmTask>(c, load_corpus(c.task));
+}
+
+}  // namespace relpos::train

@@ -1,0 +1,378 @@
+#include "train/trainer.hpp"
+
+#include <fmt/format.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numbers>
+#include <sstream>
+#include <thread>
+
+#include "core/files.hpp"
+#include "core/types.hpp"
+#include "train/task.hpp"
+
+namespace relpos::train {
+
+namespace fs = std::filesystem;
+namespace F = torch::nn::functional;
+
+double learning_rate(const OptimConfig& o, int64_t step) {
+  if (step < o.warmup) return o.lr * static_cast<double>(step + 1) / static_cast<double>(o.warmup);
+  if (o.schedule == "constant") return o.lr;
+  const double span = std::max<int64_t>(o.steps - o.warmup - 1, 1);
+  const double progress = std::min(1.0, static_cast<double>(step - o.warmup) / span);
+  return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + std::cos(std::numbers::pi * progress));
+}
+
+namespace {
+
+// Loss over the targets that are not -1, scoring the first `classes` logits.
+torch::Tensor loss_of(const torch::Tensor& logits, const Batch& b, int64_t classes) {
+  return F::cross_entropy(logits.narrow(-1, 0, classes).reshape({-1, classes}),
+                          b.targets.reshape({-1}), F::CrossEntropyFuncOptions().ignore_index(-1));
+}
+
+double accuracy_of(const torch::Tensor& logits, const Batch& b, int64_t classes) {
+  const auto pred = logits.narrow(-1, 0, classes).argmax(-1);
+  const auto scored = b.targets >= 0;
+  return ((pred == b.targets) & scored).sum().item<double>() /
+         std::max(1.0, scored.sum().item<double>());
+}
+
+// Loss and accuracy at each length: means over the evaluation set of the per-batch means (the
+// papers' protocol).
+std::vector<EvalResult> evaluate(models::TransformerLMImpl& model, Task& task,
+                                 const std::vector<int64_t>& lengths, int64_t step) {
+  torch::NoGradGuard no_grad;
+  model.eval();
+  std::vector<EvalResult> out;
+  for (const int64_t T : lengths) {
+    double loss = 0, acc = 0;
+    const auto set = task.eval_set(T);
+    for (const auto& b : set) {
+      const auto logits = model.forward(b.tokens);
+      loss += loss_of(logits, b, task.classes()).item<double>();
+      acc += accuracy_of(logits, b, task.classes());
+    }
+    const double n = static_cast<double>(set.size());
+    out.push_back({step, T, loss / n, acc / n, std::exp(loss / n)});
+  }
+  model.train();
+  return out;
+}
+
+// Refuses an evaluation length whose forward would not fit in memory, before training starts.
+// Activations of one layer dominate: about 16 floats per token and model dim (qkv, transformed
+// copies, attention output, MLP of ratio r), plus the logits.
+void check_memory(const TrainConfig& c, int64_t vocab) {
+  const auto& m = c.model;
+  int64_t longest = c.task.train_length;
+  for (auto l : c.eval.lengths) longest = std::max(longest, l);
+  const double tokens = static_cast<double>(longest) *
+                        static_cast<double>(std::max(c.eval.batch_size, c.optim.batch));
+  const double bytes =
+      4.0 * tokens *
+      (static_cast<double>(m.d_model) * (12.0 + 2.0 * static_cast<double>(m.mlp_ratio)) *
+           std::max<double>(1, static_cast<double>(m.layers)) +
+       static_cast<double>(vocab));
+  const double available =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  if (bytes > 0.8 * available)
+    throw InputError(fmt::format(
+        "config: sequences of {} tokens (batch {}) need about {:.1f} GB of activations, more than "
+        "this machine's {:.1f} GB; lower eval.lengths / task.train_length / the batch",
+        longest, std::max(c.eval.batch_size, c.optim.batch), bytes / 1e9, available / 1e9));
+}
+
+// ---- files
+// ---------------------------------------------------------------------------------------
+
+constexpr const char* kCsvHeader =
+    "step,split,length,loss,accuracy,perplexity,lr,grad_norm,tokens_per_s,elapsed_s";
+
+struct Metrics {
+  std::vector<std::string> rows;  // CSV lines without the header
+  void add_eval(const EvalResult& e, double elapsed) {
+    rows.push_back(fmt::format("{},eval,{},{:.9g},{:.9g},{:.9g},,,,{:.3f}", e.step, e.length,
+                               e.loss, e.accuracy, e.perplexity, elapsed));
+  }
+  std::string csv() const {
+    std::string s = std::string(kCsvHeader) + "\n";
+    for (const auto& r : rows) s += r + "\n";
+    return s;
+  }
+  // Rows of an earlier attempt up to `step` (a resumed run continues after them).
+  static Metrics read(const fs::path& path, int64_t step) {
+    Metrics m;
+    std::ifstream in(path);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      const auto comma = line.find(',');
+      if (comma == std::string::npos) continue;
+      try {
+        if (std::stoll(line.substr(0, comma)) <= step) m.rows.push_back(line);
+      } catch (const std::exception&) {
+      }
+    }
+    return m;
+  }
+};
+
+struct Checkpoint {
+  int64_t step = 0;
+  double elapsed = 0;
+  int64_t tokens = 0;
+};
+
+void save_checkpoint(const fs::path& path, models::TransformerLMImpl& model,
+                     torch::optim::AdamW& opt, const Checkpoint& ck) {
+  torch::serialize::OutputArchive archive, model_archive, opt_archive;
+  model.save(model_archive);
+  opt.save(opt_archive);
+  archive.write("model", model_archive);
+  archive.write("optimizer", opt_archive);
+  archive.write("step", torch::tensor(ck.step, torch::kLong));
+  archive.write("elapsed", torch::tensor(ck.elapsed, torch::kDouble));
+  archive.write("tokens", torch::tensor(ck.tokens, torch::kLong));
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  fs::create_directories(path.parent_path());
+  write_file_atomic(path, bytes.str());
+}
+
+Checkpoint load_checkpoint(const fs::path& path, models::TransformerLMImpl& model,
+                           torch::optim::AdamW& opt) {
+  torch::serialize::InputArchive archive, model_archive, opt_archive;
+  try {
+    archive.load_from(path.string());
+    archive.read("model", model_archive);
+    archive.read("optimizer", opt_archive);
+    model.load(model_archive);
+    opt.load(opt_archive);
+    torch::Tensor step, elapsed, tokens;
+    archive.read("step", step);
+    archive.read("elapsed", elapsed);
+    archive.read("tokens", tokens);
+    return {step.item<int64_t>(), elapsed.item<double>(), tokens.item<int64_t>()};
+  } catch (const c10::Error& e) {
+    throw InputError(fmt::format("checkpoint '{}' is corrupt or from another model: {}",
+                                 path.string(), e.what_without_backtrace()));
+  }
+}
+
+// ---- progress on stderr
+// ----------------------------------------------------------------------------
+
+class Progress {
+ public:
+  Progress(bool on, int64_t total) : on_(on), tty_(isatty(2) != 0), total_(total) {}
+  void update(int64_t step, double loss, double tokens_per_s, double elapsed, int64_t first_step) {
+    if (!on_) return;
+    const double done = static_cast<double>(step - first_step);
+    const double eta = done > 0 ? elapsed / done * static_cast<double>(total_ - step) : 0;
+    const std::string line = fmt::format("step {}/{}  loss {:.4f}  {:.0f} tok/s  ETA {:.0f}s", step,
+                                         total_, loss, tokens_per_s, eta);
+    if (tty_) {
+      const int width = 30;
+      const int filled = static_cast<int>(width * step / std::max<int64_t>(total_, 1));
+      fmt::print(stderr, "\r[{}{}] {}", std::string(filled, '#'), std::string(width - filled, ' '),
+                 line);
+    } else {
+      fmt::print(stderr, "{}\n", line);
+    }
+  }
+  void done() {
+    if (on_ && tty_) fmt::print(stderr, "\n");
+  }
+
+ private:
+  bool on_, tty_;
+  int64_t total_;
+};
+
+}  // namespace
+
+std::string mechanism_stats_json(models::TransformerLMImpl& model) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (auto& block : model.blocks()) {
+    const auto kp = block->encoding()->kernel_params();
+    nlohmann::json j;
+    const auto mean_abs = [](const torch::Tensor& t) {
+      return t.defined() && t.numel() ? t.detach().abs().mean().item<double>() : 0.0;
+    };
+    j["gamma"] = mean_abs(kp.gamma);
+    j["abs_eta"] = mean_abs(kp.eta);
+    j["abs_gates"] = mean_abs(kp.gates);
+    layers.push_back(j);
+  }
+  return layers.dump();
+}
+
+RunResult run_training(const TrainConfig& c, const RunOptions& o) {
+  // ---- setup: everything that can fail on bad input fails here, before the first step
+  c.validate();
+  if (c.device != "cpu")
+    throw InputError("device = cuda: the CUDA engine is not built yet (issue 16); use cpu");
+  const int threads = c.threads > 0
+                          ? static_cast<int>(c.threads)
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(threads);
+  omp_set_num_threads(threads);
+  const bool main_rank = o.replicas.rank == 0;
+  const int world = o.replicas.world;
+  if (c.optim.batch % world)
+    throw InputError(
+        fmt::format("optim.batch {} is not divisible by the {} workers", c.optim.batch, world));
+  auto task = make_task(c);
+  models::ModelConfig mc = c.model;
+  mc.vocab = task->vocab();
+  check_memory(c, mc.vocab);
+  torch::manual_seed(static_cast<uint64_t>(c.seed));  // the model's initialisation
+  models::TransformerLM model(mc);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(c.optim.lr)
+                                                   .betas({c.optim.beta1, c.optim.beta2})
+                                                   .eps(c.optim.eps)
+                                                   .weight_decay(c.optim.weight_decay));
+  const fs::path ckpt_path = o.out / "checkpoints" / "last.pt";
+  Checkpoint ck;
+  Metrics metrics;
+  if (o.resume && fs::exists(ckpt_path)) {
+    ck = load_checkpoint(ckpt_path, *model, opt);
+    metrics = Metrics::read(o.out / "metrics.csv", ck.step);
+    // the stream is a function of the seed: replay it to where the checkpoint stopped
+    for (int64_t s = 0; s < ck.step; ++s) task->next_train_batch(c.optim.batch);
+  } else if (o.replicas.broadcast_parameters) {
+    o.replicas.broadcast_parameters(model->parameters());
+  }
+  if (main_rank) {
+    fs::create_directories(o.out);
+    write_file_atomic(o.out / "config.toml", c.to_toml());
+  }
+
+  // ---- the loop
+  const auto params = model->parameters();
+  const int64_t local = c.optim.batch / world, T = c.task.train_length;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto elapsed = [&] {
+    return ck.elapsed +
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  Progress progress(o.progress && main_rank, c.optim.steps);
+  const int64_t first_step = ck.step;
+  double loss_sum = 0, grad_norm = 0;
+  int64_t loss_count = 0;
+  RunResult result;
+  model->train();
+  for (int64_t step = ck.step; step < c.optim.steps; ++step) {
+    const double lr = learning_rate(c.optim, step);
+    for (auto& group : opt.param_groups()) group.options().set_lr(lr);
+
+    // every worker draws the global batch and trains on its own rows of it
+    Batch batch = task->next_train_batch(c.optim.batch);
+    if (world > 1)
+      batch = {batch.tokens.narrow(0, o.replicas.rank * local, local),
+               batch.targets.narrow(0, o.replicas.rank * local, local)};
+
+    const auto logits = model->forward(batch.tokens);
+    const auto loss = loss_of(logits, batch, task->classes());
+    opt.zero_grad();
+    loss.backward();
+    if (world > 1) o.replicas.average_gradients(params);
+    grad_norm = c.optim.clip > 0 ? torch::nn::utils::clip_grad_norm_(params, c.optim.clip) : 0.0;
+    opt.step();
+
+    loss_sum += loss.item<double>();
+    ++loss_count;
+    ck.step = step + 1;
+    ck.tokens += c.optim.batch * T;
+    const bool last = ck.step == c.optim.steps;
+    if (ck.step % c.log_every == 0 || last) {
+      const double tps = static_cast<double>(ck.tokens) / std::max(elapsed(), 1e-9);
+      metrics.rows.push_back(fmt::format("{},train,{},{:.9g},,,{:.9g},{:.6g},{:.1f},{:.3f}",
+                                         ck.step, T, loss_sum / loss_count, lr, grad_norm, tps,
+                                         elapsed()));
+      progress.update(ck.step, loss_sum / loss_count, tps,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                      first_step);
+      loss_sum = 0;
+      loss_count = 0;
+    }
+    if ((c.eval.every > 0 && ck.step % c.eval.every == 0) || last) {
+      const auto ev = evaluate(*model, *task, c.eval.lengths, ck.step);
+      for (const auto& e : ev) metrics.add_eval(e, elapsed());
+      if (last) result.final_eval = ev;
+    }
+    if (main_rank) {
+      if ((c.checkpoint_every > 0 && ck.step % c.checkpoint_every == 0) || last) {
+        // metrics first: a checkpoint never points past the rows on disk
+        write_file_atomic(o.out / "metrics.csv", metrics.csv());
+        Checkpoint now = ck;
+        now.elapsed = elapsed();
+        save_checkpoint(ckpt_path, *model, opt, now);
+      } else if (ck.step % c.log_every == 0) {
+        write_file_atomic(o.out / "metrics.csv", metrics.csv());
+      }
+    }
+  }
+  progress.done();
+  if (result.final_eval.empty())  // resumed after the last step: evaluate the final model
+    result.final_eval = evaluate(*model, *task, c.eval.lengths, ck.step);
+
+  // ---- summary
+  result.steps = ck.step;
+  result.wall_s = elapsed();
+  result.tokens_per_s = static_cast<double>(ck.tokens) / std::max(result.wall_s, 1e-9);
+  result.parameters = model->parameter_count();
+  if (main_rank) {
+    nlohmann::json s;
+    s["name"] = c.name;
+    s["mechanism"] = c.model.mechanism;
+    s["seed"] = c.seed;
+    s["steps"] = result.steps;
+    s["parameters"] = result.parameters;
+    s["wall_s"] = result.wall_s;
+    s["tokens_per_s"] = result.tokens_per_s;
+    s["threads"] = threads;
+    s["workers"] = world;
+    double train_len_loss = NAN;
+    for (const auto& e : result.final_eval)
+      if (e.length == c.task.train_length) train_len_loss = e.loss;
+    nlohmann::json ev = nlohmann::json::array();
+    for (const auto& e : result.final_eval)
+      ev.push_back(
+          {{"length", e.length},
+           {"loss", e.loss},
+           {"accuracy", e.accuracy},
+           {"perplexity", e.perplexity},
+           {"delta_loss", std::isnan(train_len_loss) ? nlohmann::json()
+                                                     : nlohmann::json(e.loss - train_len_loss)}});
+    s["final_eval"] = ev;
+    s["mechanism_stats"] = nlohmann::json::parse(mechanism_stats_json(*model));
+    write_file_atomic(o.out / "summary.json", s.dump(2) + "\n");
+  }
+  return result;
+}
+
+std::vector<EvalResult> evaluate_run(const fs::path& run_dir, const std::vector<int64_t>& lengths) {
+  TrainConfig c = load_config(run_dir / "config.toml");
+  if (!lengths.empty()) c.eval.lengths = lengths;
+  c.validate();
+  auto task = make_task(c);
+  models::ModelConfig mc = c.model;
+  mc.vocab = task->vocab();
+  check_memory(c, mc.vocab);
+  models::TransformerLM model(mc);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(c.optim.lr));
+  const fs::path ckpt = run_dir / "checkpoints" / "last.pt";
+  if (!fs::exists(ckpt)) throw InputError(fmt::format("no checkpoint at '{}'", ckpt.string()));
+  const auto ck = load_checkpoint(ckpt, *model, opt);
+  return evaluate(*model, *task, c.eval.lengths, ck.step);
+}
+
+}  // namespace relpos::train

@@ -1,0 +1,66 @@
+// The training loop (train/trainer.cpp reads top to bottom): model and optimiser from the
+// configuration, the task's training stream, AdamW with global-norm clipping and a warmup +
+// constant/cosine schedule, evaluation at several lengths, atomic checkpoints, resume.
+//
+// A run writes OUT/{config.toml, metrics.csv, summary.json, checkpoints/last.pt} (only rank 0 of
+// a data-parallel run writes). `resume` continues from checkpoints/last.pt: the model, the
+// optimiser state and the step are restored and the data stream is replayed to that step, so a
+// killed run ends with the same metrics as an uninterrupted one.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "models/transformer.hpp"
+#include "train/config.hpp"
+
+namespace relpos::train {
+
+// How gradients meet across data-parallel workers (train/distributed.hpp provides one over c10d);
+// the default is a single process.
+struct Replicas {
+  int rank = 0;
+  int world = 1;
+  std::function<void(const std::vector<torch::Tensor>&)> broadcast_parameters;  // from rank 0
+  std::function<void(const std::vector<torch::Tensor>&)> average_gradients;
+};
+
+struct RunOptions {
+  std::filesystem::path out;  // the run's folder
+  bool resume = false;
+  bool progress = true;  // progress on stderr (a bar on a terminal, plain lines otherwise)
+  Replicas replicas;
+};
+
+struct EvalResult {
+  int64_t step = 0;
+  int64_t length = 0;
+  double loss = 0, accuracy = 0, perplexity = 0;
+};
+
+struct RunResult {
+  int64_t steps = 0;
+  std::vector<EvalResult> final_eval;  // at the last step, one per evaluation length
+  double wall_s = 0;
+  double tokens_per_s = 0;  // training tokens per second (all workers)
+  int64_t parameters = 0;
+};
+
+RunResult run_training(const TrainConfig& c, const RunOptions& o);
+
+// Loads RUN_DIR/config.toml and RUN_DIR/checkpoints/last.pt and evaluates at `lengths` (the run's
+// eval.lengths when empty). No position rescaling: the model runs at each length as trained.
+std::vector<EvalResult> evaluate_run(const std::filesystem::path& run_dir,
+                                     const std::vector<int64_t>& lengths);
+
+// Learning rate at `step` (0-based): linear warmup, then constant or cosine to min_lr.
+double learning_rate(const OptimConfig& o, int64_t step);
+
+// Mechanism statistics per layer (mean gamma, mean |eta|, mean |gates| over heads and blocks) as
+// JSON text, for summaries and `relpos eval`.
+std::string mechanism_stats_json(models::TransformerLMImpl& model);
+
+}  // namespace relpos::train

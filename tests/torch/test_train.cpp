@@ -1,0 +1,195 @@
+// The training harness: configuration parsing with named errors, the learning-rate schedule, a
+// tiny query-LM run end to end (files, resume after the end, reproducibility), sweeps.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/types.hpp"
+#include "train/config.hpp"
+#include "train/sweep.hpp"
+#include "train/trainer.hpp"
+
+using namespace relpos;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+fs::path temp_dir(const std::string& name) {
+  const auto d =
+      fs::temp_directory_path() / ("relpos-test-" + name + "-" + std::to_string(getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// A query-LM small enough for a test: 1 layer, d 32, T 24, 8 steps.
+train::TrainConfig tiny(const std::string& mechanism = "jordan(m=2, regime=raw)") {
+  train::TrainConfig c;
+  c.name = "tiny";
+  c.threads = 1;
+  c.model.d_model = 32;
+  c.model.heads = 2;
+  c.model.layers = 1;
+  c.model.mechanism = mechanism;
+  c.task.train_length = 24;
+  c.optim.steps = 8;
+  c.optim.batch = 4;
+  c.optim.lr = 3e-3;
+  c.eval.every = 4;
+  c.eval.lengths = {24, 48};
+  c.eval.batches = 3;
+  c.eval.batch_size = 2;
+  c.checkpoint_every = 4;
+  c.log_every = 2;
+  return c;
+}
+
+}  // namespace
+
+TEST(TrainConfig, ParsesOverridesAndRoundTrips) {
+  auto c = train::parse_config(R"(
+name = "t5"
+seed = 2
+[model]
+mechanism = "rope"
+d_model = 64
+heads = 2
+[optim]
+lr = 1e-3
+[eval]
+lengths = [64, 128]
+)",
+                               "test.toml");
+  EXPECT_EQ(c.name, "t5");
+  EXPECT_EQ(c.seed, 2);
+  EXPECT_EQ(c.model.d_model, 64);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 1e-3);
+  EXPECT_EQ(c.eval.lengths, (std::vector<int64_t>{64, 128}));
+  train::apply_override(c, "model.mechanism=jordan(m=2, regime=raw)");
+  train::apply_override(c, "optim.steps=7");
+  train::apply_override(c, "model.preset=pj");
+  EXPECT_EQ(c.model.mechanism, "jordan(m=2, regime=raw)");
+  EXPECT_EQ(c.optim.steps, 7);
+  EXPECT_EQ(c.model.preset, models::Preset::PJ);
+  const auto back = train::parse_config(c.to_toml(), "round trip");
+  EXPECT_EQ(back.to_toml(), c.to_toml());
+}
+
+TEST(TrainConfig, BadConfigsNameTheProblem) {
+  EXPECT_NE(error_of([] {
+              train::parse_config("[optim]\nlearning_rate = 1", "a.toml");
+            }).find("unknown key 'optim.learning_rate'"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              train::parse_config("seed = \"x\"", "a.toml");
+            }).find("'seed' must be an integer"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { train::parse_config("seed = ", "a.toml"); }).find("a.toml:1"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { train::load_config("/nonexistent/x.toml"); }).find("does not exist"),
+            std::string::npos);
+  auto c = tiny();
+  c.model.d_model = 33;
+  EXPECT_NE(error_of([&] { c.validate(); }).find("not divisible"), std::string::npos);
+  c = tiny();
+  c.task.kind = "bytes";
+  EXPECT_NE(error_of([&] { c.validate(); }).find("needs task.path"), std::string::npos);
+  c.task.path = "/nonexistent/file.txt";
+  train::RunOptions o;
+  o.out = temp_dir("badpath");
+  o.progress = false;
+  EXPECT_NE(error_of([&] { train::run_training(c, o); }).find("/nonexistent/file.txt"),
+            std::string::npos);
+  c = tiny();
+  c.eval.lengths = {int64_t{1} << 22};
+  c.eval.batch_size = 1 << 20;
+  EXPECT_NE(error_of([&] { train::run_training(c, o); }).find("GB of activations"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(o.out / "metrics.csv"));  // nothing trained
+}
+
+TEST(TrainSchedule, WarmupThenCosine) {
+  train::OptimConfig o;
+  o.steps = 101;
+  o.lr = 1.0;
+  o.warmup = 10;
+  o.schedule = "cosine";
+  o.min_lr = 0.1;
+  EXPECT_DOUBLE_EQ(train::learning_rate(o, 0), 0.1);
+  EXPECT_DOUBLE_EQ(train::learning_rate(o, 9), 1.0);
+  EXPECT_DOUBLE_EQ(train::learning_rate(o, 10), 1.0);
+  EXPECT_NEAR(train::learning_rate(o, 100), 0.1, 1e-12);
+  o.schedule = "constant";
+  EXPECT_DOUBLE_EQ(train::learning_rate(o, 50), 1.0);
+}
+
+TEST(TrainRun, TinyQueryLmWritesFilesAndIsReproducible) {
+  const auto dir = temp_dir("tiny");
+  train::RunOptions o;
+  o.out = dir / "a";
+  o.progress = false;
+  const auto c = tiny();
+  const auto a = train::run_training(c, o);
+  ASSERT_EQ(a.final_eval.size(), 2u);
+  for (const auto& e : a.final_eval) EXPECT_TRUE(std::isfinite(e.loss));
+  for (const char* f : {"config.toml", "metrics.csv", "summary.json", "checkpoints/last.pt"})
+    EXPECT_TRUE(fs::exists(o.out / f)) << f;
+  // the same seed again gives the same numbers
+  o.out = dir / "b";
+  const auto b = train::run_training(c, o);
+  EXPECT_EQ(a.final_eval[1].loss, b.final_eval[1].loss);
+  // resuming a finished run changes nothing
+  o.resume = true;
+  const auto again = train::run_training(c, o);
+  EXPECT_EQ(again.final_eval[1].loss, b.final_eval[1].loss);
+  EXPECT_EQ(train::evaluate_run(dir / "a", {24})[0].loss, a.final_eval[0].loss);
+}
+
+TEST(TrainRun, ResumeFromAMidRunCheckpointEndsTheSame) {
+  // stop after 4 of 8 steps (a run configured for 4 steps writes the same checkpoint at step 4
+  // with a constant learning rate), then continue to 8
+  const auto dir = temp_dir("resume");
+  train::RunOptions o;
+  o.progress = false;
+  o.out = dir / "full";
+  const auto full = train::run_training(tiny(), o);
+  auto half = tiny();
+  half.optim.steps = 4;
+  o.out = dir / "split";
+  train::run_training(half, o);
+  o.resume = true;
+  const auto resumed = train::run_training(tiny(), o);
+  ASSERT_EQ(resumed.final_eval.size(), full.final_eval.size());
+  for (size_t i = 0; i < full.final_eval.size(); ++i)
+    EXPECT_EQ(resumed.final_eval[i].loss, full.final_eval[i].loss);
+}
+
+TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
+  const auto dir = temp_dir("sweep");
+  auto c = tiny();
+  c.optim.steps = 2;
+  c.eval.every = 0;
+  c.eval.lengths = {24};
+  std::ofstream(dir / "sweep.toml")
+      << c.to_toml() << "\n[sweep]\nmethods = [\"nope\", \"rope + alibi\"]\nseeds = [0, 1]\n";
+  const auto md = train::run_sweep(dir / "sweep.toml", {}, (dir / "out").string(), false);
+  EXPECT_NE(md.find("| rope + alibi |"), std::string::npos) << md;
+  EXPECT_TRUE(fs::exists(dir / "out" / "rope_alibi" / "s1" / "summary.json"));
+  EXPECT_TRUE(fs::exists(dir / "out" / "summary.md"));
+  // a second call skips every finished run (their summaries are left untouched)
+  const auto t = fs::last_write_time(dir / "out" / "nope" / "s0" / "summary.json");
+  train::run_sweep(dir / "sweep.toml", {}, (dir / "out").string(), false);
+  EXPECT_EQ(fs::last_write_time(dir / "out" / "nope" / "s0" / "summary.json"), t);
+  EXPECT_EQ(train::method_folder("jordan(m=2, regime=raw)"), "jordan_m2_regime_raw");
+}
