@@ -21,8 +21,6 @@ std::string method_folder(const std::string& spec) {
   for (const char ch : spec) {
     if (std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '-') {
       out += ch;
-    } else if (ch == '=' || ch == '/') {
-      continue;  // m=2 -> m2
     } else if (!out.empty() && out.back() != '_') {
       out += '_';
     }
@@ -154,17 +152,19 @@ std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>
         for (const auto& s : overrides) apply_override(c, s);
         c.model.mechanism = method;
         c.seed = seed;
-        const std::string folder = method_folder(method) + (setting.empty() ? "" : "-" + setting);
-        c.name = folder + "-s" + std::to_string(seed);
+        const std::string folder = setting.empty()
+                                       ? method_folder(method)
+                                       : fmt::format("{}-{}", method_folder(method), setting);
+        c.name = fmt::format("{}-s{}", folder, seed);
         c.validate();
-        jobs.push_back({method, setting, seed, c, root / folder / ("s" + std::to_string(seed))});
+        jobs.push_back({method, setting, seed, c, root / folder / fmt::format("s{}", seed)});
       }
   for (size_t i = 0; i < jobs.size(); ++i) {
     const auto& j = jobs[i];
     if (fs::exists(j.dir / "summary.json")) continue;  // finished earlier
     if (progress)
       fmt::print(stderr, "sweep: run {}/{}: {} seed {}{}\n", i + 1, jobs.size(), j.method, j.seed,
-                 j.setting.empty() ? "" : " (" + j.setting + ")");
+                 j.setting.empty() ? std::string() : fmt::format(" ({})", j.setting));
     RunOptions o;
     o.out = j.dir;
     o.resume = true;
@@ -207,7 +207,8 @@ std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>
         return h;
       }());
   for (const auto& key : order) {
-    md += "| " + key.first + (key.second.empty() ? "" : " (" + key.second + ")") + " |";
+    md += key.second.empty() ? fmt::format("| {} |", key.first)
+                             : fmt::format("| {} ({}) |", key.first, key.second);
     for (auto L : lengths) {
       std::vector<double> loss, acc;
       for (const auto& [l, a] : agg[key][L]) {
@@ -221,7 +222,7 @@ std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>
   }
   md += fmt::format("\nmean ± sample std over seeds {}\n", [&] {
     std::string s;
-    for (auto x : sw.seeds) s += (s.empty() ? "" : ", ") + std::to_string(x);
+    for (auto x : sw.seeds) s += fmt::format("{}{}", s.empty() ? "" : ", ", x);
     return s;
   }());
   fs::create_directories(root);

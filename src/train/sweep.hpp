@@ -22,7 +22,7 @@ namespace relpos::train {
 std::string run_sweep(const std::filesystem::path& sweep_file, const std::vector<std::string>& sets,
                       const std::string& out, bool progress);
 
-// A folder-safe name for a method spec: "jordan(m=2, regime=raw)" -> "jordan_m2_regime_raw".
+// A folder-safe name for a method spec: "jordan(m=2, regime=raw)" -> "jordan_m_2_regime_raw".
 std::string method_folder(const std::string& spec);
 
 }  // namespace relpos::train

@@ -191,5 +191,5 @@ TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
   const auto t = fs::last_write_time(dir / "out" / "nope" / "s0" / "summary.json");
   train::run_sweep(dir / "sweep.toml", {}, (dir / "out").string(), false);
   EXPECT_EQ(fs::last_write_time(dir / "out" / "nope" / "s0" / "summary.json"), t);
-  EXPECT_EQ(train::method_folder("jordan(m=2, regime=raw)"), "jordan_m2_regime_raw");
+  EXPECT_EQ(train::method_folder("jordan(m=2, regime=raw)"), "jordan_m_2_regime_raw");
 }
