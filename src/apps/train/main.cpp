@@ -5,8 +5,10 @@
 //   sweep  --config SWEEP.toml [--resume]: methods x seeds x settings, finished runs skipped
 // Exit codes as the CLI (docs/errors.md): 0 ok, 2 bad input, 3 a bug.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -60,6 +62,15 @@ void run_train(const TrainArgs& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // OpenMP threads that spin between parallel regions (libgomp's default) lose whole scheduler
+  // quanta at every barrier when the machine has other work: a training step of many small ops
+  // ran 10x slower than with one thread on a loaded 2-core VM (docs/performance.md). Sleeping
+  // waits cost microseconds instead. libgomp reads the policy when it loads, before main, so the
+  // program restarts itself once with it set (a user's own setting is kept).
+  if (!std::getenv("OMP_WAIT_POLICY")) {
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    execv("/proc/self/exe", argv);  // on failure, continue with the default policy
+  }
   CLI::App app{"relpos-train: transformer LMs with any mechanism (train, eval, sweep)"};
   app.require_subcommand(1);
 
