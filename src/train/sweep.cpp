@@ -40,74 +40,67 @@ struct Sweep {
   std::vector<std::pair<std::string, std::vector<std::string>>> settings{{"", {}}};
 };
 
-Sweep parse_sweep(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in)
-    throw InputError(fmt::format("sweep file '{}' does not exist or is unreadable", path.string()));
-  std::ostringstream text;
-  text << in.rdbuf();
+Sweep parse_sweep(const std::string& text, const std::string& source) {
   toml::table root;
   try {
-    root = toml::parse(text.str(), path.string());
+    root = toml::parse(std::string_view(text), std::string_view(source));
   } catch (const toml::parse_error& e) {
-    throw InputError(
-        fmt::format("{}:{}: {}", path.string(), e.source().begin.line, e.description()));
+    throw InputError(fmt::format("{}:{}: {}", source, e.source().begin.line, e.description()));
   }
   Sweep s;
   const auto* sw = root.get_as<toml::table>("sweep");
-  if (!sw) throw InputError(fmt::format("{}: no [sweep] table", path.string()));
+  if (!sw) throw InputError(fmt::format("{}: no [sweep] table", source));
   for (const auto& [k, v] : *sw) {
     const std::string key(k.str());
     if (key == "methods") {
       const auto* a = v.as_array();
       if (!a || a->empty())
         throw InputError(
-            fmt::format("{}: sweep.methods must be a non-empty array of strings", path.string()));
+            fmt::format("{}: sweep.methods must be a non-empty array of strings", source));
       for (const auto& e : *a) {
         const auto str = e.value<std::string>();
-        if (!str) throw InputError(fmt::format("{}: sweep.methods must be strings", path.string()));
+        if (!str) throw InputError(fmt::format("{}: sweep.methods must be strings", source));
         s.methods.push_back(*str);
       }
     } else if (key == "seeds") {
       const auto* a = v.as_array();
       if (!a || a->empty())
         throw InputError(
-            fmt::format("{}: sweep.seeds must be a non-empty array of integers", path.string()));
+            fmt::format("{}: sweep.seeds must be a non-empty array of integers", source));
       s.seeds.clear();
       for (const auto& e : *a) {
         const auto i = e.value_exact<int64_t>();
         if (!i || *i < 0)
-          throw InputError(fmt::format("{}: sweep.seeds must be integers >= 0", path.string()));
+          throw InputError(fmt::format("{}: sweep.seeds must be integers >= 0", source));
         s.seeds.push_back(*i);
       }
     } else if (key == "settings") {
       const auto* t = v.as_table();
       if (!t)
         throw InputError(
-            fmt::format("{}: sweep.settings must be a table of override lists", path.string()));
+            fmt::format("{}: sweep.settings must be a table of override lists", source));
       s.settings.clear();
       for (const auto& [name, list] : *t) {
         std::vector<std::string> sets;
         const auto* a = list.as_array();
         if (!a)
           throw InputError(fmt::format("{}: sweep.settings.{} must be an array of \"key=value\"",
-                                       path.string(), name.str()));
+                                       source, name.str()));
         for (const auto& e : *a) {
           const auto str = e.value<std::string>();
           if (!str)
             throw InputError(
-                fmt::format("{}: sweep.settings.{} must hold strings", path.string(), name.str()));
+                fmt::format("{}: sweep.settings.{} must hold strings", source, name.str()));
           sets.push_back(*str);
         }
         s.settings.push_back({std::string(name.str()), sets});
       }
     } else {
-      throw InputError(fmt::format("{}: unknown key 'sweep.{}' (valid: methods, seeds, settings)",
-                                   path.string(), key));
+      throw InputError(
+          fmt::format("{}: unknown key 'sweep.{}' (valid: methods, seeds, settings)", source, key));
     }
   }
-  if (s.methods.empty())
-    throw InputError(fmt::format("{}: sweep.methods is missing", path.string()));
+  if (s.methods.empty()) throw InputError(fmt::format("{}: sweep.methods is missing", source));
   root.erase("sweep");
   std::ostringstream base;
   base << root;
@@ -137,10 +130,11 @@ double sample_std(const std::vector<double>& v) {
 
 }  // namespace
 
-std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>& sets,
-                      const std::string& out, bool progress) {
-  const Sweep sw = parse_sweep(sweep_file);
-  const TrainConfig base = parse_config(sw.base_toml, sweep_file.string());
+SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
+                            const std::vector<std::string>& sets, const std::string& out,
+                            bool progress) {
+  const Sweep sw = parse_sweep(text, source);
+  const TrainConfig base = parse_config(sw.base_toml, source);
   const fs::path root = out.empty() ? fs::path("runs") / base.name : fs::path(out);
   // every configuration is built and checked before the first run starts
   std::vector<Job> jobs;
@@ -228,7 +222,27 @@ std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>
   fs::create_directories(root);
   write_file_atomic(root / "summary.md", md);
   write_file_atomic(root / "results.csv", csv);
-  return md;
+  SweepOutcome outcome;
+  outcome.markdown = md;
+  outcome.folder = root;
+  for (const auto& key : order) {
+    const std::string label =
+        key.second.empty() ? key.first : fmt::format("{} ({})", key.first, key.second);
+    outcome.methods.push_back(label);
+    outcome.results[label] = agg[key];
+  }
+  return outcome;
+}
+
+std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>& sets,
+                      const std::string& out, bool progress) {
+  std::ifstream in(sweep_file);
+  if (!in)
+    throw InputError(
+        fmt::format("sweep file '{}' does not exist or is unreadable", sweep_file.string()));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return run_sweep_text(text.str(), sweep_file.string(), sets, out, progress).markdown;
 }
 
 }  // namespace relpos::train

@@ -11,12 +11,25 @@
 #pragma once
 
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "train/trainer.hpp"
 
 namespace relpos::train {
+
+// What a sweep produced: the Markdown table and, per method ("METHOD (SETTING)" with settings),
+// per length, the final (loss, accuracy) of each seed.
+struct SweepOutcome {
+  std::string markdown;
+  std::filesystem::path folder;
+  std::vector<std::string> methods;
+  std::map<std::string, std::map<int64_t, std::vector<std::pair<double, double>>>> results;
+};
+SweepOutcome run_sweep_text(const std::string& toml_text, const std::string& source,
+                            const std::vector<std::string>& sets, const std::string& out,
+                            bool progress);
 
 // Returns the Markdown summary table.
 std::string run_sweep(const std::filesystem::path& sweep_file, const std::vector<std::string>& sets,
