@@ -7,7 +7,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 pkgs=(cmake ninja-build g++ pkg-config libeigen3-dev libgtest-dev libbenchmark-dev
-      libcli11-dev nlohmann-json3-dev libtomlplusplus-dev libfmt-dev libopenblas0-pthread gnuplot-nox
+      libcli11-dev nlohmann-json3-dev libtomlplusplus-dev libfmt-dev libgloo-dev libopenblas0-pthread
+      gnuplot-nox
       python3 python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do

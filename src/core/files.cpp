@@ -7,9 +7,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <fstream>
+#include <string_view>
 
 #include "core/parse.hpp"
 #include "core/types.hpp"
@@ -94,26 +97,116 @@ void OutputDir::finish() {
   fs::remove(dir_ / kMarker, ec);
 }
 
-int run_program(const std::vector<std::string>& argv, const fs::path& cwd) {
-  if (argv.empty()) return -1;
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addchdir_np(&actions, cwd.c_str());
-  pid_t pid = 0;
-  const int rc = ::posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) return -1;
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0)
-    if (errno != EINTR) return -1;
+namespace {
+
+int exit_status(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return -1;
+}
+
+// The caller's environment with `overrides` set: built here rather than with setenv, which would
+// change the whole process's environment under other threads.
+std::vector<std::string> child_environment(
+    const std::vector<std::pair<std::string, std::string>>& overrides) {
+  std::vector<std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    const std::string_view kv(*e);
+    const bool replaced = std::any_of(overrides.begin(), overrides.end(), [&](const auto& o) {
+      return kv.size() > o.first.size() && kv.substr(0, o.first.size()) == o.first &&
+             kv[o.first.size()] == '=';
+    });
+    if (!replaced) env.emplace_back(kv);
+  }
+  for (const auto& [k, v] : overrides) env.push_back(k + "=" + v);
+  return env;
+}
+
+std::vector<char*> c_strings(const std::vector<std::string>& v) {
+  std::vector<char*> out;
+  for (const auto& s : v) out.push_back(const_cast<char*>(s.c_str()));
+  out.push_back(nullptr);
+  return out;
+}
+
+}  // namespace
+
+ChildProcess::ChildProcess(const std::vector<std::string>& argv, const SpawnOptions& options) {
+  if (argv.empty()) throw InputError("no program to start");
+  const auto env = child_environment(options.env);
+  auto args = c_strings(argv);
+  auto envp = c_strings(env);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (options.quiet) {
+    posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  }
+  if (!options.cwd.empty()) posix_spawn_file_actions_addchdir_np(&actions, options.cwd.c_str());
+  pid_t pid = 0;
+  const int rc = ::posix_spawn(&pid, args[0], &actions, nullptr, args.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0)
+    throw InputError(fmt::format("cannot start '{}': {}", brief(argv[0]), std::strerror(rc)));
+  pid_ = pid;
+}
+
+ChildProcess::~ChildProcess() {
+  if (pid_ > 0 && !status_) {
+    ::kill(pid_, SIGKILL);
+    wait();
+  }
+}
+
+ChildProcess::ChildProcess(ChildProcess&& other) noexcept
+    : pid_(std::exchange(other.pid_, -1)), status_(other.status_) {}
+
+ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
+  if (this != &other) {
+    ChildProcess old(std::move(*this));  // ends the child we held, if any
+    pid_ = std::exchange(other.pid_, -1);
+    status_ = other.status_;
+  }
+  return *this;
+}
+
+std::optional<int> ChildProcess::poll() {
+  if (status_ || pid_ <= 0) return status_;
+  int status = 0;
+  pid_t r;
+  while ((r = ::waitpid(pid_, &status, WNOHANG)) < 0 && errno == EINTR) {
+  }
+  if (r == pid_)
+    status_ = exit_status(status);
+  else if (r < 0)
+    status_ = -1;  // not our child any more (reaped elsewhere): report a failure
+  return status_;
+}
+
+int ChildProcess::wait() {
+  if (status_ || pid_ <= 0) return status_.value_or(-1);
+  int status = 0;
+  while (::waitpid(pid_, &status, 0) < 0)
+    if (errno != EINTR) {
+      status_ = -1;
+      return -1;
+    }
+  status_ = exit_status(status);
+  return *status_;
+}
+
+void ChildProcess::signal(int sig) {
+  if (pid_ > 0 && !status_) ::kill(pid_, sig);
+}
+
+int run_program(const std::vector<std::string>& argv, const fs::path& cwd) {
+  if (argv.empty()) return -1;
+  try {
+    ChildProcess child(argv, SpawnOptions{cwd, {}, true});
+    return child.wait();
+  } catch (const InputError&) {
+    return -1;  // could not be started
+  }
 }
 
 }  // namespace relpos

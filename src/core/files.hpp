@@ -3,7 +3,9 @@
 #pragma once
 
 #include <filesystem>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace relpos {
@@ -40,5 +42,36 @@ class OutputDir {
 // posix_spawn: no shell ever sees the arguments. stdout and stderr go to /dev/null. Returns the
 // exit status (128 + signal when killed; -1 when the program could not be started).
 int run_program(const std::vector<std::string>& argv, const std::filesystem::path& cwd);
+
+struct SpawnOptions {
+  std::filesystem::path cwd;  // empty: the caller's working directory
+  // variables set (or replaced) in the child's environment; the rest is the caller's
+  std::vector<std::pair<std::string, std::string>> env;
+  bool quiet = false;  // stdout and stderr to /dev/null (else the caller's)
+};
+
+// One child process started through posix_spawn (no shell), not waited for. The destructor kills
+// (SIGKILL) and reaps a child that is still running, so that no child outlives its owner or stays
+// a zombie when an exception unwinds.
+class ChildProcess {
+ public:
+  // Starts `argv[0]` (a path) with arguments argv[1..]; InputError naming it when that fails.
+  ChildProcess(const std::vector<std::string>& argv, const SpawnOptions& options = {});
+  ~ChildProcess();
+  ChildProcess(ChildProcess&& other) noexcept;
+  ChildProcess& operator=(ChildProcess&& other) noexcept;
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  int pid() const { return pid_; }
+  // the exit status (128 + signal when killed) once the child has ended; nullopt while it runs
+  std::optional<int> poll();
+  int wait();            // blocks until the child ends; its exit status
+  void signal(int sig);  // no-op once the child has been reaped
+
+ private:
+  int pid_ = -1;
+  std::optional<int> status_;
+};
 
 }  // namespace relpos

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -13,6 +14,7 @@
 #include "core/files.hpp"
 #include "core/mechanism.hpp"
 #include "core/registry.hpp"
+#include "core/types.hpp"
 
 using namespace relpos;
 namespace fs = std::filesystem;
@@ -112,6 +114,32 @@ TEST(Files, RunProgramPassesArgumentsVerbatimWithoutAShell) {
   EXPECT_FALSE(fs::exists(d.path / "PWNED"));
   EXPECT_EQ(run_program({"/nonexistent/program"}, d.path), -1);
   EXPECT_EQ(run_program({"/bin/false"}, d.path), 1);
+}
+
+TEST(Files, ChildProcessesGetTheirEnvironmentAndAreNeverLeftRunning) {
+  // printenv exits 0 when the variable is set, 1 when not
+  SpawnOptions o;
+  o.quiet = true;
+  o.env = {{"RELPOS_CHILD_TEST", "1; rm -rf /"}};
+  EXPECT_EQ(ChildProcess({"/usr/bin/printenv", "RELPOS_CHILD_TEST"}, o).wait(), 0);
+  EXPECT_EQ(
+      ChildProcess({"/usr/bin/printenv", "RELPOS_CHILD_TEST"}, SpawnOptions{{}, {}, true}).wait(),
+      1);
+  EXPECT_THROW(ChildProcess({"/nonexistent/program"}), InputError);
+
+  ChildProcess sleeper({"/bin/sleep", "30"});
+  EXPECT_FALSE(sleeper.poll().has_value());
+  sleeper.signal(SIGTERM);
+  EXPECT_EQ(sleeper.wait(), 128 + SIGTERM);
+  EXPECT_EQ(sleeper.poll(), std::optional<int>(128 + SIGTERM));
+
+  int pid = 0;
+  {
+    ChildProcess forgotten({"/bin/sleep", "30"});
+    pid = forgotten.pid();
+    ChildProcess moved = std::move(forgotten);  // the moved-from one owns nothing
+  }                                             // killed and reaped here
+  EXPECT_NE(::kill(pid, 0), 0);
 }
 
 TEST(Files, OutputDirsWithHostileNamesWork) {
