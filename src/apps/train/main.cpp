@@ -17,6 +17,7 @@
 #include "core/parse.hpp"
 #include "core/types.hpp"
 #include "train/config.hpp"
+#include "train/distributed.hpp"
 #include "train/sweep.hpp"
 #include "train/trainer.hpp"
 
@@ -47,16 +48,28 @@ void print_eval(const std::vector<train::EvalResult>& ev) {
     fmt::print("| {} | {:.4f} | {:.4f} | {:.3f} |\n", e.length, e.loss, e.accuracy, e.perplexity);
 }
 
-void run_train(const TrainArgs& a) {
-  const auto c = resolve(a);
+// --nproc N starts N local workers of this program (c10d rendezvous over loopback); a worker,
+// or a program started by another launcher, finds RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
+int run_train(const TrainArgs& a, const std::vector<std::string>& argv) {
+  const auto c = resolve(a);  // a bad configuration fails before any worker starts
+  if (a.nproc > 1) return train::launch_local(a.nproc, train::without_nproc(argv));
+  const train::DataParallel dp(train::DistConfig::from_environment());
   train::RunOptions o;
   o.out = a.out.empty() ? fs::path("runs") / c.name : fs::path(a.out);
   o.resume = a.resume;
   o.progress = !a.quiet;
+  o.replicas.rank = dp.rank();
+  o.replicas.world = dp.world_size();
+  o.replicas.broadcast_parameters = [&dp](const std::vector<torch::Tensor>& p) { dp.broadcast(p); };
+  o.replicas.average_gradients = [&dp](const std::vector<torch::Tensor>& p) {
+    dp.allreduce_gradients(p);
+  };
   const auto r = train::run_training(c, o);
+  if (!dp.is_main()) return 0;
   fmt::print("{}: {} steps, {} parameters, {:.1f} s, {:.0f} tokens/s -> {}\n", c.name, r.steps,
              r.parameters, r.wall_s, r.tokens_per_s, o.out.string());
   print_eval(r.final_eval);
+  return 0;
 }
 
 }  // namespace
@@ -81,7 +94,11 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--out", ta.out, "Run folder (default runs/NAME)");
   train_cmd->add_flag("--resume", ta.resume, "Continue from OUT/checkpoints/last.pt");
   train_cmd->add_flag("--quiet", ta.quiet, "No progress on stderr");
-  train_cmd->callback([&] { run_train(ta); });
+  train_cmd->add_option("--nproc", ta.nproc, "Data-parallel local workers (c10d, Gloo)")
+      ->check(CLI::Range(1, 256));
+  int exit_code = 0;
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  train_cmd->callback([&] { exit_code = run_train(ta, args); });
 
   std::string ckpt;
   std::vector<int64_t> lengths;
@@ -118,9 +135,12 @@ int main(int argc, char** argv) {
   } catch (const InputError& e) {
     std::cerr << "relpos: error: " << brief(e.what(), 1000) << "\n";
     return 2;
+  } catch (const train::DistributedError& e) {  // a peer that never joined, a lost connection
+    std::cerr << "relpos: error: " << brief(e.what(), 1000) << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "relpos: internal error (please report): " << brief(e.what(), 1000) << "\n";
     return 3;
   }
-  return 0;
+  return exit_code;
 }
