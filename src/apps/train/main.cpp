@@ -2,7 +2,8 @@
 // LibTorch and runs this program from its own directory with the arguments verbatim).
 //   train  --config FILE.toml | flags, --set section.key=value, --out DIR, --resume, --nproc N
 //   eval   --checkpoint RUN_DIR [--lengths L,...]
-//   sweep  --config SWEEP.toml [--resume]: methods x seeds x settings, finished runs skipped
+//   sweep  --config SWEEP.toml: methods x seeds x settings, finished runs skipped
+//   reproduce NAME --scale paper|cpu: a paper table from experiments/NAME.toml
 // Exit codes as the CLI (docs/errors.md): 0 ok, 2 bad input, 3 a bug.
 #include <fmt/format.h>
 #include <unistd.h>
@@ -18,6 +19,7 @@
 #include "core/types.hpp"
 #include "train/config.hpp"
 #include "train/distributed.hpp"
+#include "train/reproduce.hpp"
 #include "train/sweep.hpp"
 #include "train/trainer.hpp"
 
@@ -124,6 +126,19 @@ int main(int argc, char** argv) {
   sweep_cmd->callback([&] {
     const auto md = train::run_sweep(sweep_config, ta.sets, ta.out, !sweep_quiet);
     fmt::print("{}", md);
+  });
+
+  std::string experiment, scale = "cpu";
+  auto* repro_cmd = app.add_subcommand(
+      "reproduce", "Run a paper table (experiments/NAME.toml) and print it beside the paper's");
+  repro_cmd->add_option("name", experiment, "Experiment name (experiments/NAME.toml)")->required();
+  repro_cmd->add_option("--scale", scale, "paper (the paper's sizes; for a GPU) or cpu")
+      ->check(CLI::IsMember({"paper", "cpu"}));
+  repro_cmd->add_option("--set", ta.sets, "Override for every run: section.key=value");
+  repro_cmd->add_option("--out", ta.out, "Folder (default runs/reproduce/NAME-SCALE)");
+  repro_cmd->add_flag("--quiet", sweep_quiet, "No progress on stderr");
+  repro_cmd->callback([&] {
+    fmt::print("{}", train::reproduce(experiment, scale, ta.sets, ta.out, !sweep_quiet));
   });
 
   try {

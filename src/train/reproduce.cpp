@@ -1,0 +1,281 @@
+#include "train/reproduce.hpp"
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+
+#include "core/files.hpp"
+#include "core/types.hpp"
+#include "train/sweep.hpp"
+
+#ifndef RELPOS_SOURCE_EXPERIMENTS
+#define RELPOS_SOURCE_EXPERIMENTS "experiments"
+#endif
+
+namespace relpos::train {
+
+namespace fs = std::filesystem;
+
+fs::path experiments_dir() {
+  if (const char* env = std::getenv("RELPOS_EXPERIMENTS")) return env;
+  return RELPOS_SOURCE_EXPERIMENTS;
+}
+
+namespace {
+
+struct Column {
+  std::string metric;  // loss | accuracy | perplexity
+  int64_t length = 0;
+};
+
+Column parse_column(const std::string& s, const std::string& source) {
+  const auto at = s.find('@');
+  Column c;
+  if (at != std::string::npos) {
+    c.metric = s.substr(0, at);
+    try {
+      c.length = std::stoll(s.substr(at + 1));
+    } catch (const std::exception&) {
+      c.length = 0;
+    }
+  }
+  if (c.length <= 0 || (c.metric != "loss" && c.metric != "accuracy" && c.metric != "perplexity"))
+    throw InputError(fmt::format(
+        "{}: column '{}' must be METRIC@LENGTH (loss, accuracy, perplexity)", source, s));
+  return c;
+}
+
+std::vector<std::string> strings(const toml::node* n, const std::string& what,
+                                 const std::string& source) {
+  std::vector<std::string> out;
+  if (!n) return out;
+  const auto* a = n->as_array();
+  if (!a) throw InputError(fmt::format("{}: {} must be an array of strings", source, what));
+  for (const auto& e : *a) {
+    const auto v = e.value<std::string>();
+    if (!v) throw InputError(fmt::format("{}: {} must be an array of strings", source, what));
+    out.push_back(*v);
+  }
+  return out;
+}
+
+// mean and sample std over seeds of one metric
+std::pair<double, double> stat(const std::vector<std::pair<double, double>>& runs,
+                               const std::string& metric) {
+  std::vector<double> v;
+  for (const auto& [loss, acc] : runs)
+    v.push_back(metric == "loss" ? loss : metric == "accuracy" ? acc : std::exp(loss));
+  if (v.empty()) return {NAN, NAN};
+  const double m = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+  double s = 0;
+  for (double x : v) s += (x - m) * (x - m);
+  return {m, v.size() > 1 ? std::sqrt(s / static_cast<double>(v.size() - 1)) : NAN};
+}
+
+std::string pm(double m, double s) {
+  if (std::isnan(m)) return "-";
+  return std::isnan(s) ? fmt::format("{:.4f}", m) : fmt::format("{:.4f} ± {:.4f}", m, s);
+}
+
+// Spearman's rank correlation (average ranks for ties).
+double spearman(const std::vector<double>& a, const std::vector<double>& b) {
+  const auto ranks = [](const std::vector<double>& x) {
+    std::vector<size_t> idx(x.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    std::sort(idx.begin(), idx.end(), [&](size_t i, size_t j) { return x[i] < x[j]; });
+    std::vector<double> r(x.size());
+    for (size_t i = 0; i < idx.size();) {
+      size_t j = i;
+      while (j + 1 < idx.size() && x[idx[j + 1]] == x[idx[i]]) ++j;
+      for (size_t k = i; k <= j; ++k) r[idx[k]] = 0.5 * static_cast<double>(i + j);
+      i = j + 1;
+    }
+    return r;
+  };
+  const auto ra = ranks(a), rb = ranks(b);
+  const double ma = std::accumulate(ra.begin(), ra.end(), 0.0) / static_cast<double>(ra.size()),
+               mb = std::accumulate(rb.begin(), rb.end(), 0.0) / static_cast<double>(rb.size());
+  double num = 0, da = 0, db = 0;
+  for (size_t i = 0; i < ra.size(); ++i) {
+    num += (ra[i] - ma) * (rb[i] - mb);
+    da += (ra[i] - ma) * (ra[i] - ma);
+    db += (rb[i] - mb) * (rb[i] - mb);
+  }
+  return da > 0 && db > 0 ? num / std::sqrt(da * db) : NAN;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  if (!in) throw InputError(fmt::format("experiment file '{}' does not exist", p.string()));
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+std::string reproduce(const std::string& name, const std::string& scale,
+                      const std::vector<std::string>& sets, const std::string& out, bool progress) {
+  const fs::path file = experiments_dir() / fmt::format("{}.toml", name);
+  if (name.empty() || name.find('/') != std::string::npos || !fs::exists(file)) {
+    std::string known;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(experiments_dir(), ec))
+      if (e.path().extension() == ".toml")
+        known += fmt::format("{}{}", known.empty() ? "" : ", ", e.path().stem().string());
+    throw InputError(fmt::format("no experiment '{}' in {} (known: {})", name,
+                                 experiments_dir().string(), known.empty() ? "none" : known));
+  }
+  const std::string source = file.string();
+  toml::table root;
+  try {
+    root = toml::parse(std::string_view(read_text(file)), std::string_view(source));
+  } catch (const toml::parse_error& e) {
+    throw InputError(fmt::format("{}:{}: {}", source, e.source().begin.line, e.description()));
+  }
+  const auto* rep = root.get_as<toml::table>("reproduce");
+  if (!rep) throw InputError(fmt::format("{}: no [reproduce] table", source));
+  const toml::table report = *rep;
+  toml::table scales;
+  if (const auto* s = root.get_as<toml::table>("scale")) scales = *s;
+  root.erase("reproduce");
+  root.erase("scale");
+  auto* sweep = root.get_as<toml::table>("sweep");
+  if (!sweep) throw InputError(fmt::format("{}: no [sweep] table", source));
+
+  std::vector<std::string> methods = strings(sweep->get("methods"), "sweep.methods", source);
+  std::vector<std::string> paper_columns =
+      strings(report.get("columns"), "reproduce.columns", source);
+  std::vector<std::string> our_columns = paper_columns;
+  std::vector<std::string> all_sets;
+  if (scale != "paper") {
+    const auto* sc = scales.get_as<toml::table>(scale);
+    if (!sc) {
+      std::string known = "paper";
+      for (const auto& [k, v] : scales) known += fmt::format(", {}", k.str());
+      throw InputError(fmt::format("{}: no scale '{}' (known: {})", source, scale, known));
+    }
+    all_sets = strings(sc->get("set"), "scale.set", source);
+    if (const auto* m = sc->get("methods")) {
+      methods = strings(m, "scale.methods", source);
+      sweep->insert_or_assign("methods", *m->as_array());
+    }
+    if (const auto* s = sc->get("seeds")) sweep->insert_or_assign("seeds", *s->as_array());
+    if (sc->get("columns")) our_columns = strings(sc->get("columns"), "scale.columns", source);
+  }
+  for (const auto& s : sets) all_sets.push_back(s);
+  if (our_columns.size() != paper_columns.size())
+    throw InputError(
+        fmt::format("{}: scale.columns must have one entry per reproduce.columns", source));
+  const auto labels = strings(report.get("labels"), "reproduce.labels", source);
+  if (!labels.empty() && labels.size() != methods.size())
+    throw InputError(fmt::format("{}: reproduce.labels must have one entry per method", source));
+  const fs::path folder = out.empty()
+                              ? fs::path("runs") / "reproduce" / fmt::format("{}-{}", name, scale)
+                              : fs::path(out);
+  std::ostringstream sweep_text;
+  sweep_text << root;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto outcome =
+      run_sweep_text(sweep_text.str(), source, all_sets, folder.string(), progress);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  const auto label_of = [&](size_t i) { return labels.empty() ? methods[i] : labels[i]; };
+  const auto title = report.get("title") ? report.get("title")->value_or(std::string(name)) : name;
+  std::string md = fmt::format("## {} ({} scale)\n\n", title, scale);
+  const std::string kind =
+      report.get("kind") ? report.get("kind")->value_or(std::string("rows")) : "rows";
+  if (kind == "rows") {
+    const auto* paper = report.get_as<toml::array>("paper");
+    md += "| method |";
+    std::string rule = "|---|";
+    for (size_t c = 0; c < paper_columns.size(); ++c) {
+      md += fmt::format(" paper {} | ours {} |", paper_columns[c], our_columns[c]);
+      rule += "---:|---:|";
+    }
+    md += fmt::format("\n{}\n", rule);
+    std::vector<std::vector<double>> pm_paper(paper_columns.size()), pm_ours(paper_columns.size());
+    for (size_t i = 0; i < methods.size(); ++i) {
+      md += fmt::format("| {} |", label_of(i));
+      const auto* prow = paper && i < paper->size() ? (*paper)[i].as_array() : nullptr;
+      for (size_t c = 0; c < paper_columns.size(); ++c) {
+        const double pmean = prow && prow->size() > 2 * c ? (*prow)[2 * c].value_or(NAN) : NAN;
+        const double pstd =
+            prow && prow->size() > 2 * c + 1 ? (*prow)[2 * c + 1].value_or(NAN) : NAN;
+        const auto col = parse_column(our_columns[c], source);
+        const auto it = outcome.results.find(methods[i]);
+        const auto [m, s] = it == outcome.results.end() || !it->second.count(col.length)
+                                ? std::pair<double, double>{NAN, NAN}
+                                : stat(it->second.at(col.length), col.metric);
+        md += fmt::format(" {} | {} |", pm(pmean, pstd), pm(m, s));
+        if (!std::isnan(pmean) && !std::isnan(m)) {
+          pm_paper[c].push_back(pmean);
+          pm_ours[c].push_back(m);
+        }
+      }
+      md += "\n";
+    }
+    md += "\nOrdering against the paper (Spearman rank correlation of the means over methods):";
+    for (size_t c = 0; c < paper_columns.size(); ++c)
+      md += fmt::format(" {} vs {}: {:.2f};", paper_columns[c], our_columns[c],
+                        pm_paper[c].size() > 2 ? spearman(pm_paper[c], pm_ours[c]) : NAN);
+    md += "\n";
+  } else if (kind == "best") {
+    md +=
+        "| column | paper best | paper value | ours | our best | our value "
+        "|\n|---|---|---:|---|---|---:|\n";
+    const auto* best = report.get_as<toml::array>("best");
+    for (size_t c = 0; best && c < best->size(); ++c) {
+      const auto* b = (*best)[c].as_array();
+      if (!b || b->size() < 4)
+        throw InputError(
+            fmt::format("{}: reproduce.best rows are [column, method, mean, std]", source));
+      const std::string pcol = (*b)[0].value_or(std::string());
+      const auto pc = std::find(paper_columns.begin(), paper_columns.end(), pcol);
+      if (pc == paper_columns.end())
+        throw InputError(fmt::format("{}: reproduce.best column '{}' is not in reproduce.columns",
+                                     source, pcol));
+      const auto col =
+          parse_column(our_columns[static_cast<size_t>(pc - paper_columns.begin())], source);
+      // best = highest accuracy or lowest loss / perplexity over the methods' seed means
+      size_t arg = methods.size();
+      double bm = NAN, bs = NAN;
+      for (size_t i = 0; i < methods.size(); ++i) {
+        const auto it = outcome.results.find(methods[i]);
+        if (it == outcome.results.end() || !it->second.count(col.length)) continue;
+        const auto [m, s] = stat(it->second.at(col.length), col.metric);
+        const bool better = col.metric == "accuracy" ? m > bm : m < bm;
+        if (arg == methods.size() || better) {
+          arg = i;
+          bm = m;
+          bs = s;
+        }
+      }
+      md += fmt::format("| {} | {} | {} | {} | {} | {} |\n", pcol, (*b)[1].value_or(std::string()),
+                        pm((*b)[2].value_or(NAN), (*b)[3].value_or(NAN)),
+                        our_columns[static_cast<size_t>(pc - paper_columns.begin())],
+                        arg < methods.size() ? label_of(arg) : "-", pm(bm, bs));
+    }
+  } else {
+    throw InputError(fmt::format("{}: reproduce.kind must be rows or best", source));
+  }
+  md += fmt::format(
+      "\nRuns: {} (per-seed rows in results.csv); this call took {:.0f} s (finished runs are "
+      "reused).\n",
+      folder.string(), wall);
+  write_file_atomic(folder / "reproduce.md", md);
+  for (const auto& part : strings(report.get("parts"), "reproduce.parts", source))
+    md += fmt::format(
+        "\n{}",
+        reproduce(part, scale, sets,
+                  (folder.parent_path() / fmt::format("{}-{}", part, scale)).string(), progress));
+  return md;
+}
+
+}  // namespace relpos::train

@@ -1,0 +1,35 @@
+// `relpos reproduce NAME --scale paper|cpu`: one TOML file per paper table under experiments/,
+// run as a sweep and printed beside the paper's numbers.
+//
+// An experiment file is a sweep file (train/sweep.hpp) at the paper's scale plus:
+//   [reproduce]
+//   title = "..."
+//   kind = "rows"                     # one paper row per method: labels[i] is methods[i]
+//   labels = ["RoPE", ...]
+//   columns = ["accuracy@1024", ...]  # METRIC@LENGTH, METRIC in loss | accuracy | perplexity
+//   paper = [[0.969, 0.031, 0.781, 0.083], ...]   # per row: mean, std for each column
+//   # or kind = "best": the paper reports the best method per column
+//   best = [["accuracy@512", "Exact m=3 c=.1 eta0=.01", 0.9097, 0.0335], ...]
+//   parts = ["other-experiment", ...]  # optional: also run these files and print them after
+//   [scale.cpu]                        # a smaller protocol for 2 CPU cores
+//   set = ["task.train_length=512", ...]
+//   methods = [...]                    # optional: the same rows at the smaller scale
+//   columns = ["accuracy@512", ...]    # our column for each paper column
+//   seeds = [0, 1, 2]
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace relpos::train {
+
+// The folder of experiment files: $RELPOS_EXPERIMENTS, else the source tree's experiments/.
+std::filesystem::path experiments_dir();
+
+// Runs experiment NAME at `scale` into `out` (default runs/reproduce/NAME-SCALE) and returns the
+// report (Markdown), also written to OUT/reproduce.md. Finished runs are reused (resumable).
+std::string reproduce(const std::string& name, const std::string& scale,
+                      const std::vector<std::string>& sets, const std::string& out, bool progress);
+
+}  // namespace relpos::train
