@@ -12,7 +12,11 @@ namespace relpos::app {
 void add_reproduce_command(CLI::App& app) {
   auto a = std::make_shared<ProbeArgs>();
   std::string what;
-  auto* cmd = app.add_subcommand("reproduce", "Reproduce a paper experiment end to end");
+  auto* cmd = app.add_subcommand(
+      "reproduce",
+      "Reproduce a paper experiment end to end: jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, "
+      "16), or a trained experiment of experiments/ ('relpos reproduce jordan-t5 --scale cpu', run "
+      "by relpos-train: 'relpos reproduce NAME --help' lists its options)");
   cmd->add_option("experiment", a->suite, "jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, 16)")
       ->required();
   add_common_options(cmd, a);

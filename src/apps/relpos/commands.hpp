@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/parse.hpp"
 
@@ -36,5 +37,8 @@ void add_verify_command(CLI::App& app);
 void add_kernel_command(CLI::App& app);
 void add_probe_command(CLI::App&);
 void add_reproduce_command(CLI::App&);
+void add_torch_commands(CLI::App&);  // train, eval, sweep (relpos-train)
+// Runs `program` from this executable's directory with `args`, output shared; its exit status.
+int run_beside(const std::string& program, const std::vector<std::string>& args);
 
 }  // namespace relpos::app

@@ -12,15 +12,20 @@ int main(int argc, char** argv) {
   // OMP_NUM_THREADS to change), and a call starts in milliseconds.
   CLI::App app{
       "relpos: relative positional encodings for attention - list, verify, kernel, probe, "
-      "reproduce"};
+      "reproduce, train, eval, sweep"};
   app.require_subcommand(1);
   relpos::app::add_list_command(app);
   relpos::app::add_verify_command(app);
   relpos::app::add_kernel_command(app);
   relpos::app::add_probe_command(app);
   relpos::app::add_reproduce_command(app);
+  relpos::app::add_torch_commands(app);
   // Exit codes (docs/errors.md): 0 ok, 1 a check failed, 2 bad input, anything else a bug.
   try {
+    // a trained experiment (experiments/NAME.toml) is relpos-train's, with its own options
+    if (argc > 2 && std::string(argv[1]) == "reproduce" && argv[2][0] != '-' &&
+        std::string(argv[2]) != "jordan-basis")
+      return relpos::app::run_beside("relpos-train", {argv + 1, argv + argc});
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help and --version are "errors" with code 0 to CLI11; every real parse error is input

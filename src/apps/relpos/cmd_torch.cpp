@@ -1,0 +1,51 @@
+// relpos train | eval | sweep | reproduce <trained experiment>: the work that needs LibTorch runs
+// in relpos-train, a program of the LibTorch build that sits beside this one (this CLI links no
+// LibTorch so that it also builds with -DRELPOS_CORE_ONLY=ON). The arguments go through verbatim
+// (no shell); relpos exits with the program's status.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <system_error>
+
+#include "apps/relpos/commands.hpp"
+#include "core/files.hpp"
+#include "core/types.hpp"
+
+namespace relpos::app {
+
+namespace fs = std::filesystem;
+
+int run_beside(const std::string& program, const std::vector<std::string>& args) {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  const fs::path path = ec ? fs::path() : self.parent_path() / program;
+  if (path.empty() || !fs::is_regular_file(path, ec))
+    throw InputError(fmt::format(
+        "this needs the LibTorch build: {} was not found beside this relpos ({}); build without "
+        "-DRELPOS_CORE_ONLY=ON (scripts/build.sh)",
+        program, path.empty() ? std::string("/proc/self/exe unreadable") : path.string()));
+  std::vector<std::string> argv = {path.string()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  ChildProcess child(argv);
+  return child.wait();
+}
+
+void add_torch_commands(CLI::App& app) {
+  const std::vector<std::pair<std::string, std::string>> commands = {
+      {"train",
+       "Train a transformer LM with any mechanism (--config FILE.toml, --set k=v, --nproc N)"},
+      {"eval", "Evaluate a run's checkpoint at several lengths (--checkpoint RUN_DIR)"},
+      {"sweep", "Methods x seeds x settings from one TOML (--config SWEEP.toml), resumable"}};
+  for (const auto& [name, help] : commands) {
+    auto* cmd = app.add_subcommand(name, help + " [relpos-train]");
+    cmd->prefix_command();  // everything after the name goes to relpos-train as is
+    cmd->set_help_flag();   // --help too
+    cmd->callback([cmd, name = name] {
+      std::vector<std::string> args = {name};
+      for (const auto& a : cmd->remaining()) args.push_back(a);
+      if (const int rc = run_beside("relpos-train", args); rc != 0) throw ExitStatus{rc};
+    });
+  }
+}
+
+}  // namespace relpos::app
