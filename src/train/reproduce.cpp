@@ -118,10 +118,15 @@ std::string read_text(const fs::path& p) {
   return s.str();
 }
 
-}  // namespace
+// An experiment file at one scale: the sweep to run and what the report needs.
+struct Experiment {
+  std::string source, sweep_text;
+  toml::table report;
+  std::vector<std::string> methods, paper_columns, our_columns, labels, all_sets;
+};
 
-std::string reproduce(const std::string& name, const std::string& scale,
-                      const std::vector<std::string>& sets, const std::string& out, bool progress) {
+Experiment load_experiment(const std::string& name, const std::string& scale,
+                           const std::vector<std::string>& sets) {
   const fs::path file = experiments_dir() / fmt::format("{}.toml", name);
   if (name.empty() || name.find('/') != std::string::npos || !fs::exists(file)) {
     std::string known;
@@ -176,14 +181,29 @@ std::string reproduce(const std::string& name, const std::string& scale,
   const auto labels = strings(report.get("labels"), "reproduce.labels", source);
   if (!labels.empty() && labels.size() != methods.size())
     throw InputError(fmt::format("{}: reproduce.labels must have one entry per method", source));
+  std::ostringstream sweep_text;
+  sweep_text << root;
+  return {source, sweep_text.str(), report, methods, paper_columns, our_columns, labels, all_sets};
+}
+
+}  // namespace
+
+std::vector<TrainConfig> experiment_configs(const std::string& name, const std::string& scale,
+                                            const std::vector<std::string>& sets) {
+  const auto e = load_experiment(name, scale, sets);
+  return sweep_configs(e.sweep_text, e.source, e.all_sets);
+}
+
+std::string reproduce(const std::string& name, const std::string& scale,
+                      const std::vector<std::string>& sets, const std::string& out, bool progress) {
+  const auto ex = load_experiment(name, scale, sets);
+  const auto& [source, sweep_text_str, report, methods, paper_columns, our_columns, labels,
+               all_sets] = ex;
   const fs::path folder = out.empty()
                               ? fs::path("runs") / "reproduce" / fmt::format("{}-{}", name, scale)
                               : fs::path(out);
-  std::ostringstream sweep_text;
-  sweep_text << root;
   const auto t0 = std::chrono::steady_clock::now();
-  const auto outcome =
-      run_sweep_text(sweep_text.str(), source, all_sets, folder.string(), progress);
+  const auto outcome = run_sweep_text(sweep_text_str, source, all_sets, folder.string(), progress);
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   const auto label_of = [&](size_t i) { return labels.empty() ? methods[i] : labels[i]; };

@@ -22,10 +22,16 @@
 #include <string>
 #include <vector>
 
+#include "train/config.hpp"
+
 namespace relpos::train {
 
 // The folder of experiment files: $RELPOS_EXPERIMENTS, else the source tree's experiments/.
 std::filesystem::path experiments_dir();
+
+// The configuration of every run of experiment NAME at `scale` (checked; nothing runs).
+std::vector<TrainConfig> experiment_configs(const std::string& name, const std::string& scale,
+                                            const std::vector<std::string>& sets);
 
 // Runs experiment NAME at `scale` into `out` (default runs/reproduce/NAME-SCALE) and returns the
 // report (Markdown), also written to OUT/reproduce.md. Finished runs are reused (resumable).

@@ -115,28 +115,9 @@ struct Job {
   fs::path dir;
 };
 
-double mean(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x;
-  return s / static_cast<double>(v.size());
-}
-double sample_std(const std::vector<double>& v) {
-  if (v.size() < 2) return NAN;
-  const double m = mean(v);
-  double s = 0;
-  for (double x : v) s += (x - m) * (x - m);
-  return std::sqrt(s / static_cast<double>(v.size() - 1));
-}
-
-}  // namespace
-
-SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
-                            const std::vector<std::string>& sets, const std::string& out,
-                            bool progress) {
-  const Sweep sw = parse_sweep(text, source);
-  const TrainConfig base = parse_config(sw.base_toml, source);
-  const fs::path root = out.empty() ? fs::path("runs") / base.name : fs::path(out);
-  // every configuration is built and checked before the first run starts
+// Every run of a sweep, configured and checked before the first one starts.
+std::vector<Job> build_jobs(const Sweep& sw, const TrainConfig& base,
+                            const std::vector<std::string>& sets, const fs::path& root) {
   std::vector<Job> jobs;
   for (const auto& method : sw.methods)
     for (const auto& [setting, overrides] : sw.settings)
@@ -153,6 +134,40 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
         c.validate();
         jobs.push_back({method, setting, seed, c, root / folder / fmt::format("s{}", seed)});
       }
+  return jobs;
+}
+
+double mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return s / static_cast<double>(v.size());
+}
+double sample_std(const std::vector<double>& v) {
+  if (v.size() < 2) return NAN;
+  const double m = mean(v);
+  double s = 0;
+  for (double x : v) s += (x - m) * (x - m);
+  return std::sqrt(s / static_cast<double>(v.size() - 1));
+}
+
+}  // namespace
+
+std::vector<TrainConfig> sweep_configs(const std::string& text, const std::string& source,
+                                       const std::vector<std::string>& sets) {
+  const Sweep sw = parse_sweep(text, source);
+  std::vector<TrainConfig> out;
+  for (const auto& j : build_jobs(sw, parse_config(sw.base_toml, source), sets, "runs"))
+    out.push_back(j.config);
+  return out;
+}
+
+SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
+                            const std::vector<std::string>& sets, const std::string& out,
+                            bool progress) {
+  const Sweep sw = parse_sweep(text, source);
+  const TrainConfig base = parse_config(sw.base_toml, source);
+  const fs::path root = out.empty() ? fs::path("runs") / base.name : fs::path(out);
+  const std::vector<Job> jobs = build_jobs(sw, base, sets, root);
   for (size_t i = 0; i < jobs.size(); ++i) {
     const auto& j = jobs[i];
     if (fs::exists(j.dir / "summary.json")) continue;  // finished earlier

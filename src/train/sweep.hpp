@@ -31,6 +31,10 @@ SweepOutcome run_sweep_text(const std::string& toml_text, const std::string& sou
                             const std::vector<std::string>& sets, const std::string& out,
                             bool progress);
 
+// The configuration of every run of a sweep (checked), without running any.
+std::vector<TrainConfig> sweep_configs(const std::string& toml_text, const std::string& source,
+                                       const std::vector<std::string>& sets);
+
 // Returns the Markdown summary table.
 std::string run_sweep(const std::filesystem::path& sweep_file, const std::vector<std::string>& sets,
                       const std::string& out, bool progress);

@@ -5,9 +5,11 @@
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/types.hpp"
 #include "train/config.hpp"
+#include "train/reproduce.hpp"
 #include "train/sweep.hpp"
 #include "train/trainer.hpp"
 
@@ -192,4 +194,41 @@ TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
   train::run_sweep(dir / "sweep.toml", {}, (dir / "out").string(), false);
   EXPECT_EQ(fs::last_write_time(dir / "out" / "nope" / "s0" / "summary.json"), t);
   EXPECT_EQ(train::method_folder("jordan(m=2, regime=raw)"), "jordan_m_2_regime_raw");
+}
+
+TEST(TrainExperiments, PaperScaleConfigsBuildThePapersModelsAndTrainAFewSteps) {
+  const auto dir = temp_dir("experiments");
+  for (const std::string name : {"jordan-t5", "jordan-t10", "jordan-t10-third"}) {
+    SCOPED_TRACE(name);
+    EXPECT_FALSE(train::experiment_configs(name, "cpu", {}).empty());
+    std::set<std::string> seen;
+    for (auto c : train::experiment_configs(name, "paper", {})) {
+      if (!seen.insert(c.model.mechanism).second) continue;  // one seed per method
+      SCOPED_TRACE(c.model.mechanism);
+      // the paper's model (jordan-rope.md 2.3) ...
+      EXPECT_EQ(c.model.layers, 3);
+      EXPECT_EQ(c.model.heads, 4);
+      EXPECT_EQ(c.model.d_model, name == "jordan-t5" ? 128 : 192);
+      // ... trained for two steps on short sequences
+      c.threads = 1;
+      c.task.train_length = 32;
+      c.optim.steps = 2;
+      c.optim.batch = 2;
+      c.eval.every = 0;
+      c.eval.lengths = {32};
+      c.eval.batches = 1;
+      train::RunOptions o;
+      o.out = dir / c.name;
+      o.progress = false;
+      const auto r = train::run_training(c, o);
+      EXPECT_TRUE(std::isfinite(r.final_eval[0].loss));
+      EXPECT_GT(r.parameters, name == "jordan-t5" ? 390000 : 880000);
+    }
+    EXPECT_GE(seen.size(), 7u);
+  }
+  EXPECT_NE(error_of([] { train::experiment_configs("no-such-table", "cpu", {}); }).find("known:"),
+            std::string::npos);
+  EXPECT_NE(
+      error_of([] { train::experiment_configs("jordan-t5", "tpu", {}); }).find("no scale 'tpu'"),
+      std::string::npos);
 }
