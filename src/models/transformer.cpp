@@ -30,6 +30,9 @@ void ModelConfig::validate() const {
   range(heads, 1, 1024, "heads");
   range(layers, 0, 1024, "layers");
   range(mlp_ratio, 1, 64, "mlp_ratio");
+  if (attention != "fused" && attention != "composed")
+    throw InputError(
+        fmt::format("model: attention must be fused or composed, got '{}'", attention));
   if (d_model % heads)
     throw InputError(fmt::format("model: d_model {} is not divisible by heads {}", d_model, heads));
   // the mechanism must fit this head shape (raises a named InputError otherwise)
@@ -74,9 +77,27 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& po
   const auto qkv = qkv_(norm(1, x)).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});
   nn::AttentionArgs args;
   args.q_positions = args.k_positions = positions;  // one tensor: one transform call
-  const auto y = nn::attention(qkv[0], qkv[1], qkv[2], *enc_, args);
+  torch::Tensor y;
+  if (c_.attention == "fused") {
+    y = nn::attention(qkv[0], qkv[1], qkv[2], *enc_, args);
+  } else {
+    const auto t = enc_->forward(qkv[0], qkv[1], positions);
+    nn::AttentionArgs a = args;
+    a.slopes = enc_->alibi_slopes();
+    if (a.slopes.defined()) a.slopes = a.slopes.to(x.scalar_type());
+    y = nn::composed_attention(t.q, t.k, qkv[2], a);
+  }
   auto h = x + proj_(y.transpose(1, 2).reshape({B, T, c_.d_model}));
   return h + down_(torch::gelu(up_(norm(2, h))));  // exact (erf) GELU
+}
+
+std::pair<torch::Tensor, torch::Tensor> BlockImpl::qk_norms(const torch::Tensor& x,
+                                                            const torch::Tensor& positions) {
+  const int64_t B = x.size(0), T = x.size(1);
+  const auto qkv =
+      qkv_(norm(1, x)).view({B, T, 3, c_.heads, c_.head_dim()}).permute({2, 0, 3, 1, 4});
+  const auto t = enc_->forward(qkv[0], qkv[1], positions);
+  return {t.q.norm(2, -1).mean({0, 1}), t.k.norm(2, -1).mean({0, 1})};
 }
 
 TransformerLMImpl::TransformerLMImpl(const ModelConfig& c) : c_(c) {
@@ -104,6 +125,18 @@ torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens,
   for (auto& b : blocks_) x = b->forward(x, positions);
   if (c_.preset == Preset::Jordan) return torch::matmul(rms_norm(x, rms_f_), embed_->weight.t());
   return head_(ln_f_(x));
+}
+
+std::vector<std::pair<torch::Tensor, torch::Tensor>> TransformerLMImpl::qk_norm_profile(
+    const torch::Tensor& tokens) {
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
+  auto x = embed_(tokens);
+  for (auto& b : blocks_) {
+    out.push_back(b->qk_norms(x, {}));
+    x = b->forward(x, {});
+  }
+  return out;
 }
 
 int64_t TransformerLMImpl::parameter_count() {

@@ -30,6 +30,10 @@ struct ModelConfig {
   int64_t mlp_ratio = 2;
   std::string mechanism = "rope";  // spec string, one encoding per layer
   Layout layout = Layout::Interleaved;
+  // "fused": the engine (transforms, then the fused kernel with biases inside); "composed": the
+  // same math from plain LibTorch ops with materialised T x T scores (the baseline of the
+  // performance comparisons and a cross-check)
+  std::string attention = "fused";
   int64_t head_dim() const { return d_model / heads; }
   // InputError naming the problem (head dim not dividing, sizes out of range, bad spec)
   void validate() const;
@@ -39,6 +43,10 @@ class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const ModelConfig& c, int64_t index);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions);
+  // The norms of the transformed queries and keys per position, mean over batch and heads
+  // ([T] each): how the mechanism rescales them along the sequence.
+  std::pair<torch::Tensor, torch::Tensor> qk_norms(const torch::Tensor& x,
+                                                   const torch::Tensor& positions);
   nn::PositionEncoding& encoding() { return enc_; }
 
  private:
@@ -59,6 +67,8 @@ class TransformerLMImpl : public torch::nn::Module {
   const ModelConfig& config() const { return c_; }
   std::vector<Block>& blocks() { return blocks_; }
   int64_t parameter_count();
+  // Per layer, the mean norms of the transformed q and k at each position ([T] each).
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> qk_norm_profile(const torch::Tensor& tokens);
 
  private:
   ModelConfig c_;

@@ -100,6 +100,7 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
     m.get("mlp_ratio", c.model.mlp_ratio);
     m.get("mechanism", c.model.mechanism);
     m.get("layout", layout);
+    m.get("attention", c.model.attention);
     m.finish();
     c.model.preset = models::parse_preset(preset);
     if (layout == "interleaved") {
@@ -164,7 +165,8 @@ toml::table to_table(const TrainConfig& c) {
                             {"layers", c.model.layers},
                             {"mlp_ratio", c.model.mlp_ratio},
                             {"mechanism", c.model.mechanism},
-                            {"layout", to_string(c.model.layout)}}},
+                            {"layout", to_string(c.model.layout)},
+                            {"attention", c.model.attention}}},
       {"task", toml::table{{"kind", c.task.kind},
                            {"benchmark", c.task.benchmark},
                            {"train_length", c.task.train_length},

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/files.hpp"
+#include "core/plot.hpp"
 #include "core/types.hpp"
 
 namespace relpos::train {
@@ -150,6 +151,82 @@ double sample_std(const std::vector<double>& v) {
   return std::sqrt(s / static_cast<double>(v.size() - 1));
 }
 
+// Training-loss curves (mean over seeds at each logged step) and length curves (mean final loss
+// at each evaluation length), one series per method: CSV and gnuplot PNG in the sweep folder.
+void write_plots(const fs::path& root, const std::vector<Job>& jobs,
+                 const std::vector<std::pair<std::string, std::string>>& order,
+                 std::map<std::pair<std::string, std::string>,
+                          std::map<int64_t, std::vector<std::pair<double, double>>>>& agg,
+                 const std::vector<int64_t>& lengths) {
+  // step -> series -> losses over seeds
+  std::map<int64_t, std::map<size_t, std::vector<double>>> curves;
+  for (const auto& j : jobs) {
+    const size_t series = static_cast<size_t>(
+        std::find(order.begin(), order.end(), std::make_pair(j.method, j.setting)) - order.begin());
+    std::ifstream in(j.dir / "metrics.csv");
+    std::string line;
+    while (std::getline(in, line)) {
+      std::vector<std::string> f;
+      std::stringstream ss(line);
+      for (std::string x; std::getline(ss, x, ',');) f.push_back(x);
+      if (f.size() > 3 && f[1] == "train") {
+        try {
+          curves[std::stoll(f[0])][series].push_back(std::stod(f[3]));
+        } catch (const std::exception&) {
+        }
+      }
+    }
+  }
+  const auto label = [&](size_t i) {
+    return order[i].second.empty() ? order[i].first
+                                   : fmt::format("{} ({})", order[i].first, order[i].second);
+  };
+  std::string loss_csv = "step", len_csv = "length";
+  for (size_t i = 0; i < order.size(); ++i) {
+    loss_csv += fmt::format(",{}", safe_stem(label(i)));
+    len_csv += fmt::format(",{}", safe_stem(label(i)));
+  }
+  loss_csv += "\n";
+  len_csv += "\n";
+  for (const auto& [step, by_series] : curves) {
+    loss_csv += std::to_string(step);
+    for (size_t i = 0; i < order.size(); ++i) {
+      const auto it = by_series.find(i);
+      loss_csv +=
+          it == by_series.end() ? std::string(",") : fmt::format(",{:.6g}", mean(it->second));
+    }
+    loss_csv += "\n";
+  }
+  for (const auto L : lengths) {
+    len_csv += std::to_string(L);
+    for (size_t i = 0; i < order.size(); ++i) {
+      std::vector<double> v;
+      for (const auto& [loss, acc] : agg[order[i]][L]) v.push_back(loss);
+      len_csv += v.empty() ? std::string(",") : fmt::format(",{:.6g}", mean(v));
+    }
+    len_csv += "\n";
+  }
+  write_file_atomic(root / "loss_curves.csv", loss_csv);
+  write_file_atomic(root / "length_curves.csv", len_csv);
+  const auto series = [&](const std::string& data) {
+    std::string s;
+    for (size_t i = 0; i < order.size(); ++i)
+      s += fmt::format("{}{} using 1:{} with linespoints title {}", i ? ", " : "", quote_gp(data),
+                       i + 2, quote_gp(label(i)));
+    return s;
+  };
+  const std::string common = "set datafile separator ','\nset key outside right top\nset grid\n";
+  gnuplot_png(
+      root, "loss_curves",
+      fmt::format("{}set xlabel 'step'\nset ylabel 'training loss (mean over seeds)'\nplot {}\n",
+                  common, series("loss_curves.csv")));
+  gnuplot_png(
+      root, "length_curves",
+      fmt::format("{}set logscale x 2\nset xlabel 'evaluation length'\nset ylabel 'final loss "
+                  "(mean over seeds)'\nplot {}\n",
+                  common, series("length_curves.csv")));
+}
+
 }  // namespace
 
 std::vector<TrainConfig> sweep_configs(const std::string& text, const std::string& source,
@@ -237,6 +314,7 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
   fs::create_directories(root);
   write_file_atomic(root / "summary.md", md);
   write_file_atomic(root / "results.csv", csv);
+  write_plots(root, jobs, order, agg, lengths);
   SweepOutcome outcome;
   outcome.markdown = md;
   outcome.folder = root;

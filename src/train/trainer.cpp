@@ -359,20 +359,56 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
   return result;
 }
 
-std::vector<EvalResult> evaluate_run(const fs::path& run_dir, const std::vector<int64_t>& lengths) {
-  TrainConfig c = load_config(run_dir / "config.toml");
-  if (!lengths.empty()) c.eval.lengths = lengths;
-  c.validate();
-  auto task = make_task(c);
-  models::ModelConfig mc = c.model;
-  mc.vocab = task->vocab();
-  check_memory(c, mc.vocab);
-  models::TransformerLM model(mc);
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(c.optim.lr));
+namespace {
+// A finished (or interrupted) run loaded back: its configuration, task and model.
+struct LoadedRun {
+  TrainConfig config;
+  std::unique_ptr<Task> task;
+  models::TransformerLM model{nullptr};
+  int64_t step = 0;
+};
+
+LoadedRun load_run(const fs::path& run_dir, const std::vector<int64_t>& lengths) {
+  LoadedRun r;
+  r.config = load_config(run_dir / "config.toml");
+  if (!lengths.empty()) r.config.eval.lengths = lengths;
+  r.config.validate();
+  r.task = make_task(r.config);
+  models::ModelConfig mc = r.config.model;
+  mc.vocab = r.task->vocab();
+  check_memory(r.config, mc.vocab);
+  r.model = models::TransformerLM(mc);
+  torch::optim::AdamW opt(r.model->parameters(), torch::optim::AdamWOptions(r.config.optim.lr));
   const fs::path ckpt = run_dir / "checkpoints" / "last.pt";
   if (!fs::exists(ckpt)) throw InputError(fmt::format("no checkpoint at '{}'", ckpt.string()));
-  const auto ck = load_checkpoint(ckpt, *model, opt);
-  return evaluate(*model, *task, c.eval.lengths, ck.step);
+  r.step = load_checkpoint(ckpt, *r.model, opt).step;
+  return r;
+}
+}  // namespace
+
+std::vector<EvalResult> evaluate_run(const fs::path& run_dir, const std::vector<int64_t>& lengths) {
+  auto r = load_run(run_dir, lengths);
+  return evaluate(*r.model, *r.task, r.config.eval.lengths, r.step);
+}
+
+std::string qk_profile_csv(const fs::path& run_dir, int64_t length) {
+  auto r = load_run(run_dir, {length});
+  const auto set = r.task->eval_set(length);
+  const auto profile = r.model->qk_norm_profile(set.front().tokens);
+  std::string csv = "layer,position,q_norm,k_norm\n";
+  for (size_t l = 0; l < profile.size(); ++l) {
+    const auto q = profile[l].first.to(torch::kDouble).contiguous(),
+               k = profile[l].second.to(torch::kDouble).contiguous();
+    for (int64_t t = 0; t < q.numel(); ++t)
+      csv += fmt::format("{},{},{:.6g},{:.6g}\n", l, t, q.data_ptr<double>()[t],
+                         k.data_ptr<double>()[t]);
+  }
+  return csv;
+}
+
+std::string run_mechanism_stats(const fs::path& run_dir) {
+  auto r = load_run(run_dir, {});
+  return mechanism_stats_json(*r.model);
 }
 
 }  // namespace relpos::train

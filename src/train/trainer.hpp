@@ -59,6 +59,13 @@ std::vector<EvalResult> evaluate_run(const std::filesystem::path& run_dir,
 // Learning rate at `step` (0-based): linear warmup, then constant or cosine to min_lr.
 double learning_rate(const OptimConfig& o, int64_t step);
 
+// The mean norms of the transformed queries and keys at every position of one evaluation
+// sequence of `length` tokens, per layer, from a run's checkpoint: CSV
+// layer,position,q_norm,k_norm.
+std::string qk_profile_csv(const std::filesystem::path& run_dir, int64_t length);
+// mechanism_stats_json of a run's checkpoint.
+std::string run_mechanism_stats(const std::filesystem::path& run_dir);
+
 // Mechanism statistics per layer (mean gamma, mean |eta|, mean |gates| over heads and blocks) as
 // JSON text, for summaries and `relpos eval`.
 std::string mechanism_stats_json(models::TransformerLMImpl& model);

@@ -87,3 +87,23 @@ TEST(Models, BadConfigsAreNamed) {
   models::TransformerLM m(small("rope"));
   EXPECT_THROW(m->forward(torch::full({1, 4}, 11, torch::kLong)), InputError);
 }
+
+TEST(Models, FusedAndComposedAttentionAgree) {
+  for (const std::string spec : {"rope + alibi", "jordan(m=2, regime=scaled, c=1, eta0=0.05)"}) {
+    SCOPED_TRACE(spec);
+    auto c = small(spec);
+    torch::manual_seed(5);
+    models::TransformerLM fused(c);
+    c.attention = "composed";
+    models::TransformerLM composed(c);
+    {
+      torch::NoGradGuard ng;
+      const auto src = fused->parameters();
+      const auto dst = composed->parameters();
+      for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+    }
+    const auto tokens = torch::randint(0, 11, {2, 40}, torch::kLong);
+    const auto a = fused->forward(tokens), b = composed->forward(tokens);
+    EXPECT_LT((a - b).abs().max().item<double>(), 1e-4 * b.abs().max().item<double>());
+  }
+}

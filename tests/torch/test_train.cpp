@@ -156,6 +156,10 @@ TEST(TrainRun, TinyQueryLmWritesFilesAndIsReproducible) {
   const auto again = train::run_training(c, o);
   EXPECT_EQ(again.final_eval[1].loss, b.final_eval[1].loss);
   EXPECT_EQ(train::evaluate_run(dir / "a", {24})[0].loss, a.final_eval[0].loss);
+  // the q/k norm profile: one row per layer and position
+  const auto profile = train::qk_profile_csv(dir / "a", 48);
+  EXPECT_NE(profile.find("\n0,47,"), std::string::npos);
+  EXPECT_EQ(profile.find("\n0,48,"), std::string::npos);
 }
 
 TEST(TrainRun, ResumeFromAMidRunCheckpointEndsTheSame) {
@@ -189,6 +193,8 @@ TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
   EXPECT_NE(md.find("| rope + alibi |"), std::string::npos) << md;
   EXPECT_TRUE(fs::exists(dir / "out" / "rope_alibi" / "s1" / "summary.json"));
   EXPECT_TRUE(fs::exists(dir / "out" / "summary.md"));
+  EXPECT_TRUE(fs::exists(dir / "out" / "loss_curves.csv"));
+  EXPECT_TRUE(fs::exists(dir / "out" / "length_curves.gp"));
   // a second call skips every finished run (their summaries are left untouched)
   const auto t = fs::last_write_time(dir / "out" / "nope" / "s0" / "summary.json");
   train::run_sweep(dir / "sweep.toml", {}, (dir / "out").string(), false);

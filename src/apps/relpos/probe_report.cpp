@@ -19,6 +19,7 @@
 
 #include "apps/relpos/table.hpp"
 #include "core/files.hpp"
+#include "core/plot.hpp"
 #include "core/types.hpp"
 #include "probes/suites.hpp"
 
@@ -227,27 +228,6 @@ std::string render(const std::vector<SuiteResult>& results, const std::string& f
   return os.str();
 }
 
-// A gnuplot single-quoted string ('' is a literal quote). Only our own file and table names reach
-// the scripts: they are run with the output directory as the working directory, so no user path
-// is ever written into a script or handed to a shell.
-std::string quote_gp(const std::string& s) {
-  std::string o = "'";
-  for (char c : s) {
-    if (c == '\n' || c == '\r') continue;
-    o += c == '\'' ? std::string("''") : std::string(1, c);
-  }
-  return o + "'";
-}
-
-// File stems from suite and target names: letters, digits, '-', '_' and '.' only.
-std::string safe_stem(const std::string& s) {
-  std::string o;
-  for (char c : s)
-    o +=
-        (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.') ? c : '_';
-  return o;
-}
-
 // Plots of the target and the best fit of each family over d = 0..N-1 (gnuplot, PNG). Without
 // gnuplot the CSV and the .gp script are still written.
 void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
@@ -257,7 +237,6 @@ void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
     if (!by_target.count(c.target)) targets.push_back(c.target);
     by_target[c.target].push_back(&c);
   }
-  const bool have_gnuplot = fs::exists("/usr/bin/gnuplot");
   for (const auto& t : targets) {
     const auto& curves = by_target[t];
     const std::string stem = safe_stem(fmt::format("{}_{}", r.suite, t));
@@ -273,9 +252,7 @@ void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
       csv << "\n";
     }
     out.write(stem + ".csv", csv.str());
-    std::ostringstream gp;
     const std::string data = quote_gp(stem + ".csv");
-    const std::string png_tmp = temp_path_for(fs::path(stem + ".png")).filename().string();
     std::ostringstream series;
     for (size_t k = 0; k < curves.size(); ++k) {
       const auto* c = curves[k];
@@ -285,9 +262,8 @@ void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
     }
     // Top: the whole evaluation range; bottom: the last 160 lags, where the oscillation is
     // resolved.
-    gp << "set terminal pngcairo size 1400,900 noenhanced\n"
-       << "set output " << quote_gp(png_tmp) << "\n"
-       << "set datafile separator ','\n"
+    std::ostringstream gp;
+    gp << "set datafile separator ','\n"
        << "set key outside right top\n"
        << "set multiplot layout 2,1\n"
        << "set xlabel 'lag d'\nset ylabel 'score'\n"
@@ -303,21 +279,13 @@ void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
        << "set title 'zoom: the last 160 lags (extrapolation 8x past the fit range)'\n"
        << "plot " << series.str() << "\n"
        << "unset multiplot\n";
-    out.write(stem + ".gp", gp.str());
-    if (!have_gnuplot) {
+    const auto status = gnuplot_png(out.path(), stem, gp.str());
+    if (status == PlotStatus::NoGnuplot) {
       if (!*warned) std::cerr << "relpos: gnuplot not found; wrote CSV and .gp scripts only\n";
       *warned = true;
-      continue;
-    }
-    // no shell: gnuplot gets the script name as its only argument, in the output directory
-    const fs::path png = out.path() / png_tmp;
-    if (run_program({"/usr/bin/gnuplot", stem + ".gp"}, out.path()) != 0 || !fs::exists(png)) {
-      std::error_code ec;
-      fs::remove(png, ec);
+    } else if (status == PlotStatus::Failed) {
       std::cerr << fmt::format("relpos: gnuplot failed on {}; CSV and script kept\n", stem + ".gp");
-      continue;
     }
-    fs::rename(png, out.path() / (stem + ".png"));
   }
 }
 

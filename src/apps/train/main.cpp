@@ -110,9 +110,19 @@ int main(int argc, char** argv) {
       ->required();
   eval_cmd->add_option("--lengths", lengths, "Lengths (default: the run's eval.lengths)")
       ->delimiter(',');
+  std::string profiles;
+  eval_cmd->add_option(
+      "--profiles", profiles,
+      "Also write the q/k norm profile over positions (CSV) at the longest length");
   eval_cmd->callback([&] {
     const auto r = train::evaluate_run(ckpt, lengths);
     print_eval(r);
+    fmt::print("\nmechanism per layer (mean gamma, |eta|, |gates|): {}\n",
+               train::run_mechanism_stats(ckpt));
+    if (!profiles.empty()) {
+      write_file_atomic(profiles, train::qk_profile_csv(ckpt, r.back().length));
+      fmt::print("q/k norm profile at {} tokens -> {}\n", r.back().length, profiles);
+    }
   });
 
   std::string sweep_config;
