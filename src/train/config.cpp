@@ -120,6 +120,8 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
     k.get("path", c.task.path);
     k.get("validation_path", c.task.validation_path);
     k.get("validation_fraction", c.task.validation_fraction);
+    k.get("train_sample_seed", c.task.train_sample_seed);
+    k.get("eval_sample_seed", c.task.eval_sample_seed);
     k.finish();
   }
   if (const auto* t = r.table("optim")) {
@@ -172,7 +174,9 @@ toml::table to_table(const TrainConfig& c) {
                            {"train_length", c.task.train_length},
                            {"path", c.task.path},
                            {"validation_path", c.task.validation_path},
-                           {"validation_fraction", c.task.validation_fraction}}},
+                           {"validation_fraction", c.task.validation_fraction},
+                           {"train_sample_seed", c.task.train_sample_seed},
+                           {"eval_sample_seed", c.task.eval_sample_seed}}},
       {"optim", toml::table{{"steps", c.optim.steps},
                             {"batch", c.optim.batch},
                             {"lr", c.optim.lr},
@@ -217,6 +221,8 @@ void TrainConfig::validate() const {
         "config: task.kind must be one of query_lm, bytes, chars, midi, got '{}'", task.kind));
   check_range(task.train_length, 2, int64_t{1} << 20, "task.train_length");
   check_range(task.validation_fraction, 1e-6, 1 - 1e-6, "task.validation_fraction");
+  check_range(task.train_sample_seed, 0, int64_t{1} << 62, "task.train_sample_seed");
+  check_range(task.eval_sample_seed, 0, int64_t{1} << 62, "task.eval_sample_seed");
   if (task.kind != "query_lm" && task.path.empty())
     throw InputError(fmt::format("config: task.kind = {} needs task.path", task.kind));
   check_range(optim.steps, 1, int64_t{1} << 40, "optim.steps");

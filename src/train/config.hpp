@@ -20,6 +20,9 @@ struct TaskConfig {
   std::string path;                     // bytes / chars: a text file; midi: a folder of .mid files
   std::string validation_path;          // optional separate validation file
   double validation_fraction = 0.1;     // else the tail of `path`
+  int64_t train_sample_seed =
+      1701;  // corpus LMs: training windows of run s from seed + s * 1000003
+  int64_t eval_sample_seed = 20270505;  // corpus LMs: the evaluation windows (same for every run)
 };
 
 struct OptimConfig {

@@ -123,10 +123,12 @@ struct Experiment {
   std::string source, sweep_text;
   toml::table report;
   std::vector<std::string> methods, paper_columns, our_columns, labels, all_sets;
+  std::vector<size_t> rows;  // each method's row in the file (the paper's row)
 };
 
 Experiment load_experiment(const std::string& name, const std::string& scale,
-                           const std::vector<std::string>& sets) {
+                           const std::vector<std::string>& sets,
+                           const std::vector<std::string>& only = {}) {
   const fs::path file = experiments_dir() / fmt::format("{}.toml", name);
   if (name.empty() || name.find('/') != std::string::npos || !fs::exists(file)) {
     std::string known;
@@ -178,12 +180,36 @@ Experiment load_experiment(const std::string& name, const std::string& scale,
   if (our_columns.size() != paper_columns.size())
     throw InputError(
         fmt::format("{}: scale.columns must have one entry per reproduce.columns", source));
-  const auto labels = strings(report.get("labels"), "reproduce.labels", source);
+  auto labels = strings(report.get("labels"), "reproduce.labels", source);
   if (!labels.empty() && labels.size() != methods.size())
     throw InputError(fmt::format("{}: reproduce.labels must have one entry per method", source));
+  std::vector<size_t> rows(methods.size());
+  std::iota(rows.begin(), rows.end(), 0);
+  if (!only.empty()) {  // a subset of the rows, named by label or spec
+    std::vector<size_t> kept;
+    for (size_t i = 0; i < methods.size(); ++i)
+      if (std::find(only.begin(), only.end(), methods[i]) != only.end() ||
+          (!labels.empty() && std::find(only.begin(), only.end(), labels[i]) != only.end()))
+        kept.push_back(i);
+    if (kept.size() != only.size())
+      throw InputError(
+          fmt::format("{}: --methods names a method that is not a row of this table", source));
+    toml::array subset;
+    std::vector<std::string> m2, l2;
+    for (auto i : kept) {
+      subset.push_back(methods[i]);
+      m2.push_back(methods[i]);
+      if (!labels.empty()) l2.push_back(labels[i]);
+    }
+    sweep->insert_or_assign("methods", subset);
+    methods = m2;
+    labels = l2;
+    rows = kept;
+  }
   std::ostringstream sweep_text;
   sweep_text << root;
-  return {source, sweep_text.str(), report, methods, paper_columns, our_columns, labels, all_sets};
+  return {source,      sweep_text.str(), report,   methods, paper_columns,
+          our_columns, labels,           all_sets, rows};
 }
 
 }  // namespace
@@ -195,10 +221,11 @@ std::vector<TrainConfig> experiment_configs(const std::string& name, const std::
 }
 
 std::string reproduce(const std::string& name, const std::string& scale,
-                      const std::vector<std::string>& sets, const std::string& out, bool progress) {
-  const auto ex = load_experiment(name, scale, sets);
+                      const std::vector<std::string>& sets, const std::string& out, bool progress,
+                      const std::vector<std::string>& only) {
+  const auto ex = load_experiment(name, scale, sets, only);
   const auto& [source, sweep_text_str, report, methods, paper_columns, our_columns, labels,
-               all_sets] = ex;
+               all_sets, rows] = ex;
   const fs::path folder = out.empty()
                               ? fs::path("runs") / "reproduce" / fmt::format("{}-{}", name, scale)
                               : fs::path(out);
@@ -223,7 +250,7 @@ std::string reproduce(const std::string& name, const std::string& scale,
     std::vector<std::vector<double>> pm_paper(paper_columns.size()), pm_ours(paper_columns.size());
     for (size_t i = 0; i < methods.size(); ++i) {
       md += fmt::format("| {} |", label_of(i));
-      const auto* prow = paper && i < paper->size() ? (*paper)[i].as_array() : nullptr;
+      const auto* prow = paper && rows[i] < paper->size() ? (*paper)[rows[i]].as_array() : nullptr;
       for (size_t c = 0; c < paper_columns.size(); ++c) {
         const double pmean = prow && prow->size() > 2 * c ? (*prow)[2 * c].value_or(NAN) : NAN;
         const double pstd =

@@ -35,7 +35,9 @@ std::vector<TrainConfig> experiment_configs(const std::string& name, const std::
 
 // Runs experiment NAME at `scale` into `out` (default runs/reproduce/NAME-SCALE) and returns the
 // report (Markdown), also written to OUT/reproduce.md. Finished runs are reused (resumable).
+// `only` (optional) keeps the methods whose label or spec is listed, in the file's order.
 std::string reproduce(const std::string& name, const std::string& scale,
-                      const std::vector<std::string>& sets, const std::string& out, bool progress);
+                      const std::vector<std::string>& sets, const std::string& out, bool progress,
+                      const std::vector<std::string>& only = {});
 
 }  // namespace relpos::train

@@ -95,6 +95,8 @@ class CorpusLmTask : public Task {
     p.eval_lengths = c.eval.lengths;
     p.eval_batches = c.eval.batches;
     p.eval_batch_size = c.eval.batch_size;
+    p.train_sample_seed = static_cast<uint64_t>(c.task.train_sample_seed);
+    p.eval_sample_seed = static_cast<uint64_t>(c.task.eval_sample_seed);
     return p;
   }
   static Batch windows(const std::vector<int64_t>& tokens, const std::vector<int64_t>& starts,

@@ -204,7 +204,7 @@ TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
 
 TEST(TrainExperiments, PaperScaleConfigsBuildThePapersModelsAndTrainAFewSteps) {
   const auto dir = temp_dir("experiments");
-  for (const std::string name : {"jordan-t5", "jordan-t10", "jordan-t10-third"}) {
+  for (const std::string name : {"jordan-t5", "jordan-t10", "jordan-t10-third"}) {  // synthetic data
     SCOPED_TRACE(name);
     EXPECT_FALSE(train::experiment_configs(name, "cpu", {}).empty());
     std::set<std::string> seen;

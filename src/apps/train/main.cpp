@@ -147,8 +147,10 @@ int main(int argc, char** argv) {
   repro_cmd->add_option("--set", ta.sets, "Override for every run: section.key=value");
   repro_cmd->add_option("--out", ta.out, "Folder (default runs/reproduce/NAME-SCALE)");
   repro_cmd->add_flag("--quiet", sweep_quiet, "No progress on stderr");
+  std::vector<std::string> only;
+  repro_cmd->add_option("--methods", only, "Only these rows (labels or specs, repeatable)");
   repro_cmd->callback([&] {
-    fmt::print("{}", train::reproduce(experiment, scale, ta.sets, ta.out, !sweep_quiet));
+    fmt::print("{}", train::reproduce(experiment, scale, ta.sets, ta.out, !sweep_quiet, only));
   });
 
   try {
