@@ -20,6 +20,7 @@
 #include "train/config.hpp"
 #include "train/distributed.hpp"
 #include "train/reproduce.hpp"
+#include "train/step_bench.hpp"
 #include "train/sweep.hpp"
 #include "train/trainer.hpp"
 
@@ -151,6 +152,26 @@ int main(int argc, char** argv) {
   repro_cmd->add_option("--methods", only, "Only these rows (labels or specs, repeatable)");
   repro_cmd->callback([&] {
     fmt::print("{}", train::reproduce(experiment, scale, ta.sets, ta.out, !sweep_quiet, only));
+  });
+
+  int64_t bench_T = 1024, bench_batch = 4;
+  int bench_rounds = 5, bench_threads = 2;
+  std::vector<std::string> bench_specs = {"nope", "jordan(m=2, regime=stabilized)"};
+  auto* step_cmd = app.add_subcommand(
+      "bench-step",
+      "Training-step cost of the Table 5 model with each mechanism, fused and composed attention");
+  step_cmd->add_option("--T", bench_T, "Sequence length")->check(CLI::Range(2, 1 << 16));
+  step_cmd->add_option("--batch", bench_batch, "Batch")->check(CLI::Range(1, 1024));
+  step_cmd->add_option("--rounds", bench_rounds, "Rounds (medians)")->check(CLI::Range(1, 1000));
+  step_cmd->add_option("--threads", bench_threads, "Threads")->check(CLI::Range(1, 1024));
+  step_cmd->add_option("--mechanisms", bench_specs, "Mechanisms (the first is the baseline)");
+  step_cmd->callback([&] {
+    models::ModelConfig base;  // the Table 5 model (jordan-rope.md 2.3)
+    std::vector<train::StepBenchCase> cases;
+    for (const auto& s : bench_specs) cases.push_back({s, "fused"});
+    for (const auto& s : bench_specs) cases.push_back({s, "composed"});
+    fmt::print("{}", train::step_benchmark(base, bench_T, bench_batch, bench_rounds, cases,
+                                           bench_threads));
   });
 
   try {
