@@ -94,15 +94,17 @@ void OutputDir::finish() {
   fs::remove(dir_ / kMarker, ec);
 }
 
-int run_program(const std::vector<std::string>& argv, const fs::path& cwd) {
+int run_program(const std::vector<std::string>& argv, const fs::path& cwd, ChildOutput output) {
   if (argv.empty()) return -1;
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  if (output == ChildOutput::Discard) {
+    posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  }
   posix_spawn_file_actions_addchdir_np(&actions, cwd.c_str());
   pid_t pid = 0;
   const int rc = ::posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);

@@ -36,9 +36,15 @@ class OutputDir {
   std::filesystem::path dir_;
 };
 
+// Where a child's stdout and stderr go: /dev/null, or this process's own (a program run on the
+// user's behalf, e.g. `relpos bench` running relpos-bench).
+enum class ChildOutput { Discard, Inherit };
+
 // Runs `argv[0]` (an absolute path) with arguments argv[1..] in directory `cwd`, through
-// posix_spawn: no shell ever sees the arguments. stdout and stderr go to /dev/null. Returns the
-// exit status (128 + signal when killed; -1 when the program could not be started).
-int run_program(const std::vector<std::string>& argv, const std::filesystem::path& cwd);
+// posix_spawn: no shell ever sees the arguments. stdout and stderr go to /dev/null unless
+// `output` is Inherit. Returns the exit status (128 + signal when killed; -1 when the program
+// could not be started).
+int run_program(const std::vector<std::string>& argv, const std::filesystem::path& cwd,
+                ChildOutput output = ChildOutput::Discard);
 
 }  // namespace relpos

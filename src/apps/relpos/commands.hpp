@@ -36,5 +36,6 @@ void add_verify_command(CLI::App& app);
 void add_kernel_command(CLI::App& app);
 void add_probe_command(CLI::App&);
 void add_reproduce_command(CLI::App&);
+void add_bench_command(CLI::App&);
 
 }  // namespace relpos::app
