@@ -81,7 +81,7 @@ struct Args {
   std::vector<int64_t> T = {1024, 4096, 8192, 16384};
   int64_t B = 1, H = 8, D = 64;
   int repeats = 5, warmup = 1, threads = 0, mm_n = 2048;
-  std::string format = "md";
+  std::string format = "md", json_out;
   std::vector<std::string> modes = {"fwd", "fwdbwd"};
   std::vector<std::string> cases = {"ours", "sdpa", "sdpa_mask", "ours_lag"};
   int64_t long_T = -1;       // -1: 32768 with the default T list, none otherwise
@@ -208,10 +208,22 @@ Outs run_case(const Inputs& in, Impl impl, Mode mode) {
   return {};
 }
 
-double time_ms(const Inputs& in, Impl impl, Mode mode) {
+// CPU time of the whole process (every thread), ms.
+double process_cpu_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return 1e3 * static_cast<double>(ts.tv_sec) + 1e-6 * static_cast<double>(ts.tv_nsec);
+}
+
+// Wall-clock ms of one call; *cpu_ms (if given) gets the process CPU time it took.
+double time_ms(const Inputs& in, Impl impl, Mode mode, double* cpu_ms = nullptr) {
+  const double c0 = process_cpu_ms();
   const auto t0 = std::chrono::steady_clock::now();
   { const Outs r = run_case(in, impl, mode); }  // outputs freed inside the timed region too
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (cpu_ms) *cpu_ms = process_cpu_ms() - c0;
+  return ms;
 }
 
 struct Memory {
@@ -225,7 +237,7 @@ struct Result {
   int64_t T;
   Mode mode;
   Impl impl;
-  std::vector<double> runs_ms;
+  std::vector<double> runs_ms, cpu_ms;
   double median_ms = std::nan("");
   std::string skipped;
   Memory mem;
@@ -424,7 +436,7 @@ void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
   std::vector<Result> res;
   for (Mode m : modes)
     for (Impl i : impls) {
-      Result r{s.T, m, i, {}, std::nan(""), {}, {}};
+      Result r{s.T, m, i, {}, {}, std::nan(""), {}, {}};
       if (i == Impl::SdpaMask && mask_gib(s) > rep.max_mask_gib)
         r.skipped = fmt::format("mask {:.1f} GiB > limit {:.1f} GiB (--max-mask-gib)", mask_gib(s),
                                 rep.max_mask_gib);
@@ -464,7 +476,11 @@ void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
         if (r.skipped.empty()) time_ms(in, r.impl, r.mode);
     for (int rep_i = 0; rep_i < a.repeats; ++rep_i)
       for (auto& r : res)
-        if (r.skipped.empty()) r.runs_ms.push_back(time_ms(in, r.impl, r.mode));
+        if (r.skipped.empty()) {
+          double cpu = 0;
+          r.runs_ms.push_back(time_ms(in, r.impl, r.mode, &cpu));
+          r.cpu_ms.push_back(cpu);
+        }
   }
   for (auto& r : res) {
     if (!r.skipped.empty()) {
@@ -514,6 +530,8 @@ json result_json(const Report& rep, const Result& r) {
   const double gf = flops(s, r.mode) / (r.median_ms * 1e6);
   j["runs_ms"] = r.runs_ms;
   j["median_ms"] = r.median_ms;
+  j["cpu_runs_ms"] = r.cpu_ms;
+  j["median_cpu_ms"] = median(r.cpu_ms);
   j["gflops"] = gf;
   j["fraction_of_mm"] = gf / rep.mm_start.gflops;
   if (rep.a.memory) j["memory"] = memory_json(r.mem);
@@ -586,7 +604,9 @@ json report_json(const Report& rep) {
       "outputs, gradients and the mask count, the inputs q, k, v, dout and the lag table do not";
   j["timing_method"] =
       "one process, round-robin over the cases of one T, after a checking call and --warmup "
-      "calls; each call allocates its outputs (not the mask: built once per T, untimed)";
+      "calls; each call allocates its outputs (not the mask: built once per T, untimed); "
+      "runs_ms wall clock, cpu_runs_ms the process CPU time of the same calls (every thread, "
+      "spinning at barriers included)";
   j["mask_limit_gib"] = rep.max_mask_gib;
   j["mm_start"] = mm_json(rep.mm_start);
   j["mm_end"] = mm_json(rep.mm_end);
@@ -648,12 +668,13 @@ std::string runs_str(const std::vector<double>& v) {
 }
 
 void write_md_results(std::ostream& os, const Report& rep, const std::vector<Result>& rs) {
-  os << "| T | pass | case | median ms | runs ms | GFLOP/s | of mm | peak MiB above inputs |\n"
-        "|---|---|---|---|---|---|---|---|\n";
+  os << "| T | pass | case | median ms | runs ms | CPU ms | GFLOP/s | of mm | peak MiB above "
+        "inputs |\n"
+        "|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : rs) {
     if (!r.skipped.empty()) {
-      os << fmt::format("| {} | {} | {} | skipped: {} | | | | |\n", r.T, name(r.mode), name(r.impl),
-                        r.skipped);
+      os << fmt::format("| {} | {} | {} | skipped: {} | | | | | |\n", r.T, name(r.mode),
+                        name(r.impl), r.skipped);
       continue;
     }
     const double gf = flops({rep.a.B, rep.a.H, r.T, rep.a.D}, r.mode) / (r.median_ms * 1e6);
@@ -661,9 +682,9 @@ void write_md_results(std::ostream& os, const Report& rep, const std::vector<Res
     if (rep.a.memory)
       mem = r.mem.ok ? fmt::format("{:.0f}", r.mem.peak_above_inputs_mib) : "error: " + r.mem.error;
     if (r.mem.ok && r.mem.mask_mib > 0) mem += fmt::format(" (mask {:.0f})", r.mem.mask_mib);
-    os << fmt::format("| {} | {} | {} | {:.2f} | {} | {:.1f} | {:.0f}% | {} |\n", r.T, name(r.mode),
-                      name(r.impl), r.median_ms, runs_str(r.runs_ms), gf,
-                      100 * gf / rep.mm_start.gflops, mem);
+    os << fmt::format("| {} | {} | {} | {:.2f} | {} | {:.1f} | {:.1f} | {:.0f}% | {} |\n", r.T,
+                      name(r.mode), name(r.impl), r.median_ms, runs_str(r.runs_ms),
+                      median(r.cpu_ms), gf, 100 * gf / rep.mm_start.gflops, mem);
   }
 }
 
@@ -730,6 +751,12 @@ void run(const Args& in_args) {
   for (int64_t T : a.T)
     if (T < 1 || T > (int64_t{1} << 20))
       throw InputError(fmt::format("--T {}: must be in [1, 2^20]", T));
+  if (!a.json_out.empty()) {
+    const fs::path dir = fs::path(a.json_out).parent_path();
+    if (!dir.empty() && !fs::is_directory(dir))
+      throw InputError(
+          fmt::format("--json-out {}: {} is not a directory", a.json_out, dir.string()));
+  }
   Report rep;
   rep.a = a;
   if (a.long_T < 0) rep.a.long_T = 0;
@@ -765,6 +792,7 @@ void run(const Args& in_args) {
     std::cout << report_json(rep).dump(2) << "\n";
   else
     write_md(std::cout, rep);
+  if (!a.json_out.empty()) write_file_atomic(a.json_out, report_json(rep).dump(2) + "\n");
   if (!rep.checks_ok) {
     std::cerr << "relpos bench attention: a correctness check failed (see 'checks')\n";
     throw CheckFailed{};
@@ -792,6 +820,7 @@ void add_attention_command(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "threads (at::set_num_threads); 0: LibTorch's default")
       ->check(CLI::Range(0, 1024));
   cmd->add_option("--format", a->format, "md or json")->check(CLI::IsMember({"md", "json"}));
+  cmd->add_option("--json-out", a->json_out, "also write the JSON report to this file");
   cmd->add_option("--modes", a->modes, "fwd,fwdbwd")
       ->delimiter(',')
       ->check(CLI::IsMember({"fwd", "fwdbwd"}));
