@@ -432,7 +432,6 @@ std::optional<double> ratio(const std::vector<Result>& rs, int64_t T, Mode m, Im
 void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
               const std::vector<Impl>& impls, bool long_run) {
   const Args& a = rep.a;
-  std::vector<Impl> run;
   std::vector<Result> res;
   for (Mode m : modes)
     for (Impl i : impls) {
