@@ -53,5 +53,12 @@ for name in "x'; touch PWNED; echo '" 'a$(touch PWNED)b' 'c`touch PWNED`d' "$(pr
 done
 find "$tmp" / -maxdepth 1 -name PWNED 2>/dev/null | grep -q . && { echo "FAIL: a shell ran a user string"; fail=1; }
 [ -e "$tmp/PWNED" ] && { echo "FAIL: a shell ran a user string"; fail=1; }
+# bench runs relpos-bench from relpos's own directory: a relpos without it (the core-only build,
+# or a copy elsewhere) refuses with exit 2 and says it needs the LibTorch build
+mkdir "$tmp/alone" && cp "$relpos" "$tmp/alone/relpos"
+check 2 "bench without relpos-bench" "$tmp/alone/relpos" bench attention --T 64
+out=$("$tmp/alone/relpos" bench attention 2>&1); echo "$out" | grep -q "LibTorch build" || { echo "FAIL: bench without relpos-bench does not say why: $out"; fail=1; }
+check 2 "bench: unknown flag" "$relpos" bench attention --bogus
+check 2 "bench: no benchmark named" "$relpos" bench
 out=$("$relpos" verify --enc "bogus" 2>&1); echo "$out" | grep -q "unknown mechanism 'bogus'" || { echo "FAIL: error text does not name the mechanism: $out"; fail=1; }
 exit $fail

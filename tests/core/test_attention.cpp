@@ -34,6 +34,7 @@ struct Case {
   bool lag = false, slopes = false, tokens = false;
   double scale = 0;
   double token_offset = 0;  // added to every per-token scalar (long cumulative sums)
+  AttentionBackwardScheme scheme = AttentionBackwardScheme::Auto;
   std::string name() const {
     std::string s;
     for (int64_t x : {d.B, d.Hq, d.Hk, d.Tq, d.Tk, d.D}) s += std::to_string(x) + ' ';
@@ -42,6 +43,8 @@ struct Case {
     for (auto [on, what] : {std::pair{padding, " padded"}, std::pair{lag, " lag"},
                             std::pair{slopes, " slopes"}, std::pair{tokens, " tokens"}})
       if (on) s += what;
+    if (scheme == AttentionBackwardScheme::PerHead) s += " per-head backward";
+    if (scheme == AttentionBackwardScheme::TwoPass) s += " two-pass backward";
     return s;
   }
 };
@@ -56,7 +59,7 @@ struct Data {
     return {pq.empty() ? nullptr : pq.data(), pk.empty() ? nullptr : pk.data(), c.per_batch};
   }
   AttentionOptions options() const {
-    return {c.causal, c.window, key_len.empty() ? nullptr : key_len.data(), c.scale};
+    return {c.causal, c.window, key_len.empty() ? nullptr : key_len.data(), c.scale, c.scheme};
   }
   size_t nq() const { return static_cast<size_t>(c.d.B * c.d.Hq * c.d.Tq * c.d.D); }
   size_t nk() const { return static_cast<size_t>(c.d.B * c.d.Hk * c.d.Tk * c.d.D); }
@@ -248,6 +251,18 @@ std::vector<Case> random_cases() {
     c.tokens = true, c.token_offset = -1e5, c.pos = Pos::IntegerGaps, c.padding = true;
   });
   add({3, 2, 2, 33, 33, 33}, [](Case& c) { c.slopes = true, c.padding = true; });
+  // several groups of key tiles in the forward (kGk * kBk = 256 keys), lag tables as slices
+  // of the reversed table (default positions) and clamped at both ends
+  add({1, 2, 1, 300, 600, 32}, [](Case& c) { c.lag = c.padding = true; });
+  add({2, 2, 2, 530, 530, 16}, [](Case& c) { c.lag = c.slopes = true; });
+  add({1, 2, 2, 290, 290, 24}, [](Case& c) { c.window = 100, c.lag = c.tokens = true; });
+  // every case under both backward schemes
+  const size_t n = cs.size();
+  for (size_t i = 0; i < n; ++i)
+    for (auto scheme : {AttentionBackwardScheme::PerHead, AttentionBackwardScheme::TwoPass}) {
+      cs.push_back(cs[i]);
+      cs.back().scheme = scheme;
+    }
   return cs;
 }
 

@@ -1,5 +1,6 @@
-// relpos train | eval | sweep | reproduce <trained experiment>: the work that needs LibTorch runs
-// in relpos-train, a program of the LibTorch build that sits beside this one (this CLI links no
+// relpos train | eval | sweep | reproduce <trained experiment> | bench: the work that needs
+// LibTorch runs in relpos-train (or relpos-bench), programs of the LibTorch build that sit beside
+// this one (this CLI links no
 // LibTorch so that it also builds with -DRELPOS_CORE_ONLY=ON). The arguments go through verbatim
 // (no shell); relpos exits with the program's status.
 #include <fmt/format.h>
@@ -31,7 +32,10 @@ int run_beside(const std::string& program, const std::vector<std::string>& args)
 }
 
 void add_torch_commands(CLI::App& app) {
-  const std::vector<std::pair<std::string, std::string>> commands = {
+  struct Forward {
+    std::string name, program, help;
+  };
+  const std::vector<Forward> commands = {
       {"train",
        "Train a transformer LM with any mechanism (--config FILE.toml, --set k=v, --nproc N)"},
       {"eval", "Evaluate a run's checkpoint at several lengths (--checkpoint RUN_DIR)"},
@@ -40,10 +44,12 @@ void add_torch_commands(CLI::App& app) {
     auto* cmd = app.add_subcommand(name, help + " [relpos-train]");
     cmd->prefix_command();  // everything after the name goes to relpos-train as is
     cmd->set_help_flag();   // --help too
-    cmd->callback([cmd, name = name] {
-      std::vector<std::string> args = {name};
+    // relpos-train takes the subcommand's name first; relpos-bench takes the benchmark's name
+    cmd->callback([cmd, name = name, program = program] {
+      std::vector<std::string> args;
+      if (program == "relpos-train") args.push_back(name);
       for (const auto& a : cmd->remaining()) args.push_back(a);
-      if (const int rc = run_beside("relpos-train", args); rc != 0) throw ExitStatus{rc};
+      if (const int rc = run_beside(program, args); rc != 0) throw ExitStatus{rc};
     });
   }
 }

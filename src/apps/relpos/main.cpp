@@ -12,7 +12,7 @@ int main(int argc, char** argv) {
   // OMP_NUM_THREADS to change), and a call starts in milliseconds.
   CLI::App app{
       "relpos: relative positional encodings for attention - list, verify, kernel, probe, "
-      "reproduce, train, eval, sweep"};
+      "reproduce, train, eval, sweep, bench"};
   app.require_subcommand(1);
   relpos::app::add_list_command(app);
   relpos::app::add_verify_command(app);

@@ -42,11 +42,23 @@ struct AttentionPositions {
   }
 };
 
+// How attention_backward walks the tile pairs; every scheme gives the same gradients up to
+// rounding (a choice for tests and benchmarks; Auto is right otherwise).
+enum class AttentionBackwardScheme {
+  Auto,     // PerHead when there are at least 4 (batch, key/value head) pairs per thread, else
+            // TwoPass
+  PerHead,  // one task per (batch, key/value head): every key tile against every query tile of
+            // its query heads, dq accumulated in place: 5 tile products and one exp per pair
+  TwoPass,  // a pass over query tiles (dq) and one over key tiles (dk, dv), parallel over
+            // tiles: 7 tile products and two exps per pair, for few heads per thread
+};
+
 struct AttentionOptions {
   bool causal = true;
   double window = 0.0;               // > 0: sliding window (see above); 0: none
   const int64_t* key_len = nullptr;  // [B] valid keys per batch (clamped to [0, Tk]); null: Tk
   double scale = 0.0;                // softmax scale; 0 means 1 / sqrt(D)
+  AttentionBackwardScheme backward = AttentionBackwardScheme::Auto;
 };
 
 // Additive logit biases; every part optional (null), all of them summed:

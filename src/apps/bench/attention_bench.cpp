@@ -1,0 +1,859 @@
+// relpos-bench attention: causal fp32 attention, B x H x T x D, forward and forward+backward:
+//   ours       kernels::attention_forward / attention_backward, no bias
+//   sdpa       at::scaled_dot_product_attention(q, k, v, is_causal=true)
+//   sdpa_mask  SDPA with the ALiBi-shaped lag bias b_h(d) = -slope_h d materialised as a float
+//              mask [1, H, T, T] (-inf above the diagonal), is_causal=false
+//   ours_lag   our kernel with the same bias as a lag table [H, T] (lag_len = T)
+// Timing: every case of one T in one process, round-robin over the repeats (noise spreads over
+// all cases alike), after a warm-up; medians, every run listed. Inputs, outputs and the mask are
+// allocated outside the timed region except each call's own outputs and gradients; the mask is
+// built once per T (not timed: a fixed ALiBi mask can be cached by a user).
+// Memory: each case once more in a child process (this program re-run with --memory-child):
+// it warms the case up at a small T (code pages, thread pools), allocates the inputs, reads its
+// resident set, builds the mask (sdpa_mask), resets the peak (/proc/self/clear_refs), runs the
+// case once and reports peak resident set - resident set after the inputs: the case's own
+// memory (the mask included), nothing of the other cases.
+#include "apps/bench/attention_bench.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <omp.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "apps/bench/proc_memory.hpp"
+#include "core/files.hpp"
+#include "core/types.hpp"
+#include "kernels/attention/attention.hpp"
+#include "kernels/isa.hpp"
+#include "nlohmann/json.hpp"
+
+namespace relpos::bench {
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+enum class Impl { Ours, Sdpa, SdpaMask, OursLag };
+enum class Mode { Fwd, FwdBwd };
+constexpr Impl kImpls[] = {Impl::Ours, Impl::Sdpa, Impl::SdpaMask, Impl::OursLag};
+
+const char* name(Impl i) {
+  switch (i) {
+    case Impl::Ours:
+      return "ours";
+    case Impl::Sdpa:
+      return "sdpa";
+    case Impl::SdpaMask:
+      return "sdpa_mask";
+    case Impl::OursLag:
+      return "ours_lag";
+  }
+  return "?";
+}
+const char* name(Mode m) {
+  return m == Mode::Fwd ? "fwd" : "fwdbwd";
+}
+Impl impl_named(const std::string& s) {
+  for (Impl i : kImpls)
+    if (s == name(i)) return i;
+  throw InputError("unknown case '" + s + "'");
+}
+Mode mode_named(const std::string& s) {
+  return s == "fwd" ? Mode::Fwd : Mode::FwdBwd;
+}
+
+struct Args {
+  std::vector<int64_t> T = {1024, 4096, 8192, 16384};
+  int64_t B = 1, H = 8, D = 64;
+  int repeats = 5, warmup = 1, threads = 0, mm_n = 2048;
+  std::string format = "md", json_out;
+  std::vector<std::string> modes = {"fwd", "fwdbwd"};
+  std::vector<std::string> cases = {"ours", "sdpa", "sdpa_mask", "ours_lag"};
+  int64_t long_T = -1;       // -1: 32768 with the default T list, none otherwise
+  double max_mask_gib = -1;  // -1: 60% of MemAvailable at the start
+  bool memory = true, scaling = true;
+  // one memory measurement in a child process (internal)
+  std::string child_case, child_mode, child_out;
+  int64_t child_T = 0;
+};
+
+struct Shape {
+  int64_t B, H, T, D;
+};
+
+double flops(const Shape& s, Mode m) {
+  // causal forward: QK^T and PV over half the T x T pairs, 2 flops per multiply-add;
+  // the backward's five products count 2.5 times that
+  const double fwd = 4.0 * double(s.B) * double(s.H) * double(s.T) * double(s.T) * double(s.D) / 2;
+  return m == Mode::Fwd ? fwd : 3.5 * fwd;
+}
+
+double median(std::vector<double> x) {
+  if (x.empty()) return std::nan("");
+  std::sort(x.begin(), x.end());
+  const size_t n = x.size();
+  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+// ALiBi slopes 2^(-8 (h + 1) / H).
+at::Tensor alibi_slopes(int64_t H) {
+  return at::exp2(-8.0 * (at::arange(H, at::kFloat) + 1) / static_cast<double>(H));
+}
+
+struct Inputs {
+  Shape s;
+  at::Tensor q, k, v, dout, lag, mask;
+};
+
+// q, k, v, dout ~ N(0, 1), the lag table [H, T]: lag[h][d] = -slope_h d (exact in fp32: slopes
+// are powers of two). The mask is made separately (make_mask).
+Inputs make_inputs(const Shape& s) {
+  at::manual_seed(0);
+  Inputs in{s, {}, {}, {}, {}, {}, {}};
+  in.q = at::randn({s.B, s.H, s.T, s.D});
+  in.k = at::randn({s.B, s.H, s.T, s.D});
+  in.v = at::randn({s.B, s.H, s.T, s.D});
+  in.dout = at::randn({s.B, s.H, s.T, s.D});
+  in.lag =
+      (-alibi_slopes(s.H).unsqueeze(1) * at::arange(s.T, at::kFloat).unsqueeze(0)).contiguous();
+  return in;
+}
+
+// [1, H, T, T]: -slope_h (i - j) for j <= i, -inf above the diagonal.
+void make_mask(Inputs& in) {
+  const int64_t H = in.s.H, T = in.s.T;
+  const at::Tensor i = at::arange(T, at::kFloat);
+  const at::Tensor d = i.unsqueeze(1) - i.unsqueeze(0);  // i - j
+  at::Tensor m = -alibi_slopes(H).view({H, 1, 1}) * d.unsqueeze(0);
+  m.masked_fill_(d.lt(0).unsqueeze(0), -std::numeric_limits<float>::infinity());
+  in.mask = m.unsqueeze(0);
+}
+
+double mask_gib(const Shape& s) {
+  return double(s.H) * double(s.T) * double(s.T) * 4.0 / double(int64_t{1} << 30);
+}
+
+struct Outs {
+  at::Tensor out, dq, dk, dv;
+};
+
+Outs run_ours(const Inputs& in, bool lag, Mode mode) {
+  const Shape& s = in.s;
+  const kernels::AttentionDims d{s.B, s.H, s.H, s.T, s.T, s.D};
+  kernels::AttentionBias<float> bias;
+  if (lag) {
+    bias.lag_table = in.lag.data_ptr<float>();
+    bias.lag_len = s.T;
+  }
+  kernels::AttentionOptions o;
+  o.causal = true;
+  Outs r;
+  r.out = at::empty_like(in.q);
+  at::Tensor lse = at::empty({s.B, s.H, s.T}, in.q.options());
+  kernels::attention_forward<float>(d, in.q.data_ptr<float>(), in.k.data_ptr<float>(),
+                                    in.v.data_ptr<float>(), {}, bias, o, r.out.data_ptr<float>(),
+                                    lse.data_ptr<float>());
+  if (mode == Mode::FwdBwd) {
+    r.dq = at::empty_like(in.q);
+    r.dk = at::empty_like(in.k);
+    r.dv = at::empty_like(in.v);
+    kernels::attention_backward<float>(
+        d, in.q.data_ptr<float>(), in.k.data_ptr<float>(), in.v.data_ptr<float>(), {}, bias, o,
+        in.dout.data_ptr<float>(), r.out.data_ptr<float>(), lse.data_ptr<float>(),
+        r.dq.data_ptr<float>(), r.dk.data_ptr<float>(), r.dv.data_ptr<float>(), {});
+  }
+  return r;
+}
+
+Outs run_sdpa(const Inputs& in, bool mask, Mode mode) {
+  std::optional<at::Tensor> m;
+  if (mask) m = in.mask;
+  if (mode == Mode::Fwd) {
+    c10::InferenceMode guard;
+    return {at::scaled_dot_product_attention(in.q, in.k, in.v, m, 0.0, !mask), {}, {}, {}};
+  }
+  const at::Tensor q = in.q.detach().requires_grad_(true), k = in.k.detach().requires_grad_(true),
+                   v = in.v.detach().requires_grad_(true);
+  const at::Tensor out = at::scaled_dot_product_attention(q, k, v, m, 0.0, !mask);
+  const auto g = torch::autograd::grad({out}, {q, k, v}, {in.dout});
+  return {out.detach(), g[0], g[1], g[2]};
+}
+
+Outs run_case(const Inputs& in, Impl impl, Mode mode) {
+  switch (impl) {
+    case Impl::Ours:
+      return run_ours(in, false, mode);
+    case Impl::OursLag:
+      return run_ours(in, true, mode);
+    case Impl::Sdpa:
+      return run_sdpa(in, false, mode);
+    case Impl::SdpaMask:
+      return run_sdpa(in, true, mode);
+  }
+  return {};
+}
+
+// CPU time of the whole process (every thread), ms.
+double process_cpu_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return 1e3 * static_cast<double>(ts.tv_sec) + 1e-6 * static_cast<double>(ts.tv_nsec);
+}
+
+// Wall-clock ms of one call; *cpu_ms (if given) gets the process CPU time it took.
+double time_ms(const Inputs& in, Impl impl, Mode mode, double* cpu_ms = nullptr) {
+  const double c0 = process_cpu_ms();
+  const auto t0 = std::chrono::steady_clock::now();
+  { const Outs r = run_case(in, impl, mode); }  // outputs freed inside the timed region too
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (cpu_ms) *cpu_ms = process_cpu_ms() - c0;
+  return ms;
+}
+
+struct Memory {
+  bool ok = false;
+  double peak_above_inputs_mib = 0, inputs_rss_mib = 0, mask_mib = 0;
+  bool peak_reset = false;
+  std::string error;
+};
+
+struct Result {
+  int64_t T;
+  Mode mode;
+  Impl impl;
+  std::vector<double> runs_ms, cpu_ms;
+  double median_ms = std::nan("");
+  std::string skipped;
+  Memory mem;
+};
+
+struct Check {
+  int64_t T;
+  Mode mode;
+  std::string ours, ref;
+  std::vector<std::pair<std::string, std::pair<double, double>>>
+      diffs;  // name: max |diff|, max |ref|
+  bool ok = true;
+};
+
+Check compare(int64_t T, Mode mode, Impl ours, const Outs& a, Impl ref, const Outs& b) {
+  Check c{T, mode, name(ours), name(ref), {}, true};
+  const auto one = [&](const char* what, const at::Tensor& x, const at::Tensor& y) {
+    if (!x.defined() || !y.defined()) return;
+    const double diff = (x - y).abs().max().item<double>();
+    const double scale = y.abs().max().item<double>();
+    c.diffs.push_back({what, {diff, scale}});
+    // fp32 accumulation in both; a NaN fails too
+    if (!(diff <= 1e-3 * std::max(1.0, scale))) c.ok = false;
+  };
+  one("out", a.out, b.out);
+  one("dq", a.dq, b.dq);
+  one("dk", a.dk, b.dk);
+  one("dv", a.dv, b.dv);
+  return c;
+}
+
+std::string torch_version() {
+  return fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+}
+
+int used_omp_threads() {
+  int n = 0;
+#pragma omp parallel
+  {
+#pragma omp single
+    n = omp_get_num_threads();
+  }
+  return n;
+}
+
+void set_threads(int n) {
+  if (n > 0) at::set_num_threads(n);  // OpenMP (and MKL) threads of LibTorch and our kernels
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory of one case, measured in this (child) process; see the file comment.
+Memory measure_here(const Shape& s, Impl impl, Mode mode) {
+  {
+    Inputs w = make_inputs({s.B, s.H, std::min<int64_t>(s.T, 256), s.D});
+    if (impl == Impl::SdpaMask) make_mask(w);
+    for (int r = 0; r < 2; ++r) run_case(w, impl, mode);
+  }
+  Inputs in = make_inputs(s);
+  Memory m;
+  const int64_t base = rss_kib();
+  if (impl == Impl::SdpaMask) {
+    make_mask(in);
+    m.mask_mib = double(in.mask.numel()) * 4.0 / (1 << 20);
+  }
+  m.peak_reset = reset_peak_rss();
+  { const Outs r = run_case(in, impl, mode); }
+  const int64_t peak = peak_rss_kib();
+  m.ok = base > 0 && peak > 0;
+  m.inputs_rss_mib = double(base) / 1024.0;
+  m.peak_above_inputs_mib = double(peak - base) / 1024.0;
+  return m;
+}
+
+json memory_json(const Memory& m) {
+  json j = {{"ok", m.ok},
+            {"peak_above_inputs_mib", m.peak_above_inputs_mib},
+            {"inputs_rss_mib", m.inputs_rss_mib},
+            {"peak_reset", m.peak_reset}};
+  if (m.mask_mib > 0) j["mask_mib"] = m.mask_mib;
+  if (!m.error.empty()) j["error"] = m.error;
+  return j;
+}
+
+// Runs this program again with --memory-child for one case and reads its report.
+Memory measure_in_child(const Args& a, int64_t T, Impl impl, Mode mode) {
+  Memory m;
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) {
+    m.error = "cannot read /proc/self/exe";
+    return m;
+  }
+  static int counter = 0;
+  const fs::path out = fs::temp_directory_path() /
+                       fmt::format("relpos-bench-memory-{}-{}.json", ::getpid(), counter++);
+  std::vector<std::string> argv = {self.string(),
+                                   "attention",
+                                   "--memory-child",
+                                   name(impl),
+                                   "--memory-mode",
+                                   name(mode),
+                                   "--memory-T",
+                                   std::to_string(T),
+                                   "--memory-out",
+                                   out.string(),
+                                   "--B",
+                                   std::to_string(a.B),
+                                   "--H",
+                                   std::to_string(a.H),
+                                   "--D",
+                                   std::to_string(a.D),
+                                   "--threads",
+                                   std::to_string(a.threads)};
+  const int rc = run_program(argv, fs::current_path(ec));
+  try {
+    std::ifstream f(out);
+    if (rc != 0 || !f) throw std::runtime_error(fmt::format("child exited with status {}", rc));
+    const json j = json::parse(f);
+    m.ok = j.at("ok").get<bool>();
+    m.peak_above_inputs_mib = j.at("peak_above_inputs_mib").get<double>();
+    m.inputs_rss_mib = j.at("inputs_rss_mib").get<double>();
+    m.peak_reset = j.at("peak_reset").get<bool>();
+    m.mask_mib = j.value("mask_mib", 0.0);
+  } catch (const std::exception& e) {
+    m.ok = false;
+    m.error = e.what();
+  }
+  fs::remove(out, ec);
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+struct MmResult {
+  int n;
+  std::vector<double> runs_ms;
+  double median_ms, gflops;
+};
+
+MmResult bench_mm(int n, int repeats) {
+  at::manual_seed(1);
+  const at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
+  at::Tensor c = at::mm(a, b);
+  MmResult r{n, {}, 0, 0};
+  for (int i = 0; i < std::max(repeats, 5); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    at::mm_out(c, a, b);
+    r.runs_ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  r.median_ms = median(r.runs_ms);
+  r.gflops = 2.0 * double(n) * n * n / (r.median_ms * 1e6);
+  return r;
+}
+
+json mm_json(const MmResult& m) {
+  return {{"n", m.n}, {"runs_ms", m.runs_ms}, {"median_ms", m.median_ms}, {"gflops", m.gflops}};
+}
+
+struct ScalingRow {
+  Impl impl;
+  int threads;
+  std::vector<double> runs_ms;
+  double median_ms;
+};
+
+// ---------------------------------------------------------------------------------------------
+struct Report {
+  Args a;
+  std::vector<Result> results, long_results;
+  std::vector<Check> checks;
+  MmResult mm_start{}, mm_end{};
+  std::vector<ScalingRow> scaling;
+  int64_t scaling_T = 0;
+  double max_mask_gib = 0;
+  int at_threads = 0, omp_max = 0, omp_used = 0;
+  bool checks_ok = true;
+};
+
+const Result* find(const std::vector<Result>& rs, int64_t T, Mode m, Impl i) {
+  for (const auto& r : rs)
+    if (r.T == T && r.mode == m && r.impl == i && r.skipped.empty()) return &r;
+  return nullptr;
+}
+
+std::optional<double> ratio(const std::vector<Result>& rs, int64_t T, Mode m, Impl num, Impl den) {
+  const Result *a = find(rs, T, m, num), *b = find(rs, T, m, den);
+  if (!a || !b) return std::nullopt;
+  return a->median_ms / b->median_ms;
+}
+
+// Times every selected case at one T (round-robin), after checking ours against SDPA.
+void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
+              const std::vector<Impl>& impls, bool long_run) {
+  const Args& a = rep.a;
+  std::vector<Result> res;
+  for (Mode m : modes)
+    for (Impl i : impls) {
+      Result r{s.T, m, i, {}, {}, std::nan(""), {}, {}};
+      if (i == Impl::SdpaMask && mask_gib(s) > rep.max_mask_gib)
+        r.skipped = fmt::format("mask {:.1f} GiB > limit {:.1f} GiB (--max-mask-gib)", mask_gib(s),
+                                rep.max_mask_gib);
+      res.push_back(r);
+    }
+  const bool need_mask = std::any_of(res.begin(), res.end(), [](const Result& r) {
+    return r.impl == Impl::SdpaMask && r.skipped.empty();
+  });
+  {
+    Inputs in = make_inputs(s);
+    if (need_mask) make_mask(in);
+    // correctness, once per case (the first call also warms it up)
+    for (Mode m : modes) {
+      std::vector<std::pair<Impl, Outs>> outs;
+      for (const auto& r : res)
+        if (r.mode == m && r.skipped.empty()) outs.push_back({r.impl, run_case(in, r.impl, m)});
+      const auto get = [&](Impl i) -> const Outs* {
+        for (const auto& [j, o] : outs)
+          if (j == i) return &o;
+        return nullptr;
+      };
+      for (const auto& [ours, ref] :
+           {std::pair{Impl::Ours, Impl::Sdpa}, std::pair{Impl::OursLag, Impl::SdpaMask}}) {
+        const Outs *x = get(ours), *y = get(ref);
+        if (!x || !y) continue;
+        rep.checks.push_back(compare(s.T, m, ours, *x, ref, *y));
+        const Check& c = rep.checks.back();
+        rep.checks_ok = rep.checks_ok && c.ok;
+        double worst = 0;
+        for (const auto& d : c.diffs) worst = std::max(worst, d.second.first);
+        std::cerr << fmt::format("T={} {}: {} vs {}: max |diff| {:.2e} {}\n", s.T, name(m), c.ours,
+                                 c.ref, worst, c.ok ? "ok" : "FAILED");
+      }
+    }
+    for (int w = 1; w < a.warmup; ++w)
+      for (const auto& r : res)
+        if (r.skipped.empty()) time_ms(in, r.impl, r.mode);
+    for (int rep_i = 0; rep_i < a.repeats; ++rep_i)
+      for (auto& r : res)
+        if (r.skipped.empty()) {
+          double cpu = 0;
+          r.runs_ms.push_back(time_ms(in, r.impl, r.mode, &cpu));
+          r.cpu_ms.push_back(cpu);
+        }
+  }
+  for (auto& r : res) {
+    if (!r.skipped.empty()) {
+      std::cerr << fmt::format("T={} {} {}: skipped ({})\n", r.T, name(r.mode), name(r.impl),
+                               r.skipped);
+      continue;
+    }
+    r.median_ms = median(r.runs_ms);
+    if (a.memory) r.mem = measure_in_child(a, s.T, r.impl, r.mode);
+    std::cerr << fmt::format(
+        "T={} {} {}: median {:.2f} ms, {:.1f} GFLOP/s{}\n", r.T, name(r.mode), name(r.impl),
+        r.median_ms, flops(s, r.mode) / (r.median_ms * 1e6),
+        r.mem.ok ? fmt::format(", peak {:.0f} MiB above the inputs", r.mem.peak_above_inputs_mib)
+                 : "");
+  }
+  auto& dst = long_run ? rep.long_results : rep.results;
+  dst.insert(dst.end(), res.begin(), res.end());
+}
+
+// Forward of ours and sdpa with one thread and with all, round-robin over the repeats (a call
+// after each change of the thread count is untimed).
+void run_scaling(Report& rep, const Shape& s) {
+  const int n = at::get_num_threads();
+  if (n < 2) return;
+  rep.scaling_T = s.T;
+  Inputs in = make_inputs(s);
+  for (Impl i : {Impl::Ours, Impl::Sdpa})
+    for (int t : {1, n}) rep.scaling.push_back({i, t, {}, 0});
+  for (int r = 0; r < rep.a.repeats; ++r)
+    for (auto& row : rep.scaling) {
+      at::set_num_threads(row.threads);
+      time_ms(in, row.impl, Mode::Fwd);
+      row.runs_ms.push_back(time_ms(in, row.impl, Mode::Fwd));
+    }
+  for (auto& row : rep.scaling) row.median_ms = median(row.runs_ms);
+  at::set_num_threads(n);
+}
+
+// ---------------------------------------------------------------------------------------------
+json result_json(const Report& rep, const Result& r) {
+  const Shape s{rep.a.B, rep.a.H, r.T, rep.a.D};
+  json j = {{"T", r.T}, {"mode", name(r.mode)}, {"case", name(r.impl)}};
+  if (!r.skipped.empty()) {
+    j["skipped"] = r.skipped;
+    return j;
+  }
+  const double gf = flops(s, r.mode) / (r.median_ms * 1e6);
+  j["runs_ms"] = r.runs_ms;
+  j["median_ms"] = r.median_ms;
+  j["cpu_runs_ms"] = r.cpu_ms;
+  j["median_cpu_ms"] = median(r.cpu_ms);
+  j["gflops"] = gf;
+  j["fraction_of_mm"] = gf / rep.mm_start.gflops;
+  if (rep.a.memory) j["memory"] = memory_json(r.mem);
+  return j;
+}
+
+json targets_json(const Report& rep) {
+  json t = json::object();
+  json nob = json::array();
+  bool nob_met = true, any = false;
+  for (int64_t T : rep.a.T)
+    for (Mode m : {Mode::Fwd, Mode::FwdBwd})
+      if (const auto x = ratio(rep.results, T, m, Impl::Ours, Impl::Sdpa)) {
+        nob.push_back({{"T", T}, {"mode", name(m)}, {"ours_over_sdpa", *x}, {"met", *x <= 1.25}});
+        nob_met = nob_met && *x <= 1.25;
+        any = true;
+      }
+  t["no_bias_within_1.25x_of_sdpa"] = {{"rows", nob}, {"met", any ? json(nob_met) : json()}};
+  json lag = json::array();
+  bool lag_met = true;
+  any = false;
+  for (Mode m : {Mode::Fwd, Mode::FwdBwd})
+    if (const auto x = ratio(rep.results, 8192, m, Impl::SdpaMask, Impl::OursLag)) {
+      lag.push_back(
+          {{"T", 8192}, {"mode", name(m)}, {"sdpa_mask_over_ours_lag", *x}, {"met", *x >= 2.0}});
+      lag_met = lag_met && *x >= 2.0;
+      any = true;
+    }
+  t["lag_table_2x_faster_than_sdpa_mask_at_8192"] = {{"rows", lag},
+                                                     {"met", any ? json(lag_met) : json()}};
+  json lm = json::array();
+  bool lm_met = true;
+  any = false;
+  for (const auto& r : rep.long_results)
+    if ((r.impl == Impl::Ours || r.impl == Impl::OursLag) && r.mem.ok) {
+      const bool met = r.mem.peak_above_inputs_mib * (1 << 20) < 1e9;
+      lm.push_back({{"T", r.T},
+                    {"case", name(r.impl)},
+                    {"peak_above_inputs_mib", r.mem.peak_above_inputs_mib},
+                    {"met", met}});
+      lm_met = lm_met && met;
+      any = true;
+    }
+  t["long_forward_peak_below_1GB"] = {{"rows", lm}, {"met", any ? json(lm_met) : json()}};
+  return t;
+}
+
+json report_json(const Report& rep) {
+  const Args& a = rep.a;
+  json j;
+  j["benchmark"] = "attention";
+  j["shape"] = {{"B", a.B}, {"H", a.H},           {"D", a.D},
+                {"T", a.T}, {"dtype", "float32"}, {"causal", true}};
+  j["kernel_isa"] = kernels::kernel_isa();
+  j["torch_version"] = torch_version();
+  j["threads"] = {{"requested", a.threads},
+                  {"at_get_num_threads", rep.at_threads},
+                  {"omp_get_max_threads", rep.omp_max},
+                  {"omp_threads_in_a_parallel_region", rep.omp_used},
+                  {"hardware_concurrency", std::thread::hardware_concurrency()}};
+  j["repeats"] = a.repeats;
+  j["warmup"] = a.warmup;
+  j["flop_convention"] =
+      "useful flops: causal forward 4 B H T^2 D / 2 (two T x T x D products over half the "
+      "pairs), backward 2.5x that, forward+backward 3.5x; sdpa_mask is credited with the same "
+      "count although it computes every pair";
+  j["memory_method"] =
+      "each case once in a child process: warm-up at T=256, inputs allocated, VmRSS read, mask "
+      "built (sdpa_mask), VmHWM reset (/proc/self/clear_refs), one call, VmHWM - VmRSS; the "
+      "outputs, gradients and the mask count, the inputs q, k, v, dout and the lag table do not";
+  j["timing_method"] =
+      "one process, round-robin over the cases of one T, after a checking call and --warmup "
+      "calls; each call allocates its outputs (not the mask: built once per T, untimed); "
+      "runs_ms wall clock, cpu_runs_ms the process CPU time of the same calls (every thread, "
+      "spinning at barriers included)";
+  j["mask_limit_gib"] = rep.max_mask_gib;
+  j["mm_start"] = mm_json(rep.mm_start);
+  j["mm_end"] = mm_json(rep.mm_end);
+  json res = json::array();
+  for (const auto& r : rep.results) res.push_back(result_json(rep, r));
+  j["results"] = res;
+  json ratios = json::array();
+  for (int64_t T : a.T)
+    for (Mode m : {Mode::Fwd, Mode::FwdBwd}) {
+      json row = {{"T", T}, {"mode", name(m)}};
+      const auto x = ratio(rep.results, T, m, Impl::Ours, Impl::Sdpa);
+      const auto y = ratio(rep.results, T, m, Impl::OursLag, Impl::SdpaMask);
+      const auto z = ratio(rep.results, T, m, Impl::OursLag, Impl::Ours);
+      if (!x && !y && !z) continue;
+      row["ours_over_sdpa"] = x ? json(*x) : json();
+      row["ours_lag_over_sdpa_mask"] = y ? json(*y) : json();
+      row["ours_lag_over_ours"] = z ? json(*z) : json();
+      ratios.push_back(row);
+    }
+  j["ratios"] = ratios;
+  json checks = json::array();
+  for (const auto& c : rep.checks) {
+    json d = json::object();
+    for (const auto& [n, v] : c.diffs)
+      d[n] = {{"max_abs_diff", v.first}, {"ref_max_abs", v.second}};
+    checks.push_back({{"T", c.T},
+                      {"mode", name(c.mode)},
+                      {"ours", c.ours},
+                      {"reference", c.ref},
+                      {"diffs", d},
+                      {"ok", c.ok}});
+  }
+  j["checks"] = checks;
+  j["checks_ok"] = rep.checks_ok;
+  json lr = json::array();
+  for (const auto& r : rep.long_results) lr.push_back(result_json(rep, r));
+  j["long_forward"] = lr;
+  json sc = json::array();
+  for (const auto& r : rep.scaling)
+    sc.push_back({{"T", rep.scaling_T},
+                  {"mode", "fwd"},
+                  {"case", name(r.impl)},
+                  {"threads", r.threads},
+                  {"runs_ms", r.runs_ms},
+                  {"median_ms", r.median_ms}});
+  j["thread_scaling"] = sc;
+  j["targets"] = targets_json(rep);
+  return j;
+}
+
+std::string fmt_opt(std::optional<double> x, const char* f = "{:.2f}") {
+  return x ? fmt::format(fmt::runtime(f), *x) : std::string("-");
+}
+
+std::string runs_str(const std::vector<double>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? " / " : "") + fmt::format("{:.1f}", v[i]);
+  return s;
+}
+
+void write_md_results(std::ostream& os, const Report& rep, const std::vector<Result>& rs) {
+  os << "| T | pass | case | median ms | runs ms | CPU ms | GFLOP/s | of mm | peak MiB above "
+        "inputs |\n"
+        "|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& r : rs) {
+    if (!r.skipped.empty()) {
+      os << fmt::format("| {} | {} | {} | skipped: {} | | | | | |\n", r.T, name(r.mode),
+                        name(r.impl), r.skipped);
+      continue;
+    }
+    const double gf = flops({rep.a.B, rep.a.H, r.T, rep.a.D}, r.mode) / (r.median_ms * 1e6);
+    std::string mem = "-";
+    if (rep.a.memory)
+      mem = r.mem.ok ? fmt::format("{:.0f}", r.mem.peak_above_inputs_mib) : "error: " + r.mem.error;
+    if (r.mem.ok && r.mem.mask_mib > 0) mem += fmt::format(" (mask {:.0f})", r.mem.mask_mib);
+    os << fmt::format("| {} | {} | {} | {:.2f} | {} | {:.1f} | {:.1f} | {:.0f}% | {} |\n", r.T,
+                      name(r.mode), name(r.impl), r.median_ms, runs_str(r.runs_ms),
+                      median(r.cpu_ms), gf, 100 * gf / rep.mm_start.gflops, mem);
+  }
+}
+
+void write_md(std::ostream& os, const Report& rep) {
+  const Args& a = rep.a;
+  os << fmt::format(
+      "# relpos bench attention\n\nB={} H={} D={} fp32 causal; kernel build {}; LibTorch {}; "
+      "threads: at::get_num_threads {} / omp_get_max_threads {} / in a parallel region {}; "
+      "{} repeats (medians), {} warm-up\n\n",
+      a.B, a.H, a.D, kernels::kernel_isa(), torch_version(), rep.at_threads, rep.omp_max,
+      rep.omp_used, a.repeats, a.warmup);
+  os << fmt::format(
+      "at::mm {}^3 fp32: {:.1f} GFLOP/s at the start ({:.1f} ms), {:.1f} GFLOP/s at the end\n\n",
+      rep.mm_start.n, rep.mm_start.gflops, rep.mm_start.median_ms, rep.mm_end.gflops);
+  write_md_results(os, rep, rep.results);
+  os << "\n| T | pass | ours / sdpa | ours_lag / sdpa_mask | sdpa_mask / ours_lag | ours_lag / "
+        "ours |\n"
+        "|---|---|---|---|---|---|\n";
+  for (int64_t T : a.T)
+    for (Mode m : {Mode::Fwd, Mode::FwdBwd}) {
+      const auto x = ratio(rep.results, T, m, Impl::Ours, Impl::Sdpa);
+      const auto y = ratio(rep.results, T, m, Impl::OursLag, Impl::SdpaMask);
+      const auto z = ratio(rep.results, T, m, Impl::OursLag, Impl::Ours);
+      if (!x && !y && !z) continue;
+      os << fmt::format("| {} | {} | {} | {} | {} | {} |\n", T, name(m), fmt_opt(x), fmt_opt(y),
+                        fmt_opt(y ? std::optional<double>(1 / *y) : std::nullopt), fmt_opt(z));
+    }
+  os << "\nCorrectness (max |ours - reference|, max |reference|):\n\n";
+  for (const auto& c : rep.checks) {
+    std::string d;
+    for (const auto& [n, v] : c.diffs)
+      d += fmt::format(" {} {:.1e} ({:.1f})", n, v.first, v.second);
+    os << fmt::format("- T={} {} {} vs {}:{} {}\n", c.T, name(c.mode), c.ours, c.ref, d,
+                      c.ok ? "ok" : "FAILED");
+  }
+  if (!rep.long_results.empty()) {
+    os << "\nLong forward:\n\n";
+    write_md_results(os, rep, rep.long_results);
+  }
+  if (!rep.scaling.empty()) {
+    os << fmt::format("\nThreads (forward, T={}):", rep.scaling_T);
+    for (const auto& r : rep.scaling)
+      os << fmt::format(" {} {} thread{} {:.2f} ms;", name(r.impl), r.threads,
+                        r.threads > 1 ? "s" : "", r.median_ms);
+    os << "\n";
+  }
+  const json t = targets_json(rep);
+  os << "\nTargets:\n";
+  for (const auto& [k, v] : t.items())
+    os << fmt::format(
+        "- {}: {}\n", k,
+        v["met"].is_null() ? "not measured" : (v["met"].get<bool>() ? "met" : "MISSED"));
+}
+
+void run(const Args& in_args) {
+  Args a = in_args;
+  set_threads(a.threads);
+  if (!a.child_case.empty()) {  // one memory measurement (internal)
+    const Memory m = measure_here({a.B, a.H, a.child_T, a.D}, impl_named(a.child_case),
+                                  mode_named(a.child_mode));
+    write_file_atomic(a.child_out, memory_json(m).dump());
+    return;
+  }
+  for (int64_t T : a.T)
+    if (T < 1 || T > (int64_t{1} << 20))
+      throw InputError(fmt::format("--T {}: must be in [1, 2^20]", T));
+  if (!a.json_out.empty()) {
+    const fs::path dir = fs::path(a.json_out).parent_path();
+    if (!dir.empty() && !fs::is_directory(dir))
+      throw InputError(
+          fmt::format("--json-out {}: {} is not a directory", a.json_out, dir.string()));
+  }
+  Report rep;
+  rep.a = a;
+  if (a.long_T < 0) rep.a.long_T = 0;
+  rep.at_threads = at::get_num_threads();
+  rep.omp_max = omp_get_max_threads();
+  rep.omp_used = used_omp_threads();
+  const int64_t avail = mem_available_kib();
+  rep.max_mask_gib =
+      a.max_mask_gib >= 0 ? a.max_mask_gib : (avail > 0 ? 0.6 * double(avail) / (1 << 20) : 4.0);
+  std::vector<Mode> modes;
+  for (const auto& m : a.modes) modes.push_back(mode_named(m));
+  std::vector<Impl> impls;
+  for (Impl i : kImpls)
+    if (std::find(a.cases.begin(), a.cases.end(), name(i)) != a.cases.end()) impls.push_back(i);
+  std::cerr << fmt::format("relpos bench attention: kernel build {}, {} threads\n",
+                           kernels::kernel_isa(), rep.at_threads);
+  rep.mm_start = bench_mm(a.mm_n, a.repeats);
+  for (int64_t T : a.T) run_size(rep, {a.B, a.H, T, a.D}, modes, impls, false);
+  if (rep.a.long_T > 0) {
+    std::vector<Impl> li;
+    for (Impl i : impls)
+      if (i != Impl::SdpaMask) li.push_back(i);
+    run_size(rep, {a.B, a.H, rep.a.long_T, a.D}, {Mode::Fwd}, li, true);
+  }
+  if (a.scaling) {
+    int64_t ts = a.T.front();
+    for (int64_t T : a.T)
+      if (T <= 4096) ts = std::max(ts, T);
+    run_scaling(rep, {a.B, a.H, ts, a.D});
+  }
+  rep.mm_end = bench_mm(a.mm_n, a.repeats);
+  if (a.format == "json")
+    std::cout << report_json(rep).dump(2) << "\n";
+  else
+    write_md(std::cout, rep);
+  if (!a.json_out.empty()) write_file_atomic(a.json_out, report_json(rep).dump(2) + "\n");
+  if (!rep.checks_ok) {
+    std::cerr << "relpos bench attention: a correctness check failed (see 'checks')\n";
+    throw CheckFailed{};
+  }
+}
+
+}  // namespace
+
+void add_attention_command(CLI::App& app) {
+  auto a = std::make_shared<Args>();
+  auto* cmd = app.add_subcommand(
+      "attention",
+      "Fused attention kernel vs at::scaled_dot_product_attention (no bias, and an ALiBi lag "
+      "bias as a materialised mask vs our lag table): time, GFLOP/s, peak memory, correctness");
+  cmd->add_option("--T", a->T, "sequence lengths, comma-separated (default 1024,4096,8192,16384)")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--B", a->B, "batch")->check(CLI::Range(1, 1024));
+  cmd->add_option("--H", a->H, "heads")->check(CLI::Range(1, 1024));
+  cmd->add_option("--D", a->D, "head dimension")->check(CLI::Range(1, 1024));
+  cmd->add_option("--repeats", a->repeats, "timed calls per case (medians)")
+      ->check(CLI::Range(1, 1000));
+  cmd->add_option("--warmup", a->warmup, "untimed calls per case, the checking call included")
+      ->check(CLI::Range(1, 100));
+  cmd->add_option("--threads", a->threads, "threads (at::set_num_threads); 0: LibTorch's default")
+      ->check(CLI::Range(0, 1024));
+  cmd->add_option("--format", a->format, "md or json")->check(CLI::IsMember({"md", "json"}));
+  cmd->add_option("--json-out", a->json_out, "also write the JSON report to this file");
+  cmd->add_option("--modes", a->modes, "fwd,fwdbwd")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fwd", "fwdbwd"}));
+  cmd->add_option("--cases", a->cases, "ours,sdpa,sdpa_mask,ours_lag")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"ours", "sdpa", "sdpa_mask", "ours_lag"}));
+  auto* lt = cmd->add_option("--long-T", a->long_T,
+                             "a forward-only size after the others (ours, sdpa, ours_lag); default "
+                             "32768 with the default --T list, none when --T is given; 0: none")
+                 ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  cmd->add_option("--max-mask-gib", a->max_mask_gib,
+                  "skip sdpa_mask where the [1,H,T,T] mask is larger (default: 60% of "
+                  "MemAvailable)")
+      ->check(CLI::Range(0.0, 1e6));
+  cmd->add_option("--mm-n", a->mm_n, "at::mm size for the machine's GFLOP/s")
+      ->check(CLI::Range(16, 16384));
+  cmd->add_flag("!--no-memory", a->memory, "skip the peak-memory measurements (child processes)");
+  cmd->add_flag("!--no-scaling", a->scaling, "skip the 1-thread vs all-threads forward");
+  cmd->add_option("--memory-child", a->child_case)->group("");
+  cmd->add_option("--memory-mode", a->child_mode)
+      ->group("")
+      ->check(CLI::IsMember({"fwd", "fwdbwd"}));
+  cmd->add_option("--memory-T", a->child_T)
+      ->group("")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--memory-out", a->child_out)->group("");
+  auto* T_opt = cmd->get_option("--T");
+  cmd->callback([a, T_opt, lt] {
+    Args args = *a;
+    if (lt->count() == 0) args.long_T = T_opt->count() == 0 ? 32768 : 0;
+    if (!args.child_case.empty() && (args.child_T < 1 || args.child_out.empty()))
+      throw InputError("--memory-child needs --memory-T and --memory-out");
+    run(args);
+  });
+}
+
+}  // namespace relpos::bench
