@@ -36,13 +36,16 @@ void add_torch_commands(CLI::App& app) {
     std::string name, program, help;
   };
   const std::vector<Forward> commands = {
-      {"train",
+      {"train", "relpos-train",
        "Train a transformer LM with any mechanism (--config FILE.toml, --set k=v, --nproc N)"},
-      {"eval", "Evaluate a run's checkpoint at several lengths (--checkpoint RUN_DIR)"},
-      {"sweep", "Methods x seeds x settings from one TOML (--config SWEEP.toml), resumable"}};
-  for (const auto& [name, help] : commands) {
-    auto* cmd = app.add_subcommand(name, help + " [relpos-train]");
-    cmd->prefix_command();  // everything after the name goes to relpos-train as is
+      {"eval", "relpos-train", "Evaluate a run's checkpoint at several lengths (--checkpoint DIR)"},
+      {"sweep", "relpos-train",
+       "Methods x seeds x settings from one TOML (--config SWEEP.toml), resumable"},
+      {"bench", "relpos-bench",
+       "Benchmarks against LibTorch: 'relpos bench attention --help' lists the options"}};
+  for (const auto& [name, program, help] : commands) {
+    auto* cmd = app.add_subcommand(name, fmt::format("{} [{}]", help, program));
+    cmd->prefix_command();  // everything after the name goes to the program as is
     cmd->set_help_flag();   // --help too
     // relpos-train takes the subcommand's name first; relpos-bench takes the benchmark's name
     cmd->callback([cmd, name = name, program = program] {
