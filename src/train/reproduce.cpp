@@ -318,10 +318,7 @@ std::string reproduce(const std::string& name, const std::string& scale,
       folder.string(), wall);
   write_file_atomic(folder / "reproduce.md", md);
   for (const auto& part : strings(report.get("parts"), "reproduce.parts", source))
-    md += fmt::format(
-        "\n{}",
-        reproduce(part, scale, sets,
-                  (folder.parent_path() / fmt::format("{}-{}", part, scale)).string(), progress));
+    md += fmt::format("\n{}", reproduce(part, scale, sets, (folder / part).string(), progress));
   return md;
 }
 

@@ -10,7 +10,7 @@
 //   paper = [[0.969, 0.031, 0.781, 0.083], ...]   # per row: mean, std for each column
 //   # or kind = "best": the paper reports the best method per column
 //   best = [["accuracy@512", "Exact m=3 c=.1 eta0=.01", 0.9097, 0.0335], ...]
-//   parts = ["other-experiment", ...]  # optional: also run these files and print them after
+//   parts = ["other-experiment", ...]  # optional: also run these (into OUT/PART), printed after
 //   [scale.cpu]                        # a smaller protocol for 2 CPU cores
 //   set = ["task.train_length=512", ...]
 //   methods = [...]                    # optional: the same rows at the smaller scale
