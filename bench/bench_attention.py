@@ -92,6 +92,10 @@ def flex_setup(slopes: torch.Tensor, t: int):
         return q_idx >= kv_idx
 
     try:
+        # a fresh Dynamo state per size: without it the recompilations for each new T (new
+        # closure, new block mask) and the failed backward attempts reach Dynamo's recompile
+        # limit, and flex_attention silently runs eagerly (10x slower here at T=4096)
+        torch._dynamo.reset()
         block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=t, KV_LEN=t, device="cpu")
         compiled = torch.compile(flex_attention, dynamic=False)
 

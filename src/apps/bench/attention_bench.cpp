@@ -428,6 +428,17 @@ std::optional<double> ratio(const std::vector<Result>& rs, int64_t T, Mode m, Im
   return a->median_ms / b->median_ms;
 }
 
+// Median over the repeats of num's run i / den's run i: the two ran one after the other in the
+// same round, so load that comes and goes cancels more than in the ratio of medians.
+std::optional<double> paired_ratio(const std::vector<Result>& rs, int64_t T, Mode m, Impl num,
+                                   Impl den) {
+  const Result *a = find(rs, T, m, num), *b = find(rs, T, m, den);
+  if (!a || !b || a->runs_ms.size() != b->runs_ms.size()) return std::nullopt;
+  std::vector<double> x;
+  for (size_t i = 0; i < a->runs_ms.size(); ++i) x.push_back(a->runs_ms[i] / b->runs_ms[i]);
+  return median(x);
+}
+
 // Times every selected case at one T (round-robin), after checking ours against SDPA.
 void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
               const std::vector<Impl>& impls, bool long_run) {
@@ -623,6 +634,10 @@ json report_json(const Report& rep) {
       row["ours_over_sdpa"] = x ? json(*x) : json();
       row["ours_lag_over_sdpa_mask"] = y ? json(*y) : json();
       row["ours_lag_over_ours"] = z ? json(*z) : json();
+      const auto px = paired_ratio(rep.results, T, m, Impl::Ours, Impl::Sdpa);
+      const auto py = paired_ratio(rep.results, T, m, Impl::OursLag, Impl::SdpaMask);
+      row["ours_over_sdpa_paired"] = px ? json(*px) : json();
+      row["ours_lag_over_sdpa_mask_paired"] = py ? json(*py) : json();
       ratios.push_back(row);
     }
   j["ratios"] = ratios;
@@ -699,16 +714,19 @@ void write_md(std::ostream& os, const Report& rep) {
       "at::mm {}^3 fp32: {:.1f} GFLOP/s at the start ({:.1f} ms), {:.1f} GFLOP/s at the end\n\n",
       rep.mm_start.n, rep.mm_start.gflops, rep.mm_start.median_ms, rep.mm_end.gflops);
   write_md_results(os, rep, rep.results);
-  os << "\n| T | pass | ours / sdpa | ours_lag / sdpa_mask | sdpa_mask / ours_lag | ours_lag / "
-        "ours |\n"
-        "|---|---|---|---|---|---|\n";
+  os << "\nRatios of the medians (in brackets: the median over the rounds of the ratio within a "
+        "round)\n\n| T | pass | ours / sdpa | ours_lag / sdpa_mask | sdpa_mask / ours_lag | "
+        "ours_lag / ours |\n|---|---|---|---|---|---|\n";
   for (int64_t T : a.T)
     for (Mode m : {Mode::Fwd, Mode::FwdBwd}) {
       const auto x = ratio(rep.results, T, m, Impl::Ours, Impl::Sdpa);
       const auto y = ratio(rep.results, T, m, Impl::OursLag, Impl::SdpaMask);
       const auto z = ratio(rep.results, T, m, Impl::OursLag, Impl::Ours);
       if (!x && !y && !z) continue;
-      os << fmt::format("| {} | {} | {} | {} | {} | {} |\n", T, name(m), fmt_opt(x), fmt_opt(y),
+      const auto px = paired_ratio(rep.results, T, m, Impl::Ours, Impl::Sdpa);
+      const auto py = paired_ratio(rep.results, T, m, Impl::OursLag, Impl::SdpaMask);
+      os << fmt::format("| {} | {} | {} ({}) | {} ({}) | {} | {} |\n", T, name(m), fmt_opt(x),
+                        fmt_opt(px), fmt_opt(y), fmt_opt(py),
                         fmt_opt(y ? std::optional<double>(1 / *y) : std::nullopt), fmt_opt(z));
     }
   os << "\nCorrectness (max |ours - reference|, max |reference|):\n\n";

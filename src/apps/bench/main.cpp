@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <iostream>
+#include <string_view>
 
 #include "apps/bench/attention_bench.hpp"
 #include "core/parse.hpp"
@@ -15,6 +16,10 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   relpos::bench::add_attention_command(app);
   try {
+    // CLI11 would call an unknown benchmark name "A subcommand is required"
+    if (argc > 1 && argv[1][0] != '-' && std::string_view(argv[1]) != "attention")
+      throw relpos::InputError("unknown benchmark '" + relpos::brief(argv[1]) +
+                               "' (available: attention)");
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);
