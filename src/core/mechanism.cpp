@@ -53,6 +53,12 @@ const BiasTerm* Mechanism::alibi() const {
   return nullptr;
 }
 
+const BiasTerm* Mechanism::pj_bias() const {
+  for (const auto& b : biases)
+    if (b.pj) return &b;
+  return nullptr;
+}
+
 int Mechanism::total_blocks() const {
   int n = 0;
   for (const auto& s : segments()) n = std::max(n, s.first_block + s.blocks);

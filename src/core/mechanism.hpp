@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/pj_bias.hpp"
 #include "core/types.hpp"
 
 namespace relpos {
@@ -111,6 +112,9 @@ struct BiasTerm {
   std::vector<double> slopes;  // LagTable in slope form (ALiBi): per head
   // augmented exact: realised by the unipotent lift [[1, t], [0, 1]] (verify checks it)
   bool unipotent_lift = false;
+  // LagTable learned from parameters (the PJ-RoPE bias, core/pj_bias.hpp): the kernel gets the
+  // table built from them for the call's lags
+  std::optional<PjBiasConfig> pj;
 };
 
 // The learnable (or fixed) parameters of a mechanism, declared once here and built by the
@@ -148,7 +152,8 @@ struct Mechanism {
   // The position-driven Jordan term's segments (empty when there is none).
   const std::vector<JordanSegment>& segments() const;
   const TransformTerm* position_term() const;
-  const BiasTerm* alibi() const;  // the slope-form lag bias, if any
+  const BiasTerm* alibi() const;    // the slope-form lag bias, if any
+  const BiasTerm* pj_bias() const;  // the learned PJ lag table, if any
   int total_blocks() const;
   int gate_rows() const;  // max order - 1 over gate segments (rows of the gates array)
   bool transform_exact() const;

@@ -27,6 +27,7 @@ enum class Pos { Default, IntegerGaps, Fractional };
 struct Case {
   AttentionDims d;
   bool causal = true;
+  bool exclude_self = false;
   double window = 0;
   bool padding = false;
   Pos pos = Pos::Default;
@@ -38,7 +39,7 @@ struct Case {
   std::string name() const {
     std::string s;
     for (int64_t x : {d.B, d.Hq, d.Hk, d.Tq, d.Tk, d.D}) s += std::to_string(x) + ' ';
-    s += causal ? "causal" : "full";
+    s += causal ? (exclude_self ? "strictly causal" : "causal") : "full";
     if (window > 0) s += " window " + std::to_string(window);
     for (auto [on, what] : {std::pair{padding, " padded"}, std::pair{lag, " lag"},
                             std::pair{slopes, " slopes"}, std::pair{tokens, " tokens"}})
@@ -59,7 +60,8 @@ struct Data {
     return {pq.empty() ? nullptr : pq.data(), pk.empty() ? nullptr : pk.data(), c.per_batch};
   }
   AttentionOptions options() const {
-    return {c.causal, c.window, key_len.empty() ? nullptr : key_len.data(), c.scale, c.scheme};
+    return {c.causal,  c.window,  key_len.empty() ? nullptr : key_len.data(),
+            c.scale,   c.scheme,  c.exclude_self};
   }
   size_t nq() const { return static_cast<size_t>(c.d.B * c.d.Hq * c.d.Tq * c.d.D); }
   size_t nk() const { return static_cast<size_t>(c.d.B * c.d.Hk * c.d.Tk * c.d.D); }
@@ -256,6 +258,11 @@ std::vector<Case> random_cases() {
   add({1, 2, 1, 300, 600, 32}, [](Case& c) { c.lag = c.padding = true; });
   add({2, 2, 2, 530, 530, 16}, [](Case& c) { c.lag = c.slopes = true; });
   add({1, 2, 2, 290, 290, 24}, [](Case& c) { c.window = 100, c.lag = c.tokens = true; });
+  // strict causality (PJ-RoPE's include_self = false): row 0 sees nothing, tiles on the diagonal
+  add({2, 2, 1, 150, 150, 24}, [](Case& c) { c.exclude_self = true, c.lag = c.slopes = true; });
+  add({1, 2, 2, 40, 90, 16}, [](Case& c) {
+    c.exclude_self = true, c.pos = Pos::IntegerGaps, c.padding = true, c.tokens = true;
+  });
   // every case under both backward schemes
   const size_t n = cs.size();
   for (size_t i = 0; i < n; ++i)

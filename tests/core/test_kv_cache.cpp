@@ -290,6 +290,13 @@ TEST(AttentionMechanism, ForwardMatchesDenseReferenceMaps) {
       }
       AttentionBias<double> bias;
       if (const BiasTerm* a = pr.m.alibi()) bias.slopes = a->slopes.data();
+      // a learned lag table (pj_bias; tested against its formula in test_pj_mechanisms.cpp),
+      // longer than every lag of the call
+      const auto table = attention_bias_of<double>(pr.m, Hq, 1000);
+      if (!table.lag_table.empty()) {
+        bias.lag_table = table.lag_table.data();
+        bias.lag_len = table.lag_len;
+      }
       const AttentionDims dims{B, Hq, Hk, Tq, Tk, D};
       std::vector<double> want(q.size()), want_lse(static_cast<size_t>(B * Hq * Tq));
       attention_reference(dims, qt.data(), kt.data(), pr.v.data(), ap, bias, {}, want.data(),
@@ -463,7 +470,7 @@ TEST(KvCacheErrors, BadInputIsRejected) {
   journey.transforms[0].roles.values = true;
   expect_input_error([&] { C c(journey, p, B, Hq, Hk, D); }, "not yet supported");
   Mechanism gated = m;
-  gated.biases.push_back({"fox", BiasShape::Separable, {}, false});
+  gated.biases.push_back({"fox", BiasShape::Separable, {}, false, std::nullopt});
   expect_input_error([&] { C c(gated, p, B, Hq, Hk, D); }, "not yet supported");
 
   C cache(m, p, B, Hq, Hk, D);

@@ -242,3 +242,14 @@ TEST(Verify, WorkBudgetRefusesTheLargestSizes) {
           .seconds,
       diag::kVerifyBudgetSeconds);
 }
+
+// The PJ-RoPE mechanisms pass the relative law in float64 (the exact PJ-rotary map of order 2 in
+// the reference's channel order and of order 3, and the learned PJ lag table).
+TEST(Verify, PjMechanismsPassTheRelativeLaw) {
+  for (const char* spec : {"pj_rotary", "pj_rotary(m=3, L=256)", "pj_rotary(channels=jordan)",
+                           "pj_bias(sectors=fj/affine/lc, R=2)", "rope + pj_bias"}) {
+    const auto rows = diag::verify_spec(spec, small_opts(), {"f64"});
+    ASSERT_FALSE(rows.empty()) << spec;
+    for (const auto& r : rows) EXPECT_EQ(r.status, "PASS") << spec << " " << r.reason;
+  }
+}

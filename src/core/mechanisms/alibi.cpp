@@ -13,7 +13,7 @@ std::vector<TermDef> alibi_family() {
                 {},
                 {"alibi", "rope_alibi", "<any>_alibi"}},
                [](const Args&, TermBuilder& b) {
-                 b.add_bias({"alibi", BiasShape::LagTable, alibi_slopes(b.m.heads), true});
+                 b.add_bias({"alibi", BiasShape::LagTable, alibi_slopes(b.m.heads), true, std::nullopt});
                }});
 
   return d;

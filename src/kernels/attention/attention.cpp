@@ -62,6 +62,7 @@ bool reference_logits(const AttentionDims& d, const double* q, const double* k,
   for (int64_t j = 0; j < kl; ++j) {
     const double pk = pos.key(b, j, d.Tk);
     if (o.causal && !(pk <= pq)) continue;
+    if (o.causal && o.exclude_self && !(pk < pq)) continue;
     if (o.window > 0 && !(pq - pk < o.window)) continue;
     const double* kj = k + ((b * d.Hk + hk) * d.Tk + j) * d.D;
     double x = 0;

@@ -11,7 +11,7 @@
 //
 // Visibility, on the position ids (float64): key j is visible to query i iff
 //   j < key_len[b]                          (key padding; all keys when key_len is null)
-//   and p_k[j] <= p_q[i]                    (causal only)
+//   and p_k[j] <= p_q[i]                    (causal only; p_k[j] < p_q[i] with exclude_self)
 //   and p_q[i] - p_k[j] < window            (window > 0 only; also applies when non-causal)
 // logit(i, j) = scale * q_i . k_j + bias(i, j). A query row with no visible key gets a zero
 // output, lse = -inf, and zero gradients (never NaN).
@@ -59,6 +59,7 @@ struct AttentionOptions {
   const int64_t* key_len = nullptr;  // [B] valid keys per batch (clamped to [0, Tk]); null: Tk
   double scale = 0.0;                // softmax scale; 0 means 1 / sqrt(D)
   AttentionBackwardScheme backward = AttentionBackwardScheme::Auto;
+  bool exclude_self = false;  // causal only: p_k < p_q (no query sees its own position)
 };
 
 // Additive logit biases; every part optional (null), all of them summed:

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "core/types.hpp"
 #include "kernels/transform.hpp"
@@ -92,7 +93,7 @@ KvCache<T>::KvCache(HeadParams hp, Mechanism&& m, int64_t B, int64_t Hq, int64_t
       plan_(MechanismPlan::from(mech_, options.layout)),
       qpar_(hp.q),
       kpar_(hp.k),
-      bias_(attention_bias_of<T>(mech_, Hq)),
+      bias_(attention_bias_of<T>(mech_, Hq, options.chunk)),
       B_(B),
       Hq_(Hq),
       Hk_(Hk),
@@ -174,6 +175,12 @@ void KvCache<T>::append(std::span<const T> k, std::span<const T> v,
     s += m;
   }
   last_position_ = last;
+  if (n > 0) first_position_ = std::min(first_position_, positions[0]);
+  // grow a learned lag table (doubling) to the cache's span plus the next token
+  if (bias_.lag_len > 0 && n > 0) {
+    const auto span = static_cast<int64_t>(std::ceil(last - first_position_)) + 1;
+    if (span >= bias_.lag_len) bias_ = attention_bias_of<T>(mech_, Hq_, 2 * span);
+  }
 }
 
 template <class T>
@@ -191,6 +198,14 @@ void KvCache<T>::decode(std::span<const T> q, double position, std::span<T> out,
   const AttentionDims dims{B_, Hq_, Hk_, 1, opt_.chunk, D_};
   const AttentionOptions ao{true, opt_.window, key_len.data(), opt_.scale};
   const Dims qd{B_, Hq_, 1};
+  // a learned lag table (PJ bias) must reach the longest lag of this query: built for it when the
+  // cache's own table is too short (tables grow with the context; slopes need nothing)
+  std::optional<MechanismBias<T>> longer;
+  if (bias_.lag_len > 0 && !chunks_.empty()) {
+    const int64_t need = static_cast<int64_t>(std::ceil(position - first_position_));
+    if (need >= bias_.lag_len) longer = attention_bias_of<T>(mech_, Hq_, 2 * need);
+  }
+  const AttentionBias<T> bias = longer ? longer->view() : bias_.view();
   double q_center = std::numeric_limits<double>::quiet_NaN();  // centre qt was made with
   for (const Chunk& c : chunks_) {
     if (!visible(c, position)) continue;  // before the query, or out of the window
@@ -204,7 +219,7 @@ void KvCache<T>::decode(std::span<const T> q, double position, std::span<T> out,
     }
     std::fill(key_len.begin(), key_len.end(), c.len);
     const AttentionPositions ap{&position, c.pos.data(), false};
-    attention_forward<T>(dims, qt.data(), c.k.data(), c.v.data(), ap, bias_.view(), ao, ow.data(),
+    attention_forward<T>(dims, qt.data(), c.k.data(), c.v.data(), ap, bias, ao, ow.data(),
                          lw.data());
     merge.add(ow.data(), lw.data());
   }
@@ -216,6 +231,7 @@ void KvCache<T>::clear() {
   chunks_.clear();
   tokens_ = 0;
   last_position_ = kNegInf;
+  first_position_ = std::numeric_limits<double>::infinity();
 }
 
 template class LseMerge<float>;

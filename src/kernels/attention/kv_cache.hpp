@@ -115,6 +115,7 @@ class KvCache {
   std::vector<Chunk> chunks_;
   int64_t tokens_ = 0;
   double last_position_ = -std::numeric_limits<double>::infinity();
+  double first_position_ = std::numeric_limits<double>::infinity();  // smallest cached position
 };
 
 }  // namespace relpos::kernels

@@ -81,18 +81,29 @@ void check_attention_support(const Mechanism& m) {
           t.time == TimeSource::ContentPhase ? "content phase" : "vector position"));
   }
   for (const auto& b : m.biases)
-    if (b.shape != BiasShape::LagTable || b.slopes.empty())
+    if (b.shape != BiasShape::LagTable || (b.slopes.empty() && !b.pj))
       throw InputError(
           fmt::format("attention: bias '{}' ({} form) is not yet supported by the attention path",
                       b.name, shape_name(b.shape)));
 }
 
 template <class T>
-MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq) {
-  std::vector<double> slopes;
+MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq, int64_t max_lag) {
+  std::vector<double> slopes, table;
+  const int64_t len = std::max<int64_t>(max_lag, 0) + 1;
   for (const auto& b : m.biases) {
     switch (b.shape) {
       case BiasShape::LagTable:
+        if (b.pj) {
+          if (m.heads != Hq)
+            throw InputError(fmt::format(
+                "attention: bias '{}' is built for {} heads, the call has {} query heads", b.name,
+                m.heads, Hq));
+          const auto t = pj_lag_table(*b.pj, pj_initial_params(*b.pj, m.heads), len);
+          table.resize(t.size(), 0.0);
+          for (size_t i = 0; i < t.size(); ++i) table[i] += t[i];
+          continue;
+        }
         if (!b.slopes.empty()) {
           if (static_cast<int64_t>(b.slopes.size()) != Hq)
             throw InputError(fmt::format(
@@ -114,6 +125,8 @@ MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq) {
   }
   MechanismBias<T> out;
   out.slopes.assign(slopes.begin(), slopes.end());
+  out.lag_table.assign(table.begin(), table.end());
+  out.lag_len = table.empty() ? 0 : len;
   return out;
 }
 
@@ -177,7 +190,6 @@ void mechanism_attention_forward(const Mechanism& m, const ParamValues& p, Layou
   check_mechanism_attention(m, dims);
   if (!q || !k || !v || !out) throw InputError("attention: q, k, v and out must be given");
   const HeadParams hp = attention_head_params(m, p, dims.Hq, dims.Hk);
-  const MechanismBias<T> bias = attention_bias_of<T>(m, dims.Hq);
   // explicit position arrays: the transforms need them, and the centre spans queries and keys
   const int64_t rows = pos.per_batch ? dims.B : 1;
   std::vector<double> pq(static_cast<size_t>(rows * dims.Tq)),
@@ -197,6 +209,8 @@ void mechanism_attention_forward(const Mechanism& m, const ParamValues& p, Layou
       hi = std::max(hi, x);
     }
   const double center = m.resolve_center(lo, hi);
+  const MechanismBias<T> bias =
+      attention_bias_of<T>(m, dims.Hq, static_cast<int64_t>(std::ceil(hi - lo)));
   const MechanismPlan plan = MechanismPlan::from(m, layout);
   std::vector<T> qt(static_cast<size_t>(dims.B * dims.Hq * dims.Tq * dims.D)),
       kt(static_cast<size_t>(dims.B * dims.Hk * dims.Tk * dims.D));
@@ -219,7 +233,7 @@ void mechanism_attention_forward(const Mechanism& m, const ParamValues& p, Layou
 }
 
 #define RELPOS_INSTANTIATE(T)                                                                 \
-  template MechanismBias<T> attention_bias_of<T>(const Mechanism&, int64_t);                  \
+  template MechanismBias<T> attention_bias_of<T>(const Mechanism&, int64_t, int64_t);         \
   template void mechanism_attention_forward<T>(                                               \
       const Mechanism&, const ParamValues&, Layout, const AttentionDims&, const T*, const T*, \
       const T*, const AttentionPositions&, const AttentionOptions&, T*, T*);

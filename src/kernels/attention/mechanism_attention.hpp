@@ -25,18 +25,23 @@ namespace relpos::kernels {
 void check_attention_support(const Mechanism& m);
 
 // The mechanism's bias terms as the fused kernel's descriptors, in T, for Hq query heads. One case
-// per BiasShape: ALiBi's slope form today.
+// per BiasShape: ALiBi's slope form, and learned lag tables (the PJ bias, built from its initial
+// parameters for lags 0..max_lag; the torch modules pass their trained table instead).
 template <class T>
 struct MechanismBias {
-  std::vector<T> slopes;  // per query head; empty: none
+  std::vector<T> slopes;     // per query head; empty: none
+  std::vector<T> lag_table;  // [Hq, lag_len]; empty: none
+  int64_t lag_len = 0;
   AttentionBias<T> view() const {
     AttentionBias<T> b;
     b.slopes = slopes.empty() ? nullptr : slopes.data();
+    b.lag_table = lag_table.empty() ? nullptr : lag_table.data();
+    b.lag_len = lag_len;
     return b;
   }
 };
 template <class T>
-MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq);
+MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq, int64_t max_lag = 0);
 
 // Transform parameters of the query heads (Hq rows) and of the key heads (Hk rows), from
 // ParamValues with Hk or Hq heads (see the head rule above). Checks the parameter shapes against
