@@ -55,6 +55,11 @@ BlockImpl::BlockImpl(const ModelConfig& c, int64_t index) : c_(c) {
     ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
     ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
   }
+  if (c.freeze_qk) {  // the reference zeroes the q and k rows of the fused projection
+    torch::NoGradGuard no_grad;
+    qkv_->weight.narrow(0, 0, 2 * d).zero_();
+    if (bias) qkv_->bias.narrow(0, 0, 2 * d).zero_();
+  }
   enc_ = register_module(fmt::format("pos{}", index),
                          nn::PositionEncoding(c.mechanism, c.head_dim(), c.heads,
                                               nn::EncodingOptions{c.layout, false}));
@@ -77,14 +82,24 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& po
   const auto qkv = qkv_(norm(1, x)).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});
   nn::AttentionArgs args;
   args.q_positions = args.k_positions = positions;  // one tensor: one transform call
+  args.exclude_self = !c_.include_self;
   torch::Tensor y;
+  const auto q = c_.freeze_qk ? torch::zeros_like(qkv[0]) : qkv[0];
+  const auto k = c_.freeze_qk ? torch::zeros_like(qkv[1]) : qkv[1];
   if (c_.attention == "fused") {
-    y = nn::attention(qkv[0], qkv[1], qkv[2], *enc_, args);
+    y = nn::attention(q, k, qkv[2], *enc_, args);
   } else {
-    const auto t = enc_->forward(qkv[0], qkv[1], positions);
+    const auto t = enc_->forward(q, k, positions);
     nn::AttentionArgs a = args;
     a.slopes = enc_->alibi_slopes();
     if (a.slopes.defined()) a.slopes = a.slopes.to(x.scalar_type());
+    if (enc_->has_lag_table()) {
+      const int64_t span =
+          positions.defined() ? static_cast<int64_t>(
+                                    std::ceil((positions.max() - positions.min()).item<double>()))
+                              : T - 1;
+      a.lag_table = enc_->lag_table(span + 1).to(x.scalar_type());
+    }
     y = nn::composed_attention(t.q, t.k, qkv[2], a);
   }
   auto h = x + proj_(y.transpose(1, 2).reshape({B, T, c_.d_model}));

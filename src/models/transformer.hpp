@@ -34,6 +34,11 @@ struct ModelConfig {
   // same math from plain LibTorch ops with materialised T x T scores (the baseline of the
   // performance comparisons and a cross-check)
   std::string attention = "fused";
+  // PJ-RoPE's synthetic bridge (spec pj-rope.md 3.3): include_self = false lets no query see its
+  // own position (strictly causal); freeze_qk zeroes the query/key projections, so the logits are
+  // the mechanism's bias alone
+  bool include_self = true;
+  bool freeze_qk = false;
   int64_t head_dim() const { return d_model / heads; }
   // InputError naming the problem (head dim not dividing, sizes out of range, bad spec)
   void validate() const;

@@ -25,6 +25,7 @@ struct AttentionArgs {
   torch::Tensor lag_table;  // [Hq, L], q's dtype: + lag_table[h][round(p_i - p_j)] (clamped)
   torch::Tensor slopes;     // [Hq]: - slopes[h] (p_i - p_j)
   torch::Tensor cq, ck;  // [B, Hq, Tq], [B, Hq, Tk]: + cq[i] - ck[j] (pass float64 for long sums)
+  bool exclude_self = false;  // causal only: keys strictly before the query (p_j < p_i)
 };
 
 // Fused softmax attention: q [B, Hq, Tq, D], k and v [B, Hk, Tk, D] (Hk divides Hq), float32 or

@@ -53,8 +53,11 @@ struct Operands {
   kernels::AttentionPositions positions() const {
     return {ptr<double>(q_pos), ptr<double>(k_pos), per_batch};
   }
-  kernels::AttentionOptions options(bool causal, double window, double scale) const {
-    return {causal, window, ptr<int64_t>(key_len), scale};
+  kernels::AttentionOptions options(bool causal, double window, double scale,
+                                    bool exclude_self) const {
+    kernels::AttentionOptions o{causal, window, ptr<int64_t>(key_len), scale};
+    o.exclude_self = exclude_self;
+    return o;
   }
 };
 
@@ -162,7 +165,7 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
     const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
     const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
-    double scale) {
+    double scale, bool exclude_self) {
   return value_errors([&] {
     const auto o =
         prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale);
@@ -178,7 +181,8 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
     AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention", [&] {
       kernels::attention_forward<scalar_t>(d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(),
                                            o.v.data_ptr<scalar_t>(), o.positions(),
-                                           o.bias<scalar_t>(), o.options(causal, window, scale),
+                                           o.bias<scalar_t>(),
+                                           o.options(causal, window, scale, exclude_self),
                                            out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
     });
     return std::make_tuple(out, lse);
@@ -196,7 +200,7 @@ Grads7 fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::
                                     const OptTensor& lag_table, const OptTensor& slopes,
                                     const OptTensor& cq, const OptTensor& ck, bool causal,
                                     double window, const OptTensor& key_len, double scale,
-                                    std::array<bool, kGrads> mask) {
+                                    bool exclude_self, std::array<bool, kGrads> mask) {
   return value_errors([&] {
     const auto o =
         prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale);
@@ -220,7 +224,7 @@ Grads7 fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::
       AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention_backward", [&] {
         kernels::attention_backward<scalar_t>(
             d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(), o.v.data_ptr<scalar_t>(),
-            o.positions(), o.bias<scalar_t>(), o.options(causal, window, scale),
+            o.positions(), o.bias<scalar_t>(), o.options(causal, window, scale, exclude_self),
             dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
             mptr<scalar_t>(dq), mptr<scalar_t>(dk), mptr<scalar_t>(dv),
             {mptr<scalar_t>(dlag), mptr<scalar_t>(dslopes), mptr<double>(dcq), mptr<double>(dck)});
@@ -238,7 +242,7 @@ Grads7 fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::
 std::tuple<torch::Tensor, torch::Tensor> fused_attention_meta(
     const torch::Tensor& q, const torch::Tensor&, const torch::Tensor&, const OptTensor&,
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool,
-    double, const OptTensor&, double) {
+    double, const OptTensor&, double, bool) {
   return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
           torch::empty({q.size(0), q.size(1), q.size(2)}, q.options())};
 }
@@ -249,7 +253,7 @@ Grads7 fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& 
                                      const OptTensor&, const OptTensor& lag_table,
                                      const OptTensor& slopes, const OptTensor& cq,
                                      const OptTensor& ck, bool, double, const OptTensor&, double,
-                                     std::array<bool, kGrads> mask) {
+                                     bool, std::array<bool, kGrads> mask) {
   const auto like = [&](int i, const torch::Tensor& t) {
     return mask[i] && t.defined() ? torch::empty_like(t, torch::MemoryFormat::Contiguous)
                                   : torch::empty({0}, q.options());
@@ -264,11 +268,12 @@ std::tuple<torch::Tensor, torch::Tensor> call_fused_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
     const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
     const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
-    double scale) {
+    double scale, bool exclude_self) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("relpos::fused_attention", "")
                              .typed<decltype(fused_attention_cpu)>();
-  return op.call(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal, window, key_len, scale);
+  return op.call(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal, window, key_len, scale,
+                 exclude_self);
 }
 
 Grads7 call_fused_attention_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
@@ -278,12 +283,12 @@ Grads7 call_fused_attention_backward(const torch::Tensor& grad_out, const torch:
                                      const OptTensor& lag_table, const OptTensor& slopes,
                                      const OptTensor& cq, const OptTensor& ck, bool causal,
                                      double window, const OptTensor& key_len, double scale,
-                                     std::array<bool, kGrads> mask) {
+                                     bool exclude_self, std::array<bool, kGrads> mask) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("relpos::fused_attention_backward", "")
                              .typed<decltype(fused_attention_backward_cpu)>();
   return op.call(grad_out, q, k, v, out, lse, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                 window, key_len, scale, mask);
+                 window, key_len, scale, exclude_self, mask);
 }
 
 class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
@@ -293,15 +298,17 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
                                const torch::Tensor& v, const OptTensor& q_pos,
                                const OptTensor& k_pos, const OptTensor& lag_table,
                                const OptTensor& slopes, const OptTensor& cq, const OptTensor& ck,
-                               bool causal, double window, const OptTensor& key_len, double scale) {
+                               bool causal, double window, const OptTensor& key_len, double scale,
+                               bool exclude_self) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = call_fused_attention(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                                           window, key_len, scale);
+                                           window, key_len, scale, exclude_self);
     ctx->save_for_backward({q, k, v, out, lse, get(q_pos), get(k_pos), get(lag_table), get(slopes),
                             get(cq), get(ck), get(key_len)});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["window"] = window;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["exclude_self"] = exclude_self;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -323,7 +330,8 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
                                            opt(s[6]), opt(s[7]), opt(s[8]), opt(s[9]), opt(s[10]),
                                            ctx->saved_data["causal"].toBool(),
                                            ctx->saved_data["window"].toDouble(), opt(s[11]),
-                                           ctx->saved_data["scale"].toDouble(), mask);
+                                           ctx->saved_data["scale"].toDouble(),
+                                           ctx->saved_data["exclude_self"].toBool(), mask);
     const auto keep = [&](int i, torch::Tensor t) { return mask[i] ? t : torch::Tensor(); };
     return {keep(0, std::get<0>(g)),
             keep(1, std::get<1>(g)),
@@ -337,6 +345,7 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
             {},
             {},
             {},
+            {},
             {}};
   }
 };
@@ -345,9 +354,9 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_autograd(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
     const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
     const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
-    double scale) {
+    double scale, bool exclude_self) {
   auto r = FusedAttentionFunction::apply(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                                         window, key_len, scale);
+                                         window, key_len, scale, exclude_self);
   return {r[0], r[1]};
 }
 
@@ -372,7 +381,8 @@ std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::
                                            const torch::Tensor& v, const AttentionArgs& a) {
   auto [out, lse] = call_fused_attention(q, k, v, opt(a.q_positions), opt(a.k_positions),
                                          opt(a.lag_table), opt(a.slopes), opt(a.cq), opt(a.ck),
-                                         a.causal, a.window, opt(a.key_len), a.scale);
+                                         a.causal, a.window, opt(a.key_len), a.scale,
+                                         a.exclude_self);
   return {out, lse};
 }
 
@@ -439,6 +449,20 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     const auto t = torch::tensor(s, torch::kDouble).to(q.scalar_type());
     a.slopes = a.slopes.defined() ? a.slopes + t : t;
   }
+  if (enc.has_lag_table() && q.numel() && k.numel()) {
+    // the learned table over every lag of the call (its gradient flows to the PJ parameters)
+    if (Hq != m.heads)
+      throw InputError(fmt::format(
+          "attention: mechanism '{}' has a learned lag table per head; grouped-query attention "
+          "({} query heads, {} key heads) is not supported with it",
+          m.spec, Hq, Hk));
+    if (args.lag_table.defined())
+      throw InputError("attention: an explicit lag_table together with the mechanism's own "
+                       "learned table is not supported; add them into one table");
+    const double span = (qpos.max() - kpos.min()).item<double>();
+    const int64_t len = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(span)) + 1);
+    a.lag_table = enc.lag_table(len).to(q.scalar_type());
+  }
   return fused_attention(qt, kt, v, a)[0];
 }
 
@@ -479,7 +503,7 @@ torch::Tensor composed_attention(const torch::Tensor& q, const torch::Tensor& k,
     scores = scores +
              (a.cq.unsqueeze(-1).to(torch::kDouble) - a.ck.unsqueeze(-2).to(torch::kDouble)).to(dt);
   auto visible = torch::ones({1, 1, Tq, Tk}, torch::kBool);
-  if (a.causal) visible = visible & (lag >= 0).unsqueeze(1);
+  if (a.causal) visible = visible & (a.exclude_self ? lag > 0 : lag >= 0).unsqueeze(1);
   if (a.window > 0) visible = visible & (lag < a.window).unsqueeze(1);
   if (a.key_len.defined())
     visible = visible & (torch::arange(Tk).view({1, Tk}) < a.key_len.view({B, 1}).to(torch::kLong))
@@ -499,12 +523,12 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor? q_positions=None, "
       "Tensor? k_positions=None, Tensor? lag_table=None, Tensor? slopes=None, Tensor? cq=None, "
       "Tensor? ck=None, bool causal=True, float window=0., Tensor? key_len=None, "
-      "float scale=0.) -> (Tensor, Tensor)");
+      "float scale=0., bool exclude_self=False) -> (Tensor, Tensor)");
   m.def(
       "fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? q_positions, Tensor? k_positions, Tensor? lag_table, Tensor? slopes, "
       "Tensor? cq, Tensor? ck, bool causal, float window, Tensor? key_len, float scale, "
-      "bool[7] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool exclude_self, bool[7] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, str mechanism, Tensor? q_positions=None, "
       "Tensor? k_positions=None, bool causal=True, float window=0., Tensor? key_len=None, "

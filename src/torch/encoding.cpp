@@ -92,6 +92,26 @@ PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head
                                 : register_buffer("raw_" + ps.name, raw);
     schema_.push_back(st);
   }
+  // a learned lag table (PJ bias): its raw parameters, learnable
+  if (const BiasTerm* b = mech_.pj_bias()) {
+    pj_ = pj_initial_tensors(*b->pj, mech_.heads);
+    pj_.for_each([&](const char* name, torch::Tensor& t) {
+      t = register_parameter(fmt::format("pj_{}", name), t);
+    });
+  }
+}
+
+torch::Tensor PositionEncodingImpl::lag_table(int64_t len) const {
+  const BiasTerm* b = mech_.pj_bias();
+  if (!b) return {};
+  if (len < 1) throw InputError("encoding: a lag table needs at least one lag");
+  return pj_lag_table(*b->pj, pj_, len);
+}
+
+PjBiasParams PositionEncodingImpl::pj_values() const {
+  const BiasTerm* b = mech_.pj_bias();
+  if (!b) throw InputError(fmt::format("encoding: mechanism '{}' has no PJ bias", mech_.spec));
+  return pj_param_values(*b->pj, pj_);
 }
 
 KernelParams PositionEncodingImpl::kernel_params() const {
@@ -308,10 +328,21 @@ torch::Tensor PositionEncodingImpl::alibi_slopes() const {
 
 torch::Tensor PositionEncodingImpl::logit_bias(const torch::Tensor& qp,
                                                const torch::Tensor& kp) const {
-  if (!mech_.alibi()) return {};
-  const auto lag =
-      (qp.to(torch::kFloat).unsqueeze(1) - kp.to(torch::kFloat).unsqueeze(0)).clamp_min(0);
-  return -alibi_slopes().view({-1, 1, 1}) * lag.unsqueeze(0);
+  torch::Tensor out;
+  if (mech_.alibi()) {
+    const auto lag =
+        (qp.to(torch::kFloat).unsqueeze(1) - kp.to(torch::kFloat).unsqueeze(0)).clamp_min(0);
+    out = -alibi_slopes().view({-1, 1, 1}) * lag.unsqueeze(0);
+  }
+  if (mech_.pj_bias()) {
+    // the table gathered at the rounded, clamped lags (the kernel's rule)
+    const auto lag = qp.to(torch::kDouble).unsqueeze(1) - kp.to(torch::kDouble).unsqueeze(0);
+    const int64_t len = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(lag.max().item<double>())) + 1);
+    const auto idx = torch::floor(lag + 0.5).clamp(0, len - 1).to(torch::kLong);
+    const auto t = lag_table(len).index_select(1, idx.flatten()).view({-1, lag.size(0), lag.size(1)});
+    out = out.defined() ? out + t.to(torch::kFloat) : t.to(torch::kFloat);
+  }
+  return out;
 }
 
 }  // namespace relpos::nn

@@ -9,6 +9,7 @@
 
 #include "core/mechanism.hpp"
 #include "kernels/transform.hpp"
+#include "torch/pj_bias.hpp"
 
 namespace relpos::nn {
 
@@ -39,7 +40,13 @@ class PositionEncodingImpl : public torch::nn::Module {
   ParamValues param_values() const;  // float64 snapshot of kernel_params()
   // ALiBi slopes [H] (undefined tensor when the mechanism has no ALiBi term).
   torch::Tensor alibi_slopes() const;
-  // Materialised additive bias [H, Tq, Tk] = -slope_h (i - j) (reference attention only).
+  // The learned lag table b_h(d), d = 0..len-1, float64 [H, len], differentiable in the PJ
+  // parameters (undefined tensor when the mechanism has no PJ bias).
+  torch::Tensor lag_table(int64_t len) const;
+  bool has_lag_table() const { return mech_.pj_bias() != nullptr; }
+  PjBiasParams pj_values() const;  // float64 snapshot of the PJ parameters
+  // Materialised additive bias [H, Tq, Tk]: -slope_h (i - j) and the lag table (reference
+  // attention only).
   torch::Tensor logit_bias(const torch::Tensor& q_positions,
                            const torch::Tensor& k_positions) const;
 
@@ -79,6 +86,7 @@ class PositionEncodingImpl : public torch::nn::Module {
   } trig_cache_;
   Warnings warned_;
   std::optional<double> last_center_;
+  PjBiasTensors pj_;  // the PJ bias's parameters (undefined tensors without one)
 };
 TORCH_MODULE(PositionEncoding);
 

@@ -32,6 +32,7 @@ class Reader {
     fail(key, "a number");
   }
   void get(const char* key, int64_t& out) { read(key, out, "an integer"); }
+  void get(const char* key, bool& out) { read(key, out, "true or false"); }
   void get(const char* key, std::vector<int64_t>& out) {
     known_.insert(key);
     const auto* n = t_.get(key);
@@ -101,6 +102,8 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
     m.get("mechanism", c.model.mechanism);
     m.get("layout", layout);
     m.get("attention", c.model.attention);
+    m.get("include_self", c.model.include_self);
+    m.get("freeze_qk", c.model.freeze_qk);
     m.finish();
     c.model.preset = models::parse_preset(preset);
     if (layout == "interleaved") {
@@ -168,7 +171,9 @@ toml::table to_table(const TrainConfig& c) {
                             {"mlp_ratio", c.model.mlp_ratio},
                             {"mechanism", c.model.mechanism},
                             {"layout", to_string(c.model.layout)},
-                            {"attention", c.model.attention}}},
+                            {"attention", c.model.attention},
+                            {"include_self", c.model.include_self},
+                            {"freeze_qk", c.model.freeze_qk}}},
       {"task", toml::table{{"kind", c.task.kind},
                            {"benchmark", c.task.benchmark},
                            {"train_length", c.task.train_length},
