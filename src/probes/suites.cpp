@@ -13,6 +13,7 @@
 #include "core/charts.hpp"
 #include "core/types.hpp"
 #include "probes/features.hpp"
+#include "probes/pj_adaptive.hpp"
 #include "probes/solvers.hpp"
 #include "probes/targets.hpp"
 
@@ -22,6 +23,9 @@ std::string to_string(Precision p) { return p == Precision::F64 ? "f64" : "f32";
 
 std::vector<std::string> probe_suite_names() {
   return {"jordan-t3", "jordan-t11", "jordan-t6", "jordan-t16", "pj-fixed", "pj-grape-t9"};
+}
+std::vector<std::string> extra_probe_suite_names() {
+  return {"pj-t3-adaptive"};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -635,6 +639,45 @@ SuiteResult suite_grape(Precision p) {
   return r;
 }
 
+// PJ-RoPE Table 3, adaptive part: the reference protocol (pj-rope.md 3.2), 3 seeds; one row per
+// teacher with seed means, top-order modes and the designed-sector check.
+SuiteResult suite_pj_adaptive(Precision p) {
+  if (p != Precision::F64)
+    throw InputError("probe suite pj-t3-adaptive runs in float64 only (--dtype f64)");
+  SuiteResult r{"pj-t3-adaptive", {}, {}};
+  const pj::AdaptiveSweep sw =
+      pj::run_adaptive_sweep(pj::AdaptiveConfig{}, pj_target_names(), {0, 1, 2});
+  for (const auto& s : sw.summaries) {
+    const auto add = [&](const std::string& method, const std::string& metric, double v,
+                         const std::string& col) {
+      ProbeCell c = make_cell(r.suite, "t3-adaptive", s.target, method, metric, v, p, -1.0);
+      c.row = s.target;
+      c.col = col;
+      r.cells.push_back(std::move(c));
+      return &r.cells.back();
+    };
+    add("adaptive", "eval_mse", s.eval_mse_mean, "eval MSE (mean)");
+    add("adaptive", "gate_fj", s.gate_mean[0], "g_FJ");
+    add("adaptive", "gate_a", s.gate_mean[1], "g_A");
+    add("adaptive", "gate_lc", s.gate_mean[2], "g_LC");
+    const bool no_order = s.selected_mode == pj::Sector::A;  // the caption's dash
+    add("adaptive", "top_order_mass", no_order ? -1.0 : s.top_order_mass_mode, "top order (mass)");
+    add("adaptive", "top_order_energy", no_order ? -1.0 : s.top_order_energy_mode,
+        "top order (energy)");
+    std::string sel, designed;
+    for (const auto x : s.selected) sel += std::string(sel.empty() ? "" : " ") + pj::sector_name(x);
+    for (const auto x : s.designed)
+      designed += std::string(designed.empty() ? "" : "+") + pj::sector_name(x);
+    int hits = 0;
+    for (const auto x : s.selected)
+      hits += std::find(s.designed.begin(), s.designed.end(), x) != s.designed.end();
+    ProbeCell* c = add(fmt::format("{} / designed {}", sel, designed), "sector", hits,
+                       "selected per seed / designed");
+    c->check = s.recovered ? "pass" : "FAIL";
+  }
+  return r;
+}
+
 }  // namespace
 
 SuiteResult run_probe_suite(const std::string& suite, Precision precision, bool keep_curves) {
@@ -644,7 +687,10 @@ SuiteResult run_probe_suite(const std::string& suite, Precision precision, bool 
   if (suite == "jordan-t16") return suite_t16(precision, keep_curves);
   if (suite == "pj-fixed") return suite_pj_fixed(precision);
   if (suite == "pj-grape-t9") return suite_grape(precision);
-  throw InputError(fmt::format("unknown probe suite '{}' (valid: {}, all)", suite, fmt::join(probe_suite_names(), ", ")));
+  if (suite == "pj-t3-adaptive") return suite_pj_adaptive(precision);
+  throw InputError(fmt::format("unknown probe suite '{}' (valid: {}, {}, all)", suite,
+                               fmt::join(probe_suite_names(), ", "),
+                               fmt::join(extra_probe_suite_names(), ", ")));
 }
 
 }  // namespace relpos::probes

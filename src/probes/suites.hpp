@@ -35,8 +35,12 @@ struct SuiteResult {
   std::vector<ProbeCurve> curves;  // filled only when asked for
 };
 
-// jordan-t3, jordan-t11 (Tables 11 and 4), jordan-t6, jordan-t16, pj-fixed, pj-grape-t9.
+// jordan-t3, jordan-t11 (Tables 11 and 4), jordan-t6, jordan-t16, pj-fixed, pj-grape-t9: the
+// suites of `--suite all` (pinned by tests/golden.sh).
 std::vector<std::string> probe_suite_names();
+// Suites run only by name, outside `all`: pj-t3-adaptive (PJ-RoPE Table 3, adaptive sector
+// recovery: trained kernels, float64 only).
+std::vector<std::string> extra_probe_suite_names();
 // Throws InputError for an unknown suite, listing the valid ones ("all" is resolved by callers).
 SuiteResult run_probe_suite(const std::string& suite, Precision precision, bool keep_curves);
 

@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
   try {
     // a trained experiment (experiments/NAME.toml) is relpos-train's, with its own options
     if (argc > 2 && std::string(argv[1]) == "reproduce" && argv[2][0] != '-' &&
-        std::string(argv[2]) != "jordan-basis")
+        std::string(argv[2]) != "jordan-basis" && std::string(argv[2]) != "pj-t3")
       return relpos::app::run_beside("relpos-train", {argv + 1, argv + argc});
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

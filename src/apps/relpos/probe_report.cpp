@@ -55,6 +55,10 @@ std::string cell_text(const ProbeCell& c) {
     s += fmt::format("{:.8f}", c.ours);  // exact containment is R^2 > 0.999999
   else if (c.metric == "min_order")
     s += fmt::format("{}", static_cast<int>(c.ours));
+  else if (c.metric.rfind("top_order", 0) == 0)  // -1: the selected sector has no jet order
+    s += c.ours < 0 ? std::string("-") : fmt::format("{}", static_cast<int>(c.ours));
+  else if (c.metric == "sector")
+    s += c.method;
   else
     s += probes::format_like(c.ours, digits_of(c));
   if (!c.paper.empty() && c.metric != "min_order") {
@@ -82,6 +86,9 @@ std::string table_title(const SuiteResult& r, const std::string& table, const st
       {"16-detail-r2", "Table 16 detail: R^2 at 8192, every basis"},
       {"9", "GRAPE appendix Table 9: R^2 at T=32768 (fit d<1024, omega 17 cycles)"},
       {"9-best", "GRAPE Table 9: best basis per target and exact-containment check"},
+      {"t3-adaptive",
+       "PJ-RoPE Table 3 (adaptive): sector recovery, seeds 0-2 (means; top order: mode; '-': the "
+       "selected sector has no jet order)"},
   };
   const auto it = titles.find(table);
   std::string t = it != titles.end() ? it->second : "";
@@ -159,7 +166,8 @@ void write_markdown(std::ostream& os, const std::vector<SuiteResult>& results,
     for (const auto& t : tables) {
       os << "### " << table_title(r, t, dtype) << "\n\n";
       pivot(by_table[t], t == "4" || t.rfind("6", 0) == 0 || t.rfind("16", 0) == 0 ||
-                                 t.rfind("9", 0) == 0 || t.rfind("fixed-best", 0) == 0
+                                 t.rfind("9", 0) == 0 || t.rfind("fixed-best", 0) == 0 ||
+                                 t.rfind("t3-", 0) == 0
                              ? "target"
                              : "method")
           .write_markdown(os);
