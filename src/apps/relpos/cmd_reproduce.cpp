@@ -15,14 +15,21 @@ void add_reproduce_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "reproduce",
       "Reproduce a paper experiment end to end: jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, "
-      "16), or a trained experiment of experiments/ ('relpos reproduce jordan-t5 --scale cpu', run "
+      "16), pj-t5 (PJ-RoPE Table 5: light-cone stability and resolution probes), or a trained "
+      "experiment of experiments/ ('relpos reproduce jordan-t5 --scale cpu', run "
       "by relpos-train: 'relpos reproduce NAME --help' lists its options)");
-  cmd->add_option("experiment", a->suite, "jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, 16)")
+  cmd->add_option("experiment", a->suite,
+                  "jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, 16) or pj-t5 (PJ-RoPE Table 5)")
       ->required();
   add_common_options(cmd, a);
   cmd->callback([a] {
+    if (a->suite == "pj-t5") {
+      run_and_emit({"pj-t5"}, *a, "reproduce-pj-t5");
+      return;
+    }
     if (a->suite != "jordan-basis")
-      throw InputError(fmt::format("unknown experiment '{}' (valid: jordan-basis)", a->suite));
+      throw InputError(
+          fmt::format("unknown experiment '{}' (valid: jordan-basis, pj-t5)", a->suite));
     const Summary s = run_and_emit({"jordan-t3", "jordan-t11", "jordan-t6", "jordan-t16"}, *a,
                                    "reproduce-jordan-basis");
     // In float64 every cell must reproduce the spec's re-derivation to its printed digits.
