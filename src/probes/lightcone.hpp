@@ -86,6 +86,10 @@ struct StabilityRow {
   long nonfinite_count = 0;
 };
 
+// Choices where pj-rope.md 3.7 is silent: the weighted logit std is the population std with weights
+// T - d; the softmax is over d = 0..T-1; the wrapped nearest gap is each sampled phase's circular
+// nearest-neighbour gap, its median the lower middle value; the far Gram condition number is
+// cond(X^T X) = cond(X)^2 of the far design standardised with the unbiased std (clamped at 1e-12).
 StabilityRow phase_f_stability(Variant v, int T, const StabilityOptions& o = {});
 
 // Named metrics of a row (name, value), in the order of pj-rope.md 3.7.
@@ -153,7 +157,9 @@ struct RetrievalRow {
   double mean_abs_error = 0, median_abs_error = 0, mean_margin = 0, mean_tie_count = 0;
 };
 
-// Candidates: lags 1..T-1. One row per bucket.
+// Candidates: lags 1..T-1 (per-column quantisation scales over all of them; fp32 casts to float
+// and scores in double). Queries: round_half_even(linspace(lo, hi, 128)), unique. One row per
+// bucket.
 std::vector<RetrievalRow> phase_f_retrieval_resolution(Variant v, int T, Quant q,
                                                        const RetrievalOptions& o = {});
 // Self-retrieval over unit rows (already quantised and normalised); target indices into rows.
@@ -175,7 +181,8 @@ struct Mlp {
   Eigen::MatrixXd W1, W2, W3;
   Eigen::VectorXd b1, b2, b3;
   // torch.nn.Linear's default initialisation: kaiming_uniform(a = sqrt(5)) weights and
-  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)) biases, i.e. both U(+-1/sqrt(fan_in)), from `gen`.
+  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)) biases, i.e. both U(+-1/sqrt(fan_in)), drawn in layer
+  // order (W1, b1, W2, b2, W3, b3) from std::mt19937_64(seed) (not torch's stream).
   static Mlp init(int in, int hidden, uint64_t seed);
   int parameter_count() const;
   std::vector<double> flatten() const;
@@ -221,6 +228,12 @@ struct TrainedRow {
   double hard_gap_mean = 0, hard_gap_median = 0, hard_feature_distance_mean = 0;
 };
 
+// Features of lags 1..T-1 quantised per column (scales over all of them), standardised with the
+// mean and unbiased std (clamped at 1e-6) of the train window 1..L-1. Each step: batch/2 random
+// distinct train-window pairs (negatives) and batch/2 zero rows (positives, evaluated once with
+// weight batch/2: the same loss and gradient). Batches come from std::mt19937_64(run seed xor
+// 0x9e3779b97f4a7c15). The random negative of query k is the lag (37k + 1) mod span past the
+// target inside the bucket (1 when that is 0).
 std::vector<TrainedRow> phase_f_trained_resolution(Variant v, int T, Quant q,
                                                    const TrainedOptions& o = {});
 
