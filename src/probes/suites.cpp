@@ -14,6 +14,7 @@
 #include "core/types.hpp"
 #include "probes/features.hpp"
 #include "probes/pj_adaptive.hpp"
+#include "probes/lightcone.hpp"
 #include "probes/solvers.hpp"
 #include "probes/targets.hpp"
 
@@ -25,7 +26,7 @@ std::vector<std::string> probe_suite_names() {
   return {"jordan-t3", "jordan-t11", "jordan-t6", "jordan-t16", "pj-fixed", "pj-grape-t9"};
 }
 std::vector<std::string> extra_probe_suite_names() {
-  return {"pj-t3-adaptive"};
+  return {"pj-t3-adaptive", "pj-t5"};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -304,7 +305,9 @@ JordanRun run_jordan_t(const JordanGrid& g, const JordanTargetParams& tp, const 
     Eigen::VectorXd y(kEvalLags);
     for (int i = 0; i < kEvalLags; ++i) y(i) = jordan_target(t, lags[static_cast<size_t>(i)], tp);
     ys[t] = y.cast<T>();
-    if (keep_curves) run.curves.push_back({table, t, "target", "target", std::vector<double>(y.data(), y.data() + y.size())});
+    if (keep_curves)
+      run.curves.push_back(
+          {table, t, "target", "target", std::vector<double>(y.data(), y.data() + y.size()), {}});
   }
   std::map<std::pair<std::string, std::string>, size_t> best_curve;  // (target, family) -> curve index
   for (const auto& m : methods) {
@@ -322,7 +325,7 @@ JordanRun run_jordan_t(const JordanGrid& g, const JordanTargetParams& tp, const 
       const auto key = std::make_pair(t, family_of(m));
       const auto it = best_curve.find(key);
       if (it != best_curve.end() && run.out.at({t, run.curves[it->second].method}).s.mse <= s.mse) continue;
-      ProbeCurve c{table, t, family_of(m), m, {}};
+      ProbeCurve c{table, t, family_of(m), m, {}, {}};
       c.y.resize(static_cast<size_t>(pred.size()));
       for (Eigen::Index i = 0; i < pred.size(); ++i) c.y[static_cast<size_t>(i)] = static_cast<double>(pred(i));
       if (it == best_curve.end()) {
@@ -678,6 +681,191 @@ SuiteResult suite_pj_adaptive(Precision p) {
   return r;
 }
 
+// ---------------------------------------------------------------------------------------------
+// PJ-RoPE Table 5 (Phase F light-cone stability and resolution probes, pj-rope.md 3.7)
+
+ProbeCell t5_cell(const std::string& table, const std::string& target, const std::string& method,
+                  const std::string& metric, double v, const std::string& row,
+                  const std::string& col) {
+  ProbeCell c;
+  c.suite = "pj-t5";
+  c.table = table;
+  c.target = target;
+  c.method = method;
+  c.metric = metric;
+  c.ours = v;
+  c.dtype = "f64";
+  c.row = row;
+  c.col = col;
+  return c;
+}
+
+SuiteResult suite_pj_t5(Precision p, bool curves) {
+  if (p != Precision::F64)
+    throw InputError(
+        "probe suite pj-t5 runs in float64 only (its fp32 / int8 / int4 columns are the probes' "
+        "own "
+        "precisions): drop --dtype f32");
+  namespace lc = relpos::probes::lc;
+  SuiteResult r{"pj-t5", {}, {}};
+  const int Tmax = 32768;
+  std::vector<int> Ts;
+  for (int T = 1024; T <= Tmax; T *= 2) Ts.push_back(T);
+  const std::vector<lc::Variant> focus{lc::Variant::Raw, lc::Variant::Scaled,
+                                       lc::Variant::LcPhaseOnly, lc::Variant::Lc,
+                                       lc::Variant::LcWrongScale};
+  const auto& variants = lc::all_variants();
+
+  // Stability and cache probes at every T, every variant.
+  std::map<std::pair<lc::Variant, int>, lc::StabilityRow> stab;
+  std::map<std::pair<lc::Variant, int>, lc::CacheRow> cache;
+  for (lc::Variant v : variants)
+    for (int T : Ts) {
+      stab[{v, T}] = lc::phase_f_stability(v, T);
+      cache[{v, T}] = lc::phase_f_cache_quantization(v, T);
+    }
+  // Retrieval (every variant) and the trained classifier (focus rows) at T = 32768.
+  std::map<std::pair<lc::Variant, lc::Quant>, std::vector<lc::RetrievalRow>> retr;
+  std::map<std::pair<lc::Variant, lc::Quant>, std::vector<lc::TrainedRow>> trained;
+  for (lc::Variant v : variants)
+    for (lc::Quant q : lc::all_quants())
+      retr[{v, q}] = lc::phase_f_retrieval_resolution(v, Tmax, q);
+  for (lc::Variant v : focus)
+    for (lc::Quant q : lc::all_quants())
+      trained[{v, q}] = lc::phase_f_trained_resolution(v, Tmax, q);
+  const auto at_bucket = [](const auto& rows, const std::string& b) {
+    for (const auto& x : rows)
+      if (x.bucket == b) return x;
+    throw InputError(fmt::format("pj-t5: bucket {} missing", b));
+  };
+
+  // Table 5 overview at T = 32768.
+  const std::string hard = "x16_32";
+  const auto overview = [&](lc::Variant v, const std::string& table) {
+    const std::string name = lc::to_string(v);
+    const auto& s = stab.at({v, Tmax});
+    const auto& c = cache.at({v, Tmax});
+    const std::vector<std::tuple<std::string, std::string, std::string, double>> cols{
+        {"stability", "qk_norm_proxy_final", "QK proxy", s.qk_proxy_final},
+        {"stability", "local_phase_ratio_final", "phase ratio (last lag)", s.phase_ratio_final},
+        {"stability", "local_phase_ratio_far_mean", "phase ratio (far mean)",
+         s.phase_ratio_far_mean},
+        {"stability", "far_phase_span_radians", "far span (rad)", s.far_phase_span},
+        {"cache", "logit_std", "cache logit std", c.logit_std},
+        {"stability", "int8_quant_error_tensor", "int8 err", s.int8_error_tensor},
+        {"stability", "int4_quant_error_tensor", "int4 err", s.int4_error_tensor},
+    };
+    for (const auto& [method, metric, col, v2] : cols)
+      r.cells.push_back(t5_cell(table, name, method, metric, v2, name, col));
+    for (lc::Quant q : lc::all_quants()) {
+      const auto x = at_bucket(retr.at({v, q}), hard);
+      r.cells.push_back(t5_cell(table, name, "retrieval",
+                                fmt::format("top1_{}_{}", lc::to_string(q), hard), x.top1, name,
+                                fmt::format("top1 {}", lc::to_string(q))));
+    }
+    for (lc::Quant q : {lc::Quant::Fp32, lc::Quant::Int4}) {
+      const auto it = trained.find({v, q});
+      if (it == trained.end()) continue;
+      const auto x = at_bucket(it->second, hard);
+      r.cells.push_back(t5_cell(
+          table, name, "trained", fmt::format("hard_pair_acc_{}_{}", lc::to_string(q), hard),
+          x.hard_pair_accuracy, name, fmt::format("hard-pair acc {}", lc::to_string(q))));
+    }
+  };
+  for (lc::Variant v : focus) overview(v, "5");
+  for (lc::Variant v : variants)
+    if (std::find(focus.begin(), focus.end(), v) == focus.end()) overview(v, "5-other");
+
+  // Details at T = 32768: every metric (rows) x variant (columns).
+  for (lc::Variant v : variants) {
+    const std::string name = lc::to_string(v);
+    for (const auto& [metric, val] : lc::stability_metrics(stab.at({v, Tmax})))
+      r.cells.push_back(t5_cell("5-stability", name, "stability", metric, val, metric, name));
+    const auto& c = cache.at({v, Tmax});
+    const std::vector<std::pair<std::string, double>> cm{
+        {"logit_std", c.logit_std},
+        {"key_norm_final", c.key_norm_final},
+        {"key_norm_max", c.key_norm_max},
+        {"key_norm_mean", c.key_norm_mean},
+        {"key_norm_far_mean", c.key_norm_far_mean},
+        {"cache_abs_max", c.cache_abs_max},
+        {"logit_abs_max", c.logit_abs_max},
+        {"int8_cache_error_tensor", c.cache_error[0][0]},
+        {"int8_cache_error_channel", c.cache_error[0][1]},
+        {"int4_cache_error_tensor", c.cache_error[1][0]},
+        {"int4_cache_error_channel", c.cache_error[1][1]},
+        {"int8_cache_far_error_tensor", c.cache_error_far[0][0]},
+        {"int8_cache_far_error_channel", c.cache_error_far[0][1]},
+        {"int4_cache_far_error_tensor", c.cache_error_far[1][0]},
+        {"int4_cache_far_error_channel", c.cache_error_far[1][1]},
+        {"int8_logit_error_tensor", c.logit_error[0][0]},
+        {"int8_logit_error_channel", c.logit_error[0][1]},
+        {"int4_logit_error_tensor", c.logit_error[1][0]},
+        {"int4_logit_error_channel", c.logit_error[1][1]},
+        {"nonfinite_count", static_cast<double>(c.nonfinite_count)}};
+    for (const auto& [metric, val] : cm)
+      r.cells.push_back(t5_cell("5-cache", name, "cache", metric, val, metric, name));
+    for (lc::Quant q : lc::all_quants())
+      for (const auto& x : retr.at({v, q})) {
+        const std::vector<std::pair<std::string, double>> rm{{"top1", x.top1},
+                                                             {"within_1", x.within1},
+                                                             {"within_8", x.within8},
+                                                             {"within_64", x.within64},
+                                                             {"bucket_acc", x.bucket_accuracy},
+                                                             {"mean_abs_err", x.mean_abs_error},
+                                                             {"median_abs_err", x.median_abs_error},
+                                                             {"margin", x.mean_margin},
+                                                             {"mean_tie_count", x.mean_tie_count}};
+        for (const auto& [metric, val] : rm) {
+          const std::string m = fmt::format("{} {} {}", lc::to_string(q), x.bucket, metric);
+          r.cells.push_back(t5_cell("5-retrieval", name, "retrieval", m, val, m, name));
+        }
+      }
+  }
+  for (lc::Variant v : focus) {
+    const std::string name = lc::to_string(v);
+    for (lc::Quant q : lc::all_quants())
+      for (const auto& x : trained.at({v, q})) {
+        const std::vector<std::pair<std::string, double>> tm{
+            {"hard_pair_acc", x.hard_pair_accuracy},
+            {"pos_accept", x.pos_accept},
+            {"hard_neg_accept", x.hard_negative_accept},
+            {"random_neg_accept", x.random_negative_accept},
+            {"hard_gap_mean", x.hard_gap_mean},
+            {"hard_gap_median", x.hard_gap_median},
+            {"hard_feature_dist_mean", x.hard_feature_distance_mean},
+            {"final_train_loss", x.final_loss}};
+        for (const auto& [metric, val] : tm) {
+          const std::string m = fmt::format("{} {} {}", lc::to_string(q), x.bucket, metric);
+          r.cells.push_back(t5_cell("5-trained", name, "trained", m, val, m, name));
+        }
+      }
+  }
+
+  // Stability curves against T: one table per metric (variants x T), and the plotted curves.
+  std::vector<std::string> metric_names;
+  for (const auto& [m, val] : lc::stability_metrics(stab.at({variants[0], Tmax})))
+    metric_names.push_back(m);
+  metric_names.push_back("cache_logit_std");
+  for (size_t k = 0; k < metric_names.size(); ++k) {
+    const std::string& m = metric_names[k];
+    for (lc::Variant v : variants) {
+      ProbeCurve curve{"5-T", m, lc::to_string(v), lc::to_string(v), {}, {}};
+      for (int T : Ts) {
+        const double val = k + 1 < metric_names.size()
+                               ? lc::stability_metrics(stab.at({v, T}))[k].second
+                               : cache.at({v, T}).logit_std;
+        r.cells.push_back(t5_cell(
+            "5-T " + m, lc::to_string(v), k + 1 < metric_names.size() ? "stability" : "cache",
+            fmt::format("{} T={}", m, T), val, lc::to_string(v), fmt::format("T={}", T)));
+        curve.x.push_back(T);
+        curve.y.push_back(val);
+      }
+      if (curves) r.curves.push_back(std::move(curve));
+    }
+  }
+  return r;
+}
 }  // namespace
 
 SuiteResult run_probe_suite(const std::string& suite, Precision precision, bool keep_curves) {
@@ -688,6 +876,7 @@ SuiteResult run_probe_suite(const std::string& suite, Precision precision, bool 
   if (suite == "pj-fixed") return suite_pj_fixed(precision);
   if (suite == "pj-grape-t9") return suite_grape(precision);
   if (suite == "pj-t3-adaptive") return suite_pj_adaptive(precision);
+  if (suite == "pj-t5") return suite_pj_t5(precision, keep_curves);
   throw InputError(fmt::format("unknown probe suite '{}' (valid: {}, {}, all)", suite,
                                fmt::join(probe_suite_names(), ", "),
                                fmt::join(extra_probe_suite_names(), ", ")));

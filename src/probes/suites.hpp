@@ -27,6 +27,7 @@ struct ProbeCell {
 struct ProbeCurve {
   std::string table, target, family, method;  // family "target" holds the target itself
   std::vector<double> y;
+  std::vector<double> x;  // abscissae (e.g. T); empty: the lags 0..n-1
 };
 
 struct SuiteResult {
@@ -39,7 +40,8 @@ struct SuiteResult {
 // suites of `--suite all` (pinned by tests/golden.sh).
 std::vector<std::string> probe_suite_names();
 // Suites run only by name, outside `all`: pj-t3-adaptive (PJ-RoPE Table 3, adaptive sector
-// recovery: trained kernels, float64 only).
+// recovery: trained kernels, float64 only; probes/pj_adaptive.hpp) and pj-t5 (PJ-RoPE Table 5,
+// the Phase F light-cone stability and resolution probes, float64 only; probes/lightcone.hpp).
 std::vector<std::string> extra_probe_suite_names();
 // Throws InputError for an unknown suite, listing the valid ones ("all" is resolved by callers).
 SuiteResult run_probe_suite(const std::string& suite, Precision precision, bool keep_curves);

@@ -16,12 +16,13 @@ void add_reproduce_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "reproduce",
       "Reproduce a paper experiment end to end: jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, "
-      "16), pj-t3 (PJ-RoPE Table 3, adaptive sector recovery), or a trained experiment of "
-      "experiments/ ('relpos reproduce jordan-t5 --scale cpu', run "
-      "by relpos-train: 'relpos reproduce NAME --help' lists its options)");
+      "16), pj-t3 (PJ-RoPE Table 3, adaptive sector recovery), pj-t5 (PJ-RoPE Table 5: "
+      "light-cone stability and resolution probes), or a trained experiment of experiments/ "
+      "('relpos reproduce jordan-t5 --scale cpu', run by relpos-train: 'relpos reproduce NAME "
+      "--help' lists its options)");
   cmd->add_option("experiment", a->suite,
-                  "jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, 16) or pj-t3 (PJ-RoPE Table 3, "
-                  "adaptive part)")
+                  "jordan-basis (Jordan-RoPE Tables 3, 4, 11, 6, 16), pj-t3 (PJ-RoPE Table 3, "
+                  "adaptive part) or pj-t5 (PJ-RoPE Table 5)")
       ->required();
   add_common_options(cmd, a);
   add_pj_t3_options(cmd, pj.get());
@@ -31,10 +32,14 @@ void add_reproduce_command(CLI::App& app) {
       if (!reproduce_pj_t3(*a, *pj)) throw ExitStatus{1};
       return;
     }
+    refuse_pj_t3_options(*pj, a->suite);
+    if (a->suite == "pj-t5") {
+      run_and_emit({"pj-t5"}, *a, "reproduce-pj-t5");
+      return;
+    }
     if (a->suite != "jordan-basis")
       throw InputError(
-          fmt::format("unknown experiment '{}' (valid: jordan-basis, pj-t3)", a->suite));
-    refuse_pj_t3_options(*pj, a->suite);
+          fmt::format("unknown experiment '{}' (valid: jordan-basis, pj-t3, pj-t5)", a->suite));
     const Summary s = run_and_emit({"jordan-t3", "jordan-t11", "jordan-t6", "jordan-t16"}, *a,
                                    "reproduce-jordan-basis");
     // In float64 every cell must reproduce the spec's re-derivation to its printed digits.

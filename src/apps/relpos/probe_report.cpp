@@ -51,6 +51,8 @@ std::string cell_text(const ProbeCell& c) {
   if (is_winner_metric(c.metric)) s = c.method + " ";
   if (c.suite == "pj-grape-t9" && c.metric == "r2")
     s += grape_format(c.ours);
+  else if (c.suite == "pj-t5")
+    s += fmt::format("{:.5g}", c.ours);  // no paper digits to follow (the table bodies are lost)
   else if (c.suite.rfind("pj-", 0) == 0 && c.metric == "best_r2")
     s += fmt::format("{:.8f}", c.ours);  // exact containment is R^2 > 0.999999
   else if (c.metric == "min_order")
@@ -92,6 +94,25 @@ std::string table_title(const SuiteResult& r, const std::string& table, const st
   };
   const auto it = titles.find(table);
   std::string t = it != titles.end() ? it->second : "";
+  if (t.empty() && table == "5")
+    t = "PJ-RoPE Table 5: light-cone stability and resolution at T=32768 (focus rows; retrieval "
+        "and "
+        "trained columns at the far bucket x16_32 = lags [16L, 32L-1], L=1024)";
+  else if (t.empty() && table == "5-other")
+    t = "Table 5 columns for the other coordinate variants (the trained probe runs on the focus "
+        "rows only)";
+  else if (t.empty() && table == "5-stability")
+    t = "Table 5 detail: phase_f_stability at T=32768 (omega 17 cycles / L)";
+  else if (t.empty() && table == "5-cache")
+    t = "Table 5 detail: phase_f_cache_quantization at T=32768 (24 features -> 128, seed 0, "
+        "mt19937_64 normal mixes)";
+  else if (t.empty() && table == "5-retrieval")
+    t = "Table 5 detail: phase_f_retrieval_resolution at T=32768 (128 queries per bucket)";
+  else if (t.empty() && table == "5-trained")
+    t = "Table 5 detail: phase_f_trained_resolution at T=32768 (hard-negative pairwise MLP, 96 "
+        "queries per bucket)";
+  else if (t.empty() && table.rfind("5-T ", 0) == 0)
+    t = "Table 5 / Fig. 6 stability curve: " + table.substr(4) + " against T";
   if (t.empty() && table.rfind("fixed-best", 0) == 0)
     t = "PJ-RoPE fixed-kernel recovery: best basis at T=8192 (" + table.substr(11) +
         ") and sector check";
@@ -165,7 +186,11 @@ void write_markdown(std::ostream& os, const std::vector<SuiteResult>& results,
     }
     for (const auto& t : tables) {
       os << "### " << table_title(r, t, dtype) << "\n\n";
-      pivot(by_table[t], t == "4" || t.rfind("6", 0) == 0 || t.rfind("16", 0) == 0 ||
+      const bool by_variant = t == "5" || t == "5-other" || t.rfind("5-T ", 0) == 0;
+      const bool by_metric = !by_variant && t.rfind("5-", 0) == 0;
+      pivot(by_table[t], by_variant  ? "variant"
+                         : by_metric ? "metric"
+                         : t == "4" || t.rfind("6", 0) == 0 || t.rfind("16", 0) == 0 ||
                                  t.rfind("9", 0) == 0 || t.rfind("fixed-best", 0) == 0 ||
                                  t.rfind("t3-", 0) == 0
                              ? "target"
@@ -174,11 +199,20 @@ void write_markdown(std::ostream& os, const std::vector<SuiteResult>& results,
       os << "\n";
     }
   }
+  const Summary sum = summarise(results);
+  if (sum.with_reference == 0 && sum.with_paper == 0 && sum.checks == 0) {
+    // pj-t5: the paper's table bodies are lost (pj-rope.md section 4), nothing printed to compare
+    os << fmt::format(
+        "{} cells ({}): no paper or re-derived values to compare with (the paper's table bodies "
+        "are lost); every number above is computed by this run\n",
+        sum.cells, dtype);
+    return;
+  }
   os << "Legend: ours (paper value); * outside 0.002 abs / 1% rel of the paper; ! differs from the "
         "jordan-rope.md 6.2 float64 re-derivation at its printed digits; FAIL: sector / "
         "exact-containment check "
         "failed.\n\n"
-     << summary_line(summarise(results), dtype) << "\n";
+     << summary_line(sum, dtype) << "\n";
 }
 
 nlohmann::json paper_json(const std::string& s) {
@@ -236,9 +270,68 @@ std::string render(const std::vector<SuiteResult>& results, const std::string& f
   return os.str();
 }
 
+void report_plot(PlotStatus status, const std::string& stem, bool* warned) {
+  if (status == PlotStatus::NoGnuplot) {
+    if (!*warned) std::cerr << "relpos: gnuplot not found; wrote CSV and .gp scripts only\n";
+    *warned = true;
+  } else if (status == PlotStatus::Failed) {
+    std::cerr << fmt::format("relpos: gnuplot failed on {}; CSV and script kept\n", stem + ".gp");
+  }
+}
+
+// Curves against an abscissa of their own (pj-t5: a metric against T, one curve per variant):
+// log2 x axis, log y axis when every value is positive.
+void write_xy_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
+  std::vector<std::string> targets;
+  std::map<std::string, std::vector<const probes::ProbeCurve*>> by_target;
+  for (const auto& c : r.curves) {
+    if (!by_target.count(c.target)) targets.push_back(c.target);
+    by_target[c.target].push_back(&c);
+  }
+  for (const auto& t : targets) {
+    const auto& curves = by_target[t];
+    const std::string stem = safe_stem(fmt::format("{}_{}", r.suite, t));
+    std::ostringstream csv;
+    csv << "x";
+    for (const auto* c : curves) csv << "," << c->family;
+    csv << "\n";
+    bool positive = true;
+    for (size_t i = 0; i < curves.front()->x.size(); ++i) {
+      csv << fmt::format("{:.17g}", curves.front()->x[i]);
+      for (const auto* c : curves) {
+        const double y = i < c->y.size() ? c->y[i] : std::nan("");
+        positive = positive && y > 0.0;
+        csv << "," << fmt::format("{:.9g}", y);
+      }
+      csv << "\n";
+    }
+    out.write(stem + ".csv", csv.str());
+    const std::string data = quote_gp(stem + ".csv");
+    std::ostringstream gp;
+    gp << "set datafile separator ','\n"
+       << "set key outside right top\n"
+       << "set logscale x 2\n"
+       << (positive ? "set logscale y\nset format y '%g'\n" : "")
+       << "set xlabel 'T (context length)'\nset ylabel " << quote_gp(t) << "\n"
+       << "set grid\n"
+       << "set title "
+       << quote_gp(fmt::format("PJ-RoPE Table 5 / Fig. 6: {} against T (L=1024)", t)) << "\n"
+       << "plot ";
+    for (size_t k = 0; k < curves.size(); ++k)
+      gp << (k ? ", \\\n     " : "") << data << " using 1:" << k + 2
+         << " with linespoints lw 2 pt 7 title " << quote_gp(curves[k]->family);
+    gp << "\n";
+    report_plot(gnuplot_png(out.path(), stem, gp.str()), stem, warned);
+  }
+}
+
 // Plots of the target and the best fit of each family over d = 0..N-1 (gnuplot, PNG). Without
 // gnuplot the CSV and the .gp script are still written.
 void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
+  if (!r.curves.empty() && !r.curves.front().x.empty()) {
+    write_xy_plots(out, r, warned);
+    return;
+  }
   std::vector<std::string> targets;
   std::map<std::string, std::vector<const probes::ProbeCurve*>> by_target;
   for (const auto& c : r.curves) {
@@ -287,13 +380,7 @@ void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
        << "set title 'zoom: the last 160 lags (extrapolation 8x past the fit range)'\n"
        << "plot " << series.str() << "\n"
        << "unset multiplot\n";
-    const auto status = gnuplot_png(out.path(), stem, gp.str());
-    if (status == PlotStatus::NoGnuplot) {
-      if (!*warned) std::cerr << "relpos: gnuplot not found; wrote CSV and .gp scripts only\n";
-      *warned = true;
-    } else if (status == PlotStatus::Failed) {
-      std::cerr << fmt::format("relpos: gnuplot failed on {}; CSV and script kept\n", stem + ".gp");
-    }
+    report_plot(gnuplot_png(out.path(), stem, gp.str()), stem, warned);
   }
 }
 
