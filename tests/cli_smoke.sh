@@ -60,5 +60,15 @@ check 2 "bench without relpos-bench" "$tmp/alone/relpos" bench attention --T 64
 out=$("$tmp/alone/relpos" bench attention 2>&1); echo "$out" | grep -q "LibTorch build" || { echo "FAIL: bench without relpos-bench does not say why: $out"; fail=1; }
 check 2 "bench: unknown flag" "$relpos" bench attention --bogus
 check 2 "bench: no benchmark named" "$relpos" bench
+# context extension: spec terms and a model config's rope_scaling dictionary (docs/rope-scaling.md)
+check 0 "verify rope + yarn" "$relpos" verify --enc "rope + yarn(factor=4, original=512)" --len 4096 --positions 16 --dtype f64
+printf '{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}' > "$tmp/llama3.json"
+out=$("$relpos" verify --enc "rope(theta=500000)" --rope-scaling "$tmp/llama3.json" --len 4096 --positions 16 --dtype f64 --format json 2>&1); rc=$?
+{ [ $rc = 0 ] && echo "$out" | grep -q "llama3(factor=8, original=1024"; } && echo "ok: verify --rope-scaling" || { echo "FAIL: verify --rope-scaling (exit $rc): $out"; fail=1; }
+printf '{"rope_type": "yarn", "factor": 4, "betafast": 3}' > "$tmp/bad.json"
+check 2 "rope_scaling: unknown key" "$relpos" verify --enc rope --rope-scaling "$tmp/bad.json"
+check 2 "rope_scaling: no --enc" "$relpos" verify --rope-scaling "$tmp/llama3.json"
+check 2 "rope_scaling: no file" "$relpos" verify --enc rope --rope-scaling "$tmp/none.json"
+check 2 "a rule without a rotary term" "$relpos" verify --enc "nope + yarn"
 out=$("$relpos" verify --enc "bogus" 2>&1); echo "$out" | grep -q "unknown mechanism 'bogus'" || { echo "FAIL: error text does not name the mechanism: $out"; fail=1; }
 exit $fail

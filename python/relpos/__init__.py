@@ -28,7 +28,7 @@ if not _LIB.exists():  # pragma: no cover - a broken install
 torch.ops.load_library(str(_LIB))
 
 from .attention import attention, fused_attention  # noqa: E402
-from .encoding import InputError, PositionEncoding  # noqa: E402
+from .encoding import InputError, PositionEncoding, rope_scaling_spec  # noqa: E402
 
 __all__ = [
     "InputError",
@@ -37,6 +37,7 @@ __all__ = [
     "fused_attention",
     "mechanisms",
     "mechanism",
+    "rope_scaling_spec",
     "verify",
 ]
 

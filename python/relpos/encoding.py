@@ -23,6 +23,16 @@ class InputError(ValueError):
 _LAYOUTS = {"interleaved": 0, "half_split": 1, "neox": 1, "rotate_half": 1}
 
 
+def rope_scaling_spec(rope_scaling: dict | None, max_position_embeddings: float | None = None) -> str:
+    """The spec term of a model config's ``rope_scaling`` dictionary (Hugging Face keys; ``""`` for
+    ``None`` or ``{"rope_type": "default"}``), e.g. ``"yarn(factor=4, original=4096, ...)"``: add it
+    to a rotary spec with ``+``. Unknown keys and bad values raise InputError naming them."""
+    try:
+        return torch.ops.relpos.rope_scaling_spec(json.dumps(rope_scaling), float(max_position_embeddings or 0))
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
 class PositionEncoding(nn.Module):
     """Applies a mechanism's position-wise transforms to queries and keys.
 
@@ -35,6 +45,11 @@ class PositionEncoding(nn.Module):
         tensor_layout: ``"BHTD"`` ([batch, heads, tokens, head_dim]) or ``"BTHD"`` (the layout
             of most model code; transposed around the kernel).
         check_finite: reject NaN / Inf in q and k (one extra pass over each; off for speed).
+        rope_scaling: a model config's ``rope_scaling`` dictionary (Hugging Face keys, e.g.
+            ``{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}``):
+            its context-extension rule is added to the spec (docs/rope-scaling.md); the same as
+            writing the spec term, e.g. ``"rope + yarn(factor=4, original=4096)"``.
+        max_position_embeddings: the config's value, where the dictionary relies on it.
 
     ``forward(q, k, positions=None)`` returns ``(q~, k~)``; positions are ``[T]`` or ``[B, T]``
     (any real values; float64 keeps them exact), default ``0..T-1``.
@@ -49,12 +64,18 @@ class PositionEncoding(nn.Module):
         pair_layout: str = "interleaved",
         tensor_layout: str = "BHTD",
         check_finite: bool = True,
+        rope_scaling: dict | None = None,
+        max_position_embeddings: float | None = None,
     ) -> None:
         super().__init__()
         if pair_layout not in _LAYOUTS:
             raise InputError(f"unknown pair layout '{pair_layout}' (valid: interleaved, half_split)")
         if tensor_layout not in ("BHTD", "BTHD"):
             raise InputError(f"unknown tensor layout '{tensor_layout}' (valid: BHTD, BTHD)")
+        if rope_scaling is not None:
+            term = rope_scaling_spec(rope_scaling, max_position_embeddings)
+            if term:
+                spec = f"{spec} + {term}"
         try:
             info = json.loads(torch.ops.relpos.mechanism(spec, int(head_dim), int(num_heads)))
         except ValueError as e:
@@ -66,6 +87,7 @@ class PositionEncoding(nn.Module):
         self.tensor_layout = tensor_layout
         self.check_finite = check_finite
         self._info = info
+        self._scaled = bool(info.get("rope_scaling"))  # a context-extension rule
         self._trig_cache: tuple | None = None  # (key, cos, sin) of the last eager call
         self._terms = []  # ("position", None) or ("fixed", index)
         for i, t in enumerate(info["transforms"]):
@@ -227,6 +249,13 @@ class PositionEncoding(nn.Module):
                         self.num_heads,
                         self.layout,
                     )
+            if self._scaled:
+                # the rule's attention factor on q and k (logits scale by its square) at this
+                # call's context length, max position + 1; its frequencies are the op's
+                length = float(pos.max()) + 1.0
+                af = torch.ops.relpos.attention_factor(self.spec, self.head_dim, self.num_heads, length)
+                if af != 1.0:
+                    q, k = q * af, k * af
             out = (q, k)
         if self.tensor_layout == "BTHD":
             return out[0].transpose(1, 2), out[1].transpose(1, 2)

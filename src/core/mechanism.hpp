@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/pj_bias.hpp"
+#include "core/rope_scaling.hpp"
 #include "core/types.hpp"
 
 namespace relpos {
@@ -37,6 +38,7 @@ struct JordanSegment {
   int blocks = 0;
   int order = 1;
   std::vector<double> omega;  // per block
+  FrequencyGrid grid;         // |omega_b| = theta^(-2b/dim) as built (core/rope_scaling.hpp)
   Chart chart = Chart::Raw;
   double L = 1024.0;         // chart scale
   double shear_scale = 1.0;  // s: 1 for raw / stabilized, 1/L for scaled-exact and jet gates
@@ -148,6 +150,8 @@ struct Mechanism {
   CenterMode center = CenterMode::None;
   double center_value = 0.0;
   bool center_auto = false;  // the spec left center=auto
+  // context extension of the rotary frequencies, if any (core/rope_scaling.hpp)
+  RopeScalingState rope_scaling;
 
   // The position-driven Jordan term's segments (empty when there is none).
   const std::vector<JordanSegment>& segments() const;

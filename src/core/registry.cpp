@@ -10,6 +10,7 @@
 #include "core/charts.hpp"
 #include "core/mechanisms/family.hpp"
 #include "core/parse.hpp"
+#include "core/rope_scaling.hpp"
 #include "core/spec.hpp"
 
 namespace relpos {
@@ -105,7 +106,7 @@ Mechanism build_mechanism(const std::string& spec_in, int head_dim, int heads) {
     if (def->info.kind == "bias" && std::any_of(m.biases.begin(), m.biases.end(),
                                                 [&](const auto& x) { return x.name == t.name; }))
       throw InputError(fmt::format("spec '{}' names {} twice", brief(spec_in), t.name));
-    if (m.name.empty() && def->info.kind != "bias") m.name = t.name;
+    if (m.name.empty() && def->info.kind == "transform") m.name = t.name;
     b.term_name = t.name;
     b.current = -1;
     def->build(Args(t.name, vals, def->info.options), b);
@@ -122,6 +123,7 @@ Mechanism build_mechanism(const std::string& spec_in, int head_dim, int heads) {
     canon.push_back(kv.empty() ? t.name : fmt::format("{}({})", t.name, fmt::join(kv, ", ")));
   }
   if (m.name.empty()) m.name = expanded.front().name;
+  apply_rope_scaling(m);  // a context-extension term rescales the rotary frequencies
   m.params = jordan_param_schema(m);
   if (b.next_pair * 2 > head_dim)
     throw InputError(fmt::format("spec '{}' needs {} dims, head has {}", brief(spec_in),
@@ -245,7 +247,8 @@ nlohmann::json mechanism_json(const Mechanism& m) {
           {"params", params},
           {"center", center},
           {"center_value", m.center_value},
-          {"max_exp", max_exp}};
+          {"max_exp", max_exp},
+          {"rope_scaling", rope_scaling_spec(m.rope_scaling.rule)}};
 }
 
 }  // namespace relpos

@@ -456,6 +456,8 @@ struct Sample {
 Sample make_sample(Mechanism m, const VerifyOptions& o) {
   Sample s{std::move(m), std::mt19937_64(o.seed), {}, {}, {}, {}, {}};
   s.pos = sample_positions(o, s.rng);
+  // a dynamic context-extension rule is checked at this window's length: exact within one call
+  s.m = scaled_for_length(s.m, context_length(s.pos.data(), s.pos.size()));
   std::normal_distribution<double> N01;
   const size_t n = static_cast<size_t>(s.m.heads) * s.pos.size() * s.m.head_dim;
   s.q.resize(n);

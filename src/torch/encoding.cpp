@@ -44,6 +44,12 @@ int checked_int(int64_t v, int64_t hi, const char* what) {
 }
 }  // namespace
 
+double scaling_attention_factor(const Mechanism& m, const torch::Tensor& positions) {
+  if (!m.rope_scaling.active()) return 1.0;
+  const double length = positions.numel() ? positions.max().item<double>() + 1.0 : 0.0;
+  return attention_factor(m, length);
+}
+
 PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head_dim, int64_t heads,
                                            EncodingOptions options)
     : mech_(build_mechanism(spec, checked_int(head_dim, kMaxHeadDim, "head dim"),
@@ -283,6 +289,12 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
       qq = torch::matmul(qq, Mit.to(q.scalar_type()).t());
       kk = torch::matmul(kk, M.to(q.scalar_type()).t());
     }
+  }
+  // a context-extension rule's attention factor on q and k (logits scale by its square); its
+  // frequencies at the call's length are applied by the transform op (torch/ops.cpp)
+  if (const double af = scaling_attention_factor(mech_, pos); af != 1.0) {
+    qq = qq * af;
+    kk = kk * af;
   }
   return {qq, kk};
 }

@@ -90,6 +90,11 @@ class PositionEncodingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(PositionEncoding);
 
+// The attention factor of the mechanism's context-extension rule (core/rope_scaling.hpp) for a call
+// at these positions (context length = max position + 1); 1 without a rule. forward() multiplies
+// q and k by it.
+double scaling_attention_factor(const Mechanism& m, const torch::Tensor& positions);
+
 // Validates q/k/positions for a mechanism (shape, dtype, head dim, finiteness) with errors that
 // name the tensor and the problem. Returns the positions as float64 (default 0..T-1).
 torch::Tensor checked_positions(const Mechanism& m, const torch::Tensor& q, const torch::Tensor& k,

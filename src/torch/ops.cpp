@@ -35,10 +35,15 @@ Mechanism mechanism_for(const std::string& spec, int64_t head_dim, int64_t heads
   });
 }
 
+// With `positions` (float64, contiguous): a dynamic context-extension rule at the call's length,
+// max position + 1 (core/rope_scaling.hpp; HF convention).
 kernels::TransformPlan plan_for(const std::string& spec, int64_t head_dim, int64_t heads,
-                                int64_t layout) {
-  return kernels::TransformPlan::from(mechanism_for(spec, head_dim, heads),
-                                      layout ? Layout::HalfSplit : Layout::Interleaved);
+                                int64_t layout, const torch::Tensor* positions = nullptr) {
+  Mechanism m = mechanism_for(spec, head_dim, heads);
+  if (positions && m.rope_scaling.dynamic())
+    m = scaled_for_length(
+        m, context_length(positions->data_ptr<double>(), static_cast<size_t>(positions->numel())));
+  return kernels::TransformPlan::from(m, layout ? Layout::HalfSplit : Layout::Interleaved);
 }
 
 void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions) {
@@ -63,8 +68,8 @@ std::tuple<torch::Tensor, torch::Tensor> trig_table_cpu(const torch::Tensor& pos
                                                         const std::string& spec, int64_t head_dim,
                                                         int64_t heads, int64_t layout,
                                                         c10::ScalarType dtype) {
-  const auto plan = plan_for(spec, head_dim, heads, layout);
   const auto pos = positions_in.to(torch::kDouble).contiguous();
+  const auto plan = plan_for(spec, head_dim, heads, layout, &pos);
   const int64_t T = pos.size(-1);
   const kernels::Dims dims{batch, 1, T};
   const auto P = positions_of(pos, center);
@@ -100,10 +105,10 @@ std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
     const c10::optional<torch::Tensor>& sin_in, double center, const std::string& spec,
     int64_t head_dim, int64_t heads, int64_t layout) {
   check_inputs(q_in, k_in, positions);
-  const auto plan = plan_for(spec, head_dim, heads, layout);
+  const auto pos = positions.contiguous();
+  const auto plan = plan_for(spec, head_dim, heads, layout, &pos);
   const auto q = q_in.contiguous(), k = k_in.contiguous();
   const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
-  const auto pos = positions.contiguous();
   const auto P = positions_of(pos, center);
   const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
                                    layout, q.scalar_type());
@@ -132,12 +137,12 @@ Grads6 transform_backward_cpu(const torch::Tensor& gq_out_in, const torch::Tenso
                               const std::string& spec, int64_t head_dim, int64_t heads,
                               int64_t layout, std::array<bool, 6> mask) {
   check_inputs(q_in, k_in, positions);
-  const auto plan = plan_for(spec, head_dim, heads, layout);
+  const auto pos = positions.contiguous();
+  const auto plan = plan_for(spec, head_dim, heads, layout, &pos);
   const auto q = q_in.contiguous(), k = k_in.contiguous();
   const auto gqo = gq_out_in.defined() ? gq_out_in.contiguous() : torch::zeros_like(q);
   const auto gko = gk_out_in.defined() ? gk_out_in.contiguous() : torch::zeros_like(k);
   const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
-  const auto pos = positions.contiguous();
   const auto P = positions_of(pos, center);
   const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
                                    layout, q.scalar_type());
@@ -169,6 +174,23 @@ std::string mechanisms_op() {
 
 std::string mechanism_op(const std::string& spec, int64_t head_dim, int64_t heads) {
   return mechanism_json(mechanism_for(spec, head_dim, heads)).dump();
+}
+
+// The attention factor of a spec's context-extension rule at context length `length` (1 without a
+// rule), and a rope_scaling dictionary (JSON text) as its spec term: the Python package's
+// PositionEncoding and relpos.rope_scaling_spec (docs/rope-scaling.md).
+double attention_factor_op(const std::string& spec, int64_t head_dim, int64_t heads,
+                           double length) {
+  return value_errors(
+      [&] { return attention_factor(mechanism_for(spec, head_dim, heads), length); });
+}
+
+std::string rope_scaling_spec_op(const std::string& json, double max_position_embeddings) {
+  return value_errors([&] {
+    std::optional<double> max_pos;
+    if (max_position_embeddings > 0) max_pos = max_position_embeddings;
+    return rope_scaling_spec(json, max_pos);
+  });
 }
 
 std::string verify_op(const std::vector<std::string>& specs, int64_t max_lag,
@@ -367,6 +389,10 @@ std::vector<torch::Tensor> transform_qk(const Mechanism& m, Layout layout, const
 TORCH_LIBRARY(relpos, m) {
   m.def("mechanisms() -> str", relpos::nn::mechanisms_op);
   m.def("mechanism(str spec, int head_dim, int heads) -> str", relpos::nn::mechanism_op);
+  m.def("attention_factor(str spec, int head_dim, int heads, float length) -> float",
+        relpos::nn::attention_factor_op);
+  m.def("rope_scaling_spec(str json, float max_position_embeddings=0.) -> str",
+        relpos::nn::rope_scaling_spec_op);
   m.def(
       "verify(str[] specs, int max_lag, str dtype, int head_dim, int heads, int positions, "
       "int seed, int layout) -> str",

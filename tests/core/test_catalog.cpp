@@ -2,6 +2,7 @@
 // builds it with its defaults, verify judges it, and the kernels' one call path (every transform
 // term in order) equals the dense float64 reference maps. A new family file needs no test edit to
 // be covered here (docs/architecture.md, "Adding a mechanism").
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <random>
@@ -32,9 +33,12 @@ TEST(Catalog, EveryMechanismVerifiesAndItsKernelsMatchTheReferenceMaps) {
   std::mt19937_64 rng(7);
   for (const auto& info : mechanism_catalog()) {
     SCOPED_TRACE(info.name);
-    const int D = head_dim_for(info.name);
+    // a context-extension rule (kind "scaling") modifies a rotary term: checked on RoPE
+    const std::string spec =
+        info.kind == "scaling" ? fmt::format("rope + {}", info.name) : info.name;
+    const int D = head_dim_for(spec);
     ASSERT_GT(D, 0) << "no head dim in 8..96 fits the defaults";
-    const Mechanism m = build_mechanism(info.name, D, 2);
+    const Mechanism m = build_mechanism(spec, D, 2);
     EXPECT_FALSE(m.spec.empty());
     // verify: exact mechanisms pass, nothing fails
     diag::VerifyOptions o;
@@ -42,7 +46,7 @@ TEST(Catalog, EveryMechanismVerifiesAndItsKernelsMatchTheReferenceMaps) {
     o.positions = 16;
     o.heads = 2;
     o.head_dim = D;
-    for (const auto& r : diag::verify_spec(info.name, o, {"f64"})) {
+    for (const auto& r : diag::verify_spec(spec, o, {"f64"})) {
       EXPECT_TRUE(r.status == "PASS" || r.status == "APPROX") << r.status << ": " << r.reason;
       if (info.exactness == "exact") {
         EXPECT_EQ(r.status, "PASS");

@@ -9,7 +9,8 @@ import torch
 
 import relpos
 
-SPECS = [m["name"] for m in relpos.mechanisms()]
+# context-extension rules (kind "scaling") modify a rotary term: tested with one below
+SPECS = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
 
 
 def head_dim_for(spec, heads=2, lo=8, hi=48):
@@ -196,3 +197,39 @@ def test_trig_cache_follows_position_changes():
     torch.testing.assert_close(moved, fresh)
     assert not torch.allclose(first, moved)
     torch.testing.assert_close(enc(q, q)[0], enc(q, q, torch.arange(5, dtype=torch.float64))[0])
+
+
+def test_rope_scaling_dict_equals_rope_at_the_yarn_frequencies():
+    # HF _compute_yarn_parameters for dim 8, base 1e4, factor 4, original 16 (float64)
+    D, base, s, L0 = 8, 10000.0, 4.0, 16
+    cfg = {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L0}
+    assert relpos.rope_scaling_spec(cfg).startswith("yarn(factor=4, original=16,")
+    assert relpos.rope_scaling_spec(None) == ""
+
+    def corr(rot):
+        return D * math.log(L0 / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = max(math.floor(corr(32)), 0), min(math.ceil(corr(1)), D - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ramp = ((torch.arange(D // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+    inv = inv / s * ramp + inv * (1 - ramp)
+    af = 0.1 * math.log(s) + 1
+    enc = relpos.PositionEncoding("rope", D, 2, rope_scaling=cfg).double()
+    assert enc.spec.startswith("rope(theta=10000) + yarn(")
+    q, k = torch.randn(1, 2, 24, D, dtype=torch.float64), torch.randn(1, 2, 24, D, dtype=torch.float64)
+    pos = torch.arange(24, dtype=torch.float64)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = ang.cos(), ang.sin()
+
+    def rot(x):
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2) * af
+
+    qo, ko = enc(q, k)
+    torch.testing.assert_close(qo, rot(q), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ko, rot(k), rtol=0, atol=1e-12)
+    with pytest.raises(relpos.InputError, match="betafast"):
+        relpos.rope_scaling_spec({"rope_type": "yarn", "factor": 4, "betafast": 3})
+    with pytest.raises(relpos.InputError, match="no rotary term"):
+        relpos.PositionEncoding("nope", D, 2, rope_scaling=cfg)

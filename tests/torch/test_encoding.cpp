@@ -292,6 +292,8 @@ TEST(EncodingCatalog, EveryMechanismMatchesTheComposedReference) {
   torch::manual_seed(3);
   for (const auto& info : mechanism_catalog()) {
     SCOPED_TRACE(info.name);
+    // context-extension rules modify a rotary term and scale q and k: test_rope_scaling.cpp
+    if (info.kind == "scaling") continue;
     int D = 0;
     for (int d = 8; d <= 96 && !D; d += 2) try {
         build_mechanism(info.name, d, 2);

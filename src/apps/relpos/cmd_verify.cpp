@@ -1,10 +1,14 @@
 // relpos verify: does each mechanism do what it declares? (relative law, shift invariance,
 // norm growth with and without centring, exponent clamp), fp64 and fp32.
+#include <fstream>
 #include <iostream>
+#include <optional>
+#include <sstream>
 
 #include "apps/relpos/commands.hpp"
 #include "apps/relpos/table.hpp"
 #include "core/registry.hpp"
+#include "core/rope_scaling.hpp"
 #include "diag/verify.hpp"
 
 namespace relpos::app {
@@ -20,7 +24,26 @@ struct VerifyArgs {
   int heads = 4;
   int positions = 80;
   uint64_t seed = 1;
+  std::string rope_scaling;  // a JSON file holding a rope_scaling dictionary
+  double max_position_embeddings = 0;
 };
+
+// The --enc specs with the rule of a rope_scaling JSON file composed onto each.
+std::vector<std::string> with_rope_scaling(const VerifyArgs& a) {
+  if (a.rope_scaling.empty()) return a.specs;
+  if (a.specs.empty())
+    throw InputError("verify: --rope-scaling needs --enc (the rotary mechanisms to extend)");
+  std::ifstream in(a.rope_scaling);
+  if (!in) throw InputError(fmt::format("verify: cannot read --rope-scaling {}", a.rope_scaling));
+  std::ostringstream text;
+  text << in.rdbuf();
+  std::optional<double> max_pos;
+  if (a.max_position_embeddings > 0) max_pos = a.max_position_embeddings;
+  const std::string term = rope_scaling_spec(text.str(), max_pos);
+  std::vector<std::string> out;
+  for (const auto& s : a.specs) out.push_back(term.empty() ? s : fmt::format("{} + {}", s, term));
+  return out;
+}
 
 // reasons quote |gamma p| and |q||k|: keep the markdown cells intact
 std::string md_escape(const std::string& s) {
@@ -65,6 +88,13 @@ void add_verify_command(CLI::App& app) {
                               diag::kVerifyBudgetSeconds))
       ->check(CLI::Range(8, 2000));
   add_seed_option(cmd, &a->seed, "random seed");
+  cmd->add_option("--rope-scaling", a->rope_scaling,
+                  "JSON file with a model config's rope_scaling dictionary (HF keys): its rule is "
+                  "added to every --enc spec (docs/rope-scaling.md)");
+  cmd->add_option("--max-position-embeddings", a->max_position_embeddings,
+                  "the model config's max_position_embeddings, where the rope_scaling dictionary "
+                  "relies on it (dynamic without original_max_position_embeddings, longrope "
+                  "without factor)");
   cmd->callback([a] {
     diag::VerifyOptions o;
     o.max_lag = a->len;
@@ -76,7 +106,8 @@ void add_verify_command(CLI::App& app) {
     std::vector<std::string> dtypes;
     if (a->dtype != "f32") dtypes.push_back("f64");
     if (a->dtype != "f64") dtypes.push_back("f32");
-    const auto specs = a->specs.empty() ? verify_default_specs() : a->specs;
+    const auto specs = a->specs.empty() && a->rope_scaling.empty() ? verify_default_specs()
+                                                                   : with_rope_scaling(*a);
     // refuses (InputError, exit 2) runs above the work limit before doing any; progress on stderr
     const std::vector<diag::VerifyRow> rows = diag::verify_specs(specs, o, dtypes, &std::cerr);
     int failed = 0;

@@ -25,6 +25,7 @@ std::vector<TermDef> damped_rope_family() {
                    s.shear = ShearMode::None;
                    s.blocks = b.m.head_dim / (2 * m);
                    s.omega = rope_frequencies(a.positive("theta"), b.m.head_dim, s.blocks);
+                   s.grid = {a.positive("theta"), b.m.head_dim};
                    b.add(s);
                    set_center(a, b.m, true);
                  }});

@@ -29,6 +29,7 @@ std::vector<TermDef> jet_gates_family() {
     s.shear_scale = 1.0 / s.L;
     s.blocks = D / (2 * m);
     s.omega = rope_frequencies(a.positive("theta"), D, s.blocks);
+    s.grid = {a.positive("theta"), D};
     return s;
   };
   d.push_back({{"jetmix",

@@ -30,9 +30,10 @@ std::vector<TermDef> jordan_family() {
                    set_shear(a, s);
                    s.blocks = D / (2 * m);
                    const double theta = a.positive("theta");
-                   s.omega = a.choice("grid", {"prefix", "span"}) == "prefix"
-                                 ? rope_frequencies(theta, D, s.blocks)
-                                 : spanning_frequencies(theta, D, m);
+                   const bool prefix = a.choice("grid", {"prefix", "span"}) == "prefix";
+                   s.omega = prefix ? rope_frequencies(theta, D, s.blocks)
+                                    : spanning_frequencies(theta, D, m);
+                   s.grid = {theta, prefix ? D : D / m};
                    if (a.flag("zero_omega")) s.omega.assign(s.blocks, 0.0);
                    b.add(s);
                    set_center(a, b.m, s.exact());

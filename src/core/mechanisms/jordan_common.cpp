@@ -110,6 +110,7 @@ JordanSegment rope_segment(double theta, int dim, int pairs) {
   s.order = 1;
   s.blocks = pairs;
   s.omega = rope_frequencies(theta, dim, pairs);
+  s.grid = {theta, dim};
   for (auto& w : s.omega) w = -w;
   return s;
 }

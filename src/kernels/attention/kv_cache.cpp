@@ -73,6 +73,12 @@ HeadParams KvCache<T>::checked(const Mechanism& m, const ParamValues& p, int64_t
   if (!(o.window >= 0)) throw InputError("kv cache: window must be >= 0 (0: none)");
   if (!(o.scale >= 0) || std::isinf(o.scale))
     throw InputError("kv cache: scale must be finite and >= 0 (0: 1/sqrt(D))");
+  if (m.rope_scaling.dynamic())
+    throw InputError(fmt::format(
+        "kv cache: mechanism '{}' has a dynamic context-extension rule ({}), whose frequencies "
+        "change with the context length: freeze it at the length you will decode to with "
+        "scaled_for_length(m, length) (core/rope_scaling.hpp)",
+        m.spec, rope_scaling_name(m.rope_scaling.rule.type)));
   if (!m.transform_exact() && m.center == CenterMode::Mid)
     throw InputError(fmt::format(
         "kv cache: mechanism '{}' is approximate (its scores depend on the centre) and has "
@@ -196,7 +202,10 @@ void KvCache<T>::decode(std::span<const T> q, double position, std::span<T> out,
   std::vector<T> qt(static_cast<size_t>(rows * D_)), ow(qt.size()), lw(static_cast<size_t>(rows));
   std::vector<int64_t> key_len(static_cast<size_t>(B_));
   const AttentionDims dims{B_, Hq_, Hk_, 1, opt_.chunk, D_};
-  const AttentionOptions ao{true, opt_.window, key_len.data(), opt_.scale};
+  // a context-extension rule's attention factor multiplies q and k: logits by its square
+  const double af = attention_factor(mech_, 0.0);
+  const AttentionOptions ao{true, opt_.window, key_len.data(),
+                            af == 1.0 ? opt_.scale : scaled_softmax_scale(opt_.scale, D_, af)};
   const Dims qd{B_, Hq_, 1};
   // a learned lag table (PJ bias) must reach the longest lag of this query: built for it when the
   // cache's own table is too short (tables grow with the context; slopes need nothing)

@@ -211,7 +211,15 @@ void mechanism_attention_forward(const Mechanism& m, const ParamValues& p, Layou
   const double center = m.resolve_center(lo, hi);
   const MechanismBias<T> bias =
       attention_bias_of<T>(m, dims.Hq, static_cast<int64_t>(std::ceil(hi - lo)));
-  const MechanismPlan plan = MechanismPlan::from(m, layout);
+  // a dynamic context-extension rule at this call's length (max position + 1, HF convention)
+  const double length = hi + 1.0;
+  Mechanism scaled;
+  if (m.rope_scaling.dynamic()) scaled = scaled_for_length(m, length);
+  const MechanismPlan plan = MechanismPlan::from(m.rope_scaling.dynamic() ? scaled : m, layout);
+  // its attention factor multiplies q and k: logits by its square
+  const double af = attention_factor(m, length);
+  AttentionOptions opts = options;
+  if (af != 1.0) opts.scale = scaled_softmax_scale(options.scale, m.head_dim, af);
   std::vector<T> qt(static_cast<size_t>(dims.B * dims.Hq * dims.Tq * dims.D)),
       kt(static_cast<size_t>(dims.B * dims.Hk * dims.Tk * dims.D));
   {
@@ -229,7 +237,7 @@ void mechanism_attention_forward(const Mechanism& m, const ParamValues& p, Layou
     mechanism_forward<T>(plan, kd, P, par.view(), trig.view(), nullptr, k, nullptr, kt.data());
   }
   const AttentionPositions tp{pq.data(), pk.data(), pos.per_batch};
-  attention_forward<T>(dims, qt.data(), kt.data(), v, tp, bias.view(), options, out, lse);
+  attention_forward<T>(dims, qt.data(), kt.data(), v, tp, bias.view(), opts, out, lse);
 }
 
 #define RELPOS_INSTANTIATE(T)                                                                 \
