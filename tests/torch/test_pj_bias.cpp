@@ -38,7 +38,7 @@ torch::Tensor reference_attention(const torch::Tensor& q, const torch::Tensor& k
   const auto i = torch::arange(T, torch::kDouble);
   const auto lags = (i.view({T, 1}) - i.view({1, T})).clamp_min(0).view({1, 1, T, T});
   const auto P = [&](const char* n) { return p.at(n).to(torch::kDouble); };
-  const auto r = torch::arange(O, torch::kDouble).view({1, O, 1, 1});
+  const auto r = torch::arange(O, torch::kDouble).view({1, O, 1, 1});  // light-cone powers
   const auto omega = P("pj_omega").view({H, 1, 1, 1});
   const auto gates = torch::softmax(
       P("pj_gate_logits")
@@ -48,21 +48,37 @@ torch::Tensor reference_attention(const torch::Tensor& q, const torch::Tensor& k
   auto bias = torch::zeros({H, T, T}, torch::kDouble);
   if (c.fj) {
     const auto alpha = torch::softmax(P("pj_fj_alpha_logits"), -1).view({H, O, 1, 1});
-    const auto fact = torch::exp(torch::lgamma(r + 1));
+    // jet_r(d): x^r / r! (the reference), or C(d, r) / L^r, written out per order
+    std::vector<torch::Tensor> jr;
+    for (int64_t o = 0; o < O; ++o) {
+      auto t = torch::ones_like(lags);
+      for (int64_t m = 0; m < o; ++m)
+        t = t * (c.basis == PjJetBasis::Binomial ? lags - static_cast<double>(m) : lags) /
+            (L * static_cast<double>(m + 1));
+      jr.push_back(t);
+    }
+    const auto jets = torch::cat(jr, 1);  // [1, O, T, T]
     const auto damp = torch::nn::functional::softplus(P("pj_raw_damping")).view({H, 1, 1, 1});
-    const auto comp = torch::pow(lags / L, r) / fact * torch::exp(-damp * lags / L) * alpha *
+    const auto comp = jets * torch::exp(-damp * lags / L) * alpha *
                       (P("pj_fj_zeta_re").view({H, O, 1, 1}) * torch::cos(omega * lags) -
                        P("pj_fj_zeta_im").view({H, O, 1, 1}) * torch::sin(omega * lags));
     bias = bias + gates.select(1, 0).view({H, 1, 1}) * comp.sum(1);
   }
   if (c.affine) {
     const auto slope = torch::nn::functional::softplus(P("pj_raw_slope")).view({H, 1, 1});
-    bias = bias - gates.select(1, 1).view({H, 1, 1}) * slope * (lags[0] / L);
+    const auto rho = c.rho == PjRho::Linear ? lags[0][0] / L : torch::asinh(lags[0][0] / L);
+    bias = bias - gates.select(1, 1).view({H, 1, 1}) * slope * rho;
   }
   if (c.lc) {
     const auto alpha = torch::softmax(P("pj_lc_alpha_logits"), -1).view({H, O, 1, 1});
     const auto phi = L * torch::asinh(lags / L), beta = lags / torch::sqrt(lags * lags + L * L);
-    const auto comp = torch::pow(beta, r) * alpha *
+    // the paper's damped light-cone term, e^{-c phi / L}, behind lc_damping
+    const auto env =
+        c.lc_damped
+            ? torch::exp(-torch::nn::functional::softplus(P("pj_raw_damping")).view({H, 1, 1, 1}) *
+                         phi / L)
+            : torch::ones_like(phi);
+    const auto comp = torch::pow(beta, r) * env * alpha *
                       (P("pj_lc_zeta_re").view({H, O, 1, 1}) * torch::cos(omega * phi) -
                        P("pj_lc_zeta_im").view({H, O, 1, 1}) * torch::sin(omega * phi));
     bias = bias + gates.select(1, 2).view({H, 1, 1}) * comp.sum(1);
@@ -116,7 +132,7 @@ TEST(PjBiasTorch, FusedForwardAndGradientsMatchReferenceComposition) {
         params[p.key()] = p.value();
         params64[p.key()] = p.value().detach().to(torch::kDouble).requires_grad_();
       }
-      const auto g = torch::autograd::grad({(out * dout).sum()}, leaves);
+      const auto g = torch::autograd::grad({(out * dout).sum()}, leaves, {}, false, false, true);
       const auto q64 = q.detach().to(torch::kDouble).requires_grad_(),
                  k64 = k.detach().to(torch::kDouble).requires_grad_(),
                  v64 = v.detach().to(torch::kDouble).requires_grad_();
@@ -139,7 +155,9 @@ TEST(PjBiasTorch, FusedForwardAndGradientsMatchReferenceComposition) {
         }
         EXPECT_LT(rel_err(g[i], g64[i]), 1e-5) << names[i];
       }
-      if (!include_self) EXPECT_EQ(out.select(2, 0).abs().max().item<double>(), 0.0);
+      if (!include_self) {
+        EXPECT_EQ(out.select(2, 0).abs().max().item<double>(), 0.0);
+      }
     }
 }
 

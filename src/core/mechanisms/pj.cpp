@@ -130,6 +130,8 @@ std::vector<TermDef> pj_family() {
                  // e^{+i theta} on queries and keys, as RoPE: a negated segment frequency
                  for (int k = 0; k < s.blocks; ++k)
                    s.omega.push_back(-std::pow(base, -static_cast<double>(k) / s.blocks));
+                 // base^(-b/B) = base^(-2b/(2B)): the grid the context-extension rules scale
+                 s.grid = {base, 2 * s.blocks};
                  s.L = a.positive("L");
                  s.chart = Chart::Raw;
                  s.shear_scale = 1.0 / s.L;
