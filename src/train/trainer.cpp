@@ -409,6 +409,17 @@ std::string qk_profile_csv(const fs::path& run_dir, int64_t length) {
   return csv;
 }
 
+TrainedModel load_trained_model(const fs::path& run_dir) {
+  std::error_code ec;
+  if (!fs::is_directory(run_dir, ec))
+    throw InputError(fmt::format("no run folder at '{}'", run_dir.string()));
+  const fs::path ckpt = run_dir / "checkpoints" / "last.pt";
+  if (!fs::exists(ckpt, ec)) throw InputError(fmt::format("no checkpoint at '{}'", ckpt.string()));
+  auto r = load_run(run_dir, {});
+  r.model->eval();
+  return {r.config, r.model, r.step};
+}
+
 std::string run_mechanism_stats(const fs::path& run_dir) {
   auto r = load_run(run_dir, {});
   return mechanism_stats_json(*r.model);

@@ -56,6 +56,15 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o);
 std::vector<EvalResult> evaluate_run(const std::filesystem::path& run_dir,
                                      const std::vector<int64_t>& lengths);
 
+// A run's model loaded back from RUN_DIR/config.toml and RUN_DIR/checkpoints/last.pt, in eval
+// mode (InputError naming a missing run folder, config or checkpoint, or a corrupt checkpoint).
+struct TrainedModel {
+  TrainConfig config;
+  models::TransformerLM model{nullptr};
+  int64_t step = 0;  // the checkpoint's step
+};
+TrainedModel load_trained_model(const std::filesystem::path& run_dir);
+
 // Learning rate at `step` (0-based): linear warmup, then constant or cosine to min_lr.
 double learning_rate(const OptimConfig& o, int64_t step);
 

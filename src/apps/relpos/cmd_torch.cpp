@@ -39,6 +39,9 @@ void add_torch_commands(CLI::App& app) {
       {"train", "relpos-train",
        "Train a transformer LM with any mechanism (--config FILE.toml, --set k=v, --nproc N)"},
       {"eval", "relpos-train", "Evaluate a run's checkpoint at several lengths (--checkpoint DIR)"},
+      {"diagnose", "relpos-train",
+       "PJ-RoPE bias diagnostics of a run's checkpoint (--checkpoint DIR, --format md|json, "
+       "--out DIR)"},
       {"sweep", "relpos-train",
        "Methods x seeds x settings from one TOML (--config SWEEP.toml), resumable"},
       {"bench", "relpos-bench",

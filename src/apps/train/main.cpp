@@ -2,6 +2,7 @@
 // LibTorch and runs this program from its own directory with the arguments verbatim).
 //   train  --config FILE.toml | flags, --set section.key=value, --out DIR, --resume, --nproc N
 //   eval   --checkpoint RUN_DIR [--lengths L,...]
+//   diagnose --checkpoint RUN_DIR [--format md|json] [--length T] [--target NAME] [--out DIR]
 //   sweep  --config SWEEP.toml: methods x seeds x settings, finished runs skipped
 //   reproduce NAME --scale paper|cpu: a paper table from experiments/NAME.toml
 // Exit codes as the CLI (docs/errors.md): 0 ok, 2 bad input, 3 a bug.
@@ -19,6 +20,7 @@
 #include "core/types.hpp"
 #include "train/config.hpp"
 #include "train/distributed.hpp"
+#include "train/pj_diagnostics.hpp"
 #include "train/reproduce.hpp"
 #include "train/step_bench.hpp"
 #include "train/sweep.hpp"
@@ -123,6 +125,39 @@ int main(int argc, char** argv) {
     if (!profiles.empty()) {
       write_file_atomic(profiles, train::qk_profile_csv(ckpt, r.back().length));
       fmt::print("q/k norm profile at {} tokens -> {}\n", r.back().length, profiles);
+    }
+  });
+
+  std::string diag_ckpt, diag_format = "md", diag_out;
+  train::PjDiagnoseOptions diag_opts;
+  auto* diag_cmd = app.add_subcommand(
+      "diagnose", "PJ-RoPE bias diagnostics of a run's checkpoint, per layer and head");
+  diag_cmd
+      ->add_option("--checkpoint", diag_ckpt, "Run folder (with config.toml, checkpoints/last.pt)")
+      ->required();
+  diag_cmd->add_option("--format", diag_format, "md (Markdown tables) or json")
+      ->check(CLI::IsMember({"md", "json"}));
+  diag_cmd
+      ->add_option("--length", diag_opts.length,
+                   "Window T_eval: lags d = 0..T-1 (default 4 L); also the CSV / plot length")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  diag_cmd->add_option("--target", diag_opts.target,
+                       "PJ Table 3 teacher for target-relative leave-one-order-out deltas "
+                       "(default: self-relative)");
+  diag_cmd->add_option("--out", diag_out,
+                       "Also write DIR/pj_lag_kernels.csv and DIR/pj_lag_kernels.png");
+  diag_cmd->callback([&] {
+    auto run = train::load_trained_model(diag_ckpt);
+    auto d = train::pj_model_diagnostics(*run.model, diag_opts);
+    d.step = run.step;
+    fmt::print("{}", diag_format == "json" ? train::pj_diagnostics_json(d)
+                                           : train::pj_diagnostics_markdown(d));
+    if (!diag_out.empty()) {
+      const bool drawn = train::write_pj_lag_kernel_plot(*run.model, d.window, diag_out);
+      fmt::print(stderr, "lag kernels over d = 0..{} -> {}/pj_lag_kernels.csv{}\n", d.window - 1,
+                 diag_out,
+                 drawn ? fmt::format(", {}/pj_lag_kernels.png", diag_out)
+                       : std::string(" (no PNG: gnuplot missing or failed; the .gp script stays)"));
     }
   });
 
