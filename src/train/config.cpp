@@ -248,6 +248,10 @@ void TrainConfig::validate() const {
   check_range(task.train_sample_seed, 0, int64_t{1} << 62, "task.train_sample_seed");
   check_range(task.eval_sample_seed, 0, int64_t{1} << 62, "task.eval_sample_seed");
   for (auto l : task.train_lengths) check_range(l, 2, int64_t{1} << 20, "task.train_lengths[]");
+  if (!task.train_lengths.empty() && task.kind != "pj_query_lm")
+    throw InputError(fmt::format(
+        "config: task.train_lengths (multi-length training) is for task.kind = pj_query_lm, not {}",
+        task.kind));
   if (task.kind == "pj_query_lm") {
     if (task.teacher != "signed" && task.teacher != "attention")
       throw InputError(

@@ -147,6 +147,10 @@ TEST(TrainConfig, PjQueryLmKeysRoundTripAndBadOnesAreNamed) {
   bad.task.length_sampling = "shuffle";
   EXPECT_NE(error_of([&] { bad.validate(); }).find("task.length_sampling"), std::string::npos);
   bad = c;
+  bad.task.kind = "query_lm";
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("task.train_lengths (multi-length training)"),
+            std::string::npos);
+  bad = c;
   bad.task.train_lengths = {48, 1};
   EXPECT_NE(error_of([&] { bad.validate(); }).find("task.train_lengths[]"), std::string::npos);
   EXPECT_NE(error_of([] {
