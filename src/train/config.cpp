@@ -1,13 +1,16 @@
 #include "train/config.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
 
 #include "core/types.hpp"
+#include "tasks/pj_query_lm.hpp"
 
 namespace relpos::train {
 
@@ -125,6 +128,13 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
     k.get("validation_fraction", c.task.validation_fraction);
     k.get("train_sample_seed", c.task.train_sample_seed);
     k.get("eval_sample_seed", c.task.eval_sample_seed);
+    k.get("target", c.task.target);
+    k.get("teacher", c.task.teacher);
+    k.get("teacher_lambda", c.task.teacher_lambda);
+    k.get("omega_cycles", c.task.omega_cycles);
+    k.get("median_threshold", c.task.median_threshold);
+    k.get("train_lengths", c.task.train_lengths);
+    k.get("length_sampling", c.task.length_sampling);
     k.finish();
   }
   if (const auto* t = r.table("optim")) {
@@ -155,8 +165,9 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
 }
 
 toml::table to_table(const TrainConfig& c) {
-  toml::array lengths;
+  toml::array lengths, train_lengths;
   for (auto l : c.eval.lengths) lengths.push_back(l);
+  for (auto l : c.task.train_lengths) train_lengths.push_back(l);
   return toml::table{
       {"name", c.name},
       {"seed", c.seed},
@@ -181,7 +192,14 @@ toml::table to_table(const TrainConfig& c) {
                            {"validation_path", c.task.validation_path},
                            {"validation_fraction", c.task.validation_fraction},
                            {"train_sample_seed", c.task.train_sample_seed},
-                           {"eval_sample_seed", c.task.eval_sample_seed}}},
+                           {"eval_sample_seed", c.task.eval_sample_seed},
+                           {"target", c.task.target},
+                           {"teacher", c.task.teacher},
+                           {"teacher_lambda", c.task.teacher_lambda},
+                           {"omega_cycles", c.task.omega_cycles},
+                           {"median_threshold", c.task.median_threshold},
+                           {"train_lengths", train_lengths},
+                           {"length_sampling", c.task.length_sampling}}},
       {"optim", toml::table{{"steps", c.optim.steps},
                             {"batch", c.optim.batch},
                             {"lr", c.optim.lr},
@@ -220,15 +238,35 @@ void TrainConfig::validate() const {
     throw InputError(fmt::format("config: device must be cpu or cuda, got '{}'", device));
   check_range(checkpoint_every, 0, int64_t{1} << 40, "checkpoint_every");
   check_range(log_every, 1, int64_t{1} << 40, "log_every");
-  static const std::set<std::string> kinds{"query_lm", "bytes", "chars", "midi"};
+  static const std::set<std::string> kinds{"query_lm", "pj_query_lm", "bytes", "chars", "midi"};
   if (!kinds.count(task.kind))
     throw InputError(fmt::format(
-        "config: task.kind must be one of query_lm, bytes, chars, midi, got '{}'", task.kind));
+        "config: task.kind must be one of query_lm, pj_query_lm, bytes, chars, midi, got '{}'",
+        task.kind));
   check_range(task.train_length, 2, int64_t{1} << 20, "task.train_length");
   check_range(task.validation_fraction, 1e-6, 1 - 1e-6, "task.validation_fraction");
   check_range(task.train_sample_seed, 0, int64_t{1} << 62, "task.train_sample_seed");
   check_range(task.eval_sample_seed, 0, int64_t{1} << 62, "task.eval_sample_seed");
-  if (task.kind != "query_lm" && task.path.empty())
+  for (auto l : task.train_lengths) check_range(l, 2, int64_t{1} << 20, "task.train_lengths[]");
+  if (!task.train_lengths.empty() && task.kind != "pj_query_lm")
+    throw InputError(fmt::format(
+        "config: task.train_lengths (multi-length training) is for task.kind = pj_query_lm, not {}",
+        task.kind));
+  if (task.kind == "pj_query_lm") {
+    if (task.teacher != "signed" && task.teacher != "attention")
+      throw InputError(
+          fmt::format("config: task.teacher must be signed or attention, got '{}'", task.teacher));
+    if (task.length_sampling != "cycle" && task.length_sampling != "random")
+      throw InputError(fmt::format("config: task.length_sampling must be cycle or random, got '{}'",
+                                   task.length_sampling));
+    check_range(task.teacher_lambda, 1e-12, 1e6, "task.teacher_lambda");
+    check_range(task.omega_cycles, -1e9, 1e9, "task.omega_cycles");
+    const auto targets = tasks::pj_query_lm_targets();
+    if (std::find(targets.begin(), targets.end(), task.target) == targets.end())
+      throw InputError(fmt::format("config: task.target must be one of {}, got '{}'",
+                                   fmt::join(targets, ", "), task.target));
+  }
+  if (task.kind != "query_lm" && task.kind != "pj_query_lm" && task.path.empty())
     throw InputError(fmt::format("config: task.kind = {} needs task.path", task.kind));
   check_range(optim.steps, 1, int64_t{1} << 40, "optim.steps");
   check_range(optim.batch, 1, int64_t{1} << 20, "optim.batch");

@@ -14,7 +14,7 @@
 namespace relpos::train {
 
 struct TaskConfig {
-  std::string kind = "query_lm";        // query_lm | bytes | chars | midi
+  std::string kind = "query_lm";        // query_lm | pj_query_lm | bytes | chars | midi
   std::string benchmark = "mixed_raw";  // query_lm: the teacher
   int64_t train_length = 1024;          // tokens per training sequence
   std::string path;                     // bytes / chars: a text file; midi: a folder of .mid files
@@ -23,6 +23,16 @@ struct TaskConfig {
   int64_t train_sample_seed =
       1701;  // corpus LMs: training windows of run s from seed + s * 1000003
   int64_t eval_sample_seed = 20270505;  // corpus LMs: the evaluation windows (same for every run)
+  // pj_query_lm (the PJ-RoPE synthetic bridge, tasks/pj_query_lm.hpp): train_length is the kernel
+  // scale L; training sequences take the lengths of train_lengths (empty: train_length) by
+  // length_sampling (cycle | random)
+  std::string target = "first_jet";  // phase, first_jet, ..., lc_affine
+  std::string teacher = "signed";    // signed | attention
+  double teacher_lambda = 4.0;       // attention teacher: softmax(lambda kernel)
+  double omega_cycles = 17.0;        // omega = 2 pi cycles / L
+  bool median_threshold = false;     // label = score > batch median (else score > 0)
+  std::vector<int64_t> train_lengths;
+  std::string length_sampling = "cycle";
 };
 
 struct OptimConfig {

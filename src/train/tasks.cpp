@@ -4,6 +4,7 @@
 #include "core/types.hpp"
 #include "tasks/corpus.hpp"
 #include "tasks/midi.hpp"
+#include "tasks/pj_query_lm.hpp"
 #include "tasks/query_lm.hpp"
 #include "tasks/text_lm.hpp"
 #include "train/task.hpp"
@@ -14,6 +15,15 @@ namespace {
 
 torch::Tensor long_tensor(const std::vector<int64_t>& v, int64_t rows, int64_t cols) {
   return torch::tensor(v, torch::kLong).view({rows, cols});
+}
+
+// A query-LM batch: the label is the target of the last position, no loss elsewhere.
+Batch to_batch(const tasks::QueryLmBatch& b) {
+  Batch out;
+  out.tokens = long_tensor(b.tokens, b.batch, b.length);
+  out.targets = torch::full({b.batch, b.length}, -1, torch::kLong);
+  out.targets.select(1, b.length - 1).copy_(torch::tensor(b.labels, torch::kLong));
+  return out;
 }
 
 // The synthetic query-LM (jordan-rope.md 3.4-3.5): bits then QUERY; the label of the last position
@@ -48,16 +58,48 @@ class QueryLmTask : public Task {
     tasks::QueryLmTeacher check(q);  // a bad benchmark name fails here, before training
     return q;
   }
-  static Batch to_batch(const tasks::QueryLmBatch& b) {
-    Batch out;
-    out.tokens = long_tensor(b.tokens, b.batch, b.length);
-    out.targets = torch::full({b.batch, b.length}, -1, torch::kLong);
-    out.targets.select(1, b.length - 1).copy_(torch::tensor(b.labels, torch::kLong));
-    return out;
-  }
   tasks::QueryLmConfig cfg_;
   int64_t seed_;
   tasks::QueryLmGenerator stream_;
+};
+
+// The PJ-RoPE synthetic bridge (pj-rope.md 3.3): bits then QUERY, the label from a target kernel
+// through the signed or attention teacher; training lengths cycled or drawn per step. Scored as
+// the query-LM: the logits of tokens 0 and 1 at the last position only.
+class PjQueryLmTask : public Task {
+ public:
+  explicit PjQueryLmTask(const TrainConfig& c)
+      : cfg_(config_of(c)), seed_(c.seed), stream_(cfg_, c.seed) {}
+  int64_t vocab() const override { return tasks::kQueryLmVocab; }
+  int64_t classes() const override { return 2; }
+  bool language_model() const override { return false; }
+  Batch next_train_batch(int64_t batch) override { return to_batch(stream_.next(batch)); }
+  std::vector<Batch> eval_set(int64_t length) override {
+    std::vector<Batch> out;
+    for (const auto& b : tasks::pj_query_lm_eval_set(cfg_, seed_, length))
+      out.push_back(to_batch(b));
+    return out;
+  }
+
+ private:
+  static tasks::PjQueryLmConfig config_of(const TrainConfig& c) {
+    tasks::PjQueryLmConfig q;
+    q.target = c.task.target;
+    q.teacher = c.task.teacher;
+    q.lambda = c.task.teacher_lambda;
+    q.cycles = c.task.omega_cycles;
+    q.train_length = c.task.train_length;
+    q.median_threshold = c.task.median_threshold;
+    q.train_lengths = c.task.train_lengths;
+    q.length_sampling = c.task.length_sampling;
+    q.eval_batches = c.eval.batches;
+    q.eval_batch_size = c.eval.batch_size;
+    tasks::PjQueryLmTeacher check(q);  // named errors before training
+    return q;
+  }
+  tasks::PjQueryLmConfig cfg_;
+  int64_t seed_;
+  tasks::PjQueryLmTrainStream stream_;
 };
 
 // Next-token prediction on a token corpus (bytes, characters, MIDI events) with the reference's
@@ -129,6 +171,7 @@ tasks::TokenCorpus load_corpus(const TaskConfig& t) {
 
 std::unique_ptr<Task> make_task(const TrainConfig& c) {
   if (c.task.kind == "query_lm") return std::make_unique<QueryLmTask>(c);
+  if (c.task.kind == "pj_query_lm") return std::make_unique<PjQueryLmTask>(c);
   return std::make_unique<CorpusLmTask>(c, load_corpus(c.task));
 }
 

@@ -73,6 +73,7 @@ void check_memory(const TrainConfig& c, int64_t vocab) {
   const auto& m = c.model;
   int64_t longest = c.task.train_length;
   for (auto l : c.eval.lengths) longest = std::max(longest, l);
+  for (auto l : c.task.train_lengths) longest = std::max(longest, l);
   const double tokens = static_cast<double>(longest) *
                         static_cast<double>(std::max(c.eval.batch_size, c.optim.batch));
   const double bytes =
@@ -260,7 +261,7 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
 
   // ---- the loop
   const auto params = model->parameters();
-  const int64_t local = c.optim.batch / world, T = c.task.train_length;
+  const int64_t local = c.optim.batch / world;
   const auto t0 = std::chrono::steady_clock::now();
   const auto elapsed = [&] {
     return ck.elapsed +
@@ -293,13 +294,13 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
     loss_sum += loss.item<double>();
     ++loss_count;
     ck.step = step + 1;
-    ck.tokens += c.optim.batch * T;
+    ck.tokens += c.optim.batch * batch.tokens.size(1);  // multi-length tasks vary T per step
     const bool last = ck.step == c.optim.steps;
     if (ck.step % c.log_every == 0 || last) {
       const double tps = static_cast<double>(ck.tokens) / std::max(elapsed(), 1e-9);
       metrics.rows.push_back(fmt::format("{},train,{},{:.9g},,,{:.9g},{:.6g},{:.1f},{:.3f}",
-                                         ck.step, T, loss_sum / loss_count, lr, grad_norm, tps,
-                                         elapsed()));
+                                         ck.step, c.task.train_length, loss_sum / loss_count, lr,
+                                         grad_norm, tps, elapsed()));
       progress.update(ck.step, loss_sum / loss_count, tps,
                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                       first_step);

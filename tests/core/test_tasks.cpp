@@ -1,14 +1,17 @@
-// Training data (src/tasks): reference-stream generators, the query-LM teachers, LM windows, byte
-// and char corpora, and the SMF reader / MIDI tokeniser. Expected streams were produced once with
-// the reference's own code paths (torch 2.15 CPU generator, CPython's random, pretty_midi 0.2.11
-// over mido 1.3.3) and are spelled out here; no file of shared/data is needed.
+// Training data (src/tasks): reference-stream generators, the query-LM teachers (Jordan-RoPE and
+// the PJ-RoPE synthetic bridge), LM windows, byte and char corpora, and the SMF reader / MIDI
+// tokeniser. Expected streams were produced once with the reference's own code paths (torch 2.15
+// CPU generator, CPython's random, pretty_midi 0.2.11 over mido 1.3.3) and are spelled out here; no
+// file of shared/data is needed.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -17,6 +20,7 @@
 #include "core/types.hpp"
 #include "tasks/corpus.hpp"
 #include "tasks/midi.hpp"
+#include "tasks/pj_query_lm.hpp"
 #include "tasks/query_lm.hpp"
 #include "tasks/rng.hpp"
 #include "tasks/text_lm.hpp"
@@ -675,4 +679,172 @@ TEST(TaskMidi, CorpusSplitSkipsAndWarns) {
   fs::create_directories(dir.path / "empty");
   EXPECT_NE(error_of([&] { load_midi_corpus(dir.path / "empty"); }).find("no .mid"),
             std::string::npos);
+}
+
+// ---- the PJ-RoPE synthetic bridge (pj-rope.md 3.3)
+// -----------------------------------------------
+
+namespace {
+
+std::string pj_error_of(const PjQueryLmConfig& c) {
+  try {
+    PjQueryLmTeacher t(c);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST(TaskPjQueryLm, TargetKernelsByHand) {
+  // the spec's formulas written out again, x = d / L, omega = 2 pi 17 / L
+  const double L = 96, w = 2 * std::acos(-1.0) * 17 / L;
+  const auto beta = [&](double d) { return d / std::sqrt(d * d + L * L); };
+  const auto phi = [&](double d) { return L * std::asinh(d / L); };
+  const auto lc_core = [&](double d) {
+    return std::cos(w * phi(d)) * (1 + 0.4 * beta(d) + 0.2 * beta(d) * beta(d));
+  };
+  const std::vector<std::pair<std::string, std::function<double(double)>>> cases{
+      {"phase", [&](double d) { return std::cos(w * d); }},
+      {"first_jet", [&](double d) { return d / L * std::cos(w * d); }},
+      {"second_jet",
+       [&](double d) { return std::pow(d / L, 2) * std::exp(-0.1 * d / L) * std::cos(w * d); }},
+      {"third_jet",
+       [&](double d) { return std::pow(d / L, 3) * std::exp(-0.1 * d / L) * std::cos(w * d); }},
+      {"affine", [&](double d) { return -0.4 * d / L; }},
+      {"recency_weak_jet",
+       [&](double d) { return -0.4 * d / L + 0.15 * std::pow(d / L, 2) * std::cos(w * d); }},
+      {"lc_core", lc_core},
+      {"lc_affine", [&](double d) { return lc_core(d) - 0.25 * std::asinh(d / L); }},
+  };
+  ASSERT_EQ(cases.size(), pj_query_lm_targets().size());
+  for (const auto& [name, k] : cases) {
+    PjQueryLmConfig c;
+    c.target = name;
+    const PjQueryLmTeacher t(c);
+    EXPECT_NEAR(t.omega(), w, 1e-15);
+    for (double d : {1.0, 5.0, 47.0, 95.0, 383.0}) EXPECT_NEAR(t.kernel(d), k(d), 1e-13) << name;
+    // signed: the kernel over lags [T-1, ..., 1], unit norm at every length
+    for (int64_t T : {48, 192}) {
+      const auto coeff = t.coefficients(T);
+      ASSERT_EQ(coeff.size(), static_cast<size_t>(T - 1));
+      double ss = 0;
+      for (double v : coeff) ss += v * v;
+      EXPECT_NEAR(ss, 1.0, 1e-12) << name;
+      EXPECT_NEAR(coeff[0] / coeff[static_cast<size_t>(T - 2)], k(T - 1) / k(1), 1e-9) << name;
+    }
+  }
+  // attention: softmax(lambda k); the affine teacher weighs recent bits most
+  PjQueryLmConfig c;
+  c.target = "affine";
+  c.teacher = "attention";
+  const auto a = PjQueryLmTeacher(c).coefficients(96);
+  EXPECT_NEAR(std::accumulate(a.begin(), a.end(), 0.0), 1.0, 1e-12);
+  EXPECT_NEAR(a[94] / a[0], std::exp(4 * 0.4 * (95.0 - 1.0) / 96), 1e-9);  // lag 1 vs lag 95
+}
+
+TEST(TaskPjQueryLm, LabelsComeFromTheTeacher) {
+  for (const std::string teacher : {"signed", "attention"}) {
+    PjQueryLmConfig c;
+    c.target = "second_jet";
+    c.teacher = teacher;
+    PjQueryLmGenerator g(c, 5);
+    const PjQueryLmTeacher t(c);
+    const auto coeff = t.coefficients(40);
+    const QueryLmBatch b = g.next(40, 64);
+    ASSERT_EQ(b.tokens.size(), 64u * 40u);
+    int ones = 0;
+    for (int64_t r = 0; r < 64; ++r) {
+      double score = 0;
+      for (int64_t j = 0; j < 39; ++j) {
+        const int64_t tok = b.tokens[static_cast<size_t>(r * 40 + j)];
+        ASSERT_TRUE(tok == 0 || tok == 1);
+        score += (2.0 * static_cast<double>(tok) - 1.0) * coeff[static_cast<size_t>(j)];
+      }
+      EXPECT_EQ(b.tokens[static_cast<size_t>(r * 40 + 39)], kQueryLmQuery);
+      EXPECT_NEAR(b.scores[static_cast<size_t>(r)], score, 1e-12);
+      EXPECT_EQ(b.labels[static_cast<size_t>(r)], score > 0 ? 1 : 0);
+      ones += static_cast<int>(b.labels[static_cast<size_t>(r)]);
+    }
+    // attention weights are positive, so with the fixed threshold 0 the label is a majority vote
+    EXPECT_GT(ones, 0) << teacher;
+    EXPECT_LT(ones, 64) << teacher;
+  }
+}
+
+TEST(TaskPjQueryLm, MedianThresholdBalancesEveryBatch) {
+  PjQueryLmConfig c;
+  c.target = "affine";
+  c.teacher = "attention";  // every score positive: threshold 0 would label almost all 1
+  c.median_threshold = true;
+  PjQueryLmGenerator g(c, 11);
+  for (int64_t batch : {96, 7, 2}) {
+    const QueryLmBatch b = g.next(96, batch);
+    std::vector<double> sorted = b.scores;
+    std::sort(sorted.begin(), sorted.end());
+    const double median = sorted[static_cast<size_t>((batch - 1) / 2)];  // torch.median: lower
+    int64_t ones = 0;
+    for (int64_t r = 0; r < batch; ++r) {
+      EXPECT_EQ(b.labels[static_cast<size_t>(r)], b.scores[static_cast<size_t>(r)] > median);
+      ones += b.labels[static_cast<size_t>(r)];
+    }
+    EXPECT_EQ(ones, batch / 2) << batch;
+  }
+  // the evaluation sets too: 8 batches of 96, each exactly half ones
+  c.eval_batches = 8;
+  c.eval_batch_size = 96;
+  const auto set = pj_query_lm_eval_set(c, 1, 192);
+  ASSERT_EQ(set.size(), 8u);
+  for (const auto& b : set) {
+    EXPECT_EQ(b.length, 192);
+    EXPECT_EQ(std::accumulate(b.labels.begin(), b.labels.end(), int64_t{0}), 48);
+  }
+  // fixed sets: the same seed and length give the same batches, another seed others
+  EXPECT_EQ(pj_query_lm_eval_set(c, 1, 192)[3].tokens, set[3].tokens);
+  EXPECT_NE(pj_query_lm_eval_set(c, 2, 192)[3].tokens, set[3].tokens);
+}
+
+TEST(TaskPjQueryLm, MultiLengthTrainingCyclesOrDraws) {
+  PjQueryLmConfig c;
+  c.train_lengths = {48, 96};
+  PjQueryLmTrainStream cycle(c, 0);
+  for (int64_t s = 0; s < 6; ++s) EXPECT_EQ(cycle.next(3).length, s % 2 ? 96 : 48);
+  EXPECT_EQ(cycle.steps(), 6);
+  c.length_sampling = "random";
+  PjQueryLmTrainStream a(c, 0), b(c, 0);
+  std::vector<int64_t> seen;
+  for (int s = 0; s < 40; ++s) {
+    const auto x = a.next(2);
+    EXPECT_EQ(x.tokens, b.next(2).tokens);  // a function of the seed
+    seen.push_back(x.length);
+  }
+  EXPECT_NE(std::count(seen.begin(), seen.end(), 48), 0);
+  EXPECT_NE(std::count(seen.begin(), seen.end(), 96), 0);
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 48) + std::count(seen.begin(), seen.end(), 96),
+            40);
+  c.train_lengths = {};
+  c.train_length = 32;
+  EXPECT_EQ(PjQueryLmTrainStream(c, 0).next(1).length, 32);  // no list: the training length
+}
+
+TEST(TaskPjQueryLm, BadConfigsNameTheProblem) {
+  PjQueryLmConfig c;
+  c.target = "fourth_jet";
+  EXPECT_NE(pj_error_of(c).find("unknown target 'fourth_jet' (valid: phase, first_jet"),
+            std::string::npos);
+  c = {};
+  c.teacher = "hinge";
+  EXPECT_NE(pj_error_of(c).find("unknown teacher 'hinge' (valid: signed, attention)"),
+            std::string::npos);
+  c = {};
+  c.length_sampling = "shuffle";
+  EXPECT_NE(pj_error_of(c).find("length sampling"), std::string::npos);
+  c = {};
+  c.train_lengths = {48, 1};
+  EXPECT_NE(pj_error_of(c).find("training sequence length 1"), std::string::npos);
+  c = {};
+  c.lambda = 0;
+  EXPECT_NE(pj_error_of(c).find("lambda"), std::string::npos);
+  EXPECT_THROW(PjQueryLmTeacher(PjQueryLmConfig{}).coefficients(1), InputError);
 }

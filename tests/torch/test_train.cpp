@@ -121,6 +121,44 @@ TEST(TrainConfig, BadConfigsNameTheProblem) {
   EXPECT_FALSE(fs::exists(o.out / "metrics.csv"));  // nothing trained
 }
 
+TEST(TrainConfig, PjQueryLmKeysRoundTripAndBadOnesAreNamed) {
+  const auto c = train::parse_config(
+      "[task]\nkind = \"pj_query_lm\"\ntarget = \"lc_core\"\nteacher = \"attention\"\n"
+      "teacher_lambda = 8\nmedian_threshold = true\ntrain_lengths = [48, 96]\n"
+      "length_sampling = \"random\"\ntrain_length = 96\n",
+      "a.toml");
+  c.validate();
+  const auto back = train::parse_config(c.to_toml(), "config.toml");
+  EXPECT_EQ(back.task.target, "lc_core");
+  EXPECT_EQ(back.task.teacher, "attention");
+  EXPECT_EQ(back.task.teacher_lambda, 8.0);
+  EXPECT_TRUE(back.task.median_threshold);
+  EXPECT_EQ(back.task.train_lengths, (std::vector<int64_t>{48, 96}));
+  EXPECT_EQ(back.task.length_sampling, "random");
+  auto bad = c;
+  bad.task.teacher = "hinge";
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("task.teacher must be signed or attention"),
+            std::string::npos);
+  bad = c;
+  bad.task.target = "fourth_jet";
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("task.target must be one of phase, first_jet"),
+            std::string::npos);
+  bad = c;
+  bad.task.length_sampling = "shuffle";
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("task.length_sampling"), std::string::npos);
+  bad = c;
+  bad.task.kind = "query_lm";
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("task.train_lengths (multi-length training)"),
+            std::string::npos);
+  bad = c;
+  bad.task.train_lengths = {48, 1};
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("task.train_lengths[]"), std::string::npos);
+  EXPECT_NE(error_of([] {
+              train::parse_config("[task]\ntrain_lengths = [48, \"x\"]", "a.toml");
+            }).find("'task.train_lengths' must be an array of integers"),
+            std::string::npos);
+}
+
 TEST(TrainSchedule, WarmupThenCosine) {
   train::OptimConfig o;
   o.steps = 101;
@@ -160,6 +198,45 @@ TEST(TrainRun, TinyQueryLmWritesFilesAndIsReproducible) {
   const auto profile = train::qk_profile_csv(dir / "a", 48);
   EXPECT_NE(profile.find("\n0,47,"), std::string::npos);
   EXPECT_EQ(profile.find("\n0,48,"), std::string::npos);
+}
+
+TEST(TrainRun, PjBridgeSmokeRunThreeSteps) {
+  // the bridge's setting in miniature: frozen q/k, strictly causal, a PJ bias, lengths cycled
+  auto c = tiny("pj_bias(R=3, sectors=fj/affine/lc, L=24, gates=fj, orders=r1, slope0=0.4)");
+  c.model.preset = models::Preset::PJ;
+  c.model.freeze_qk = true;
+  c.model.include_self = false;
+  c.task.kind = "pj_query_lm";
+  c.task.target = "first_jet";
+  c.task.median_threshold = true;
+  c.task.train_lengths = {12, 24};
+  c.optim.steps = 3;
+  c.optim.batch = 8;
+  c.optim.clip = 0;
+  c.eval.every = 0;
+  c.eval.lengths = {24, 48};
+  c.eval.batch_size = 8;
+  const auto dir = temp_dir("pjbridge");
+  train::RunOptions o;
+  o.out = dir / "a";
+  o.progress = false;
+  const auto a = train::run_training(c, o);
+  ASSERT_EQ(a.final_eval.size(), 2u);
+  for (const auto& e : a.final_eval) {
+    EXPECT_TRUE(std::isfinite(e.loss));
+    // balanced labels: near chance after 3 steps, never all right or all wrong by construction
+    EXPECT_GE(e.accuracy, 0.0);
+    EXPECT_LE(e.accuracy, 1.0);
+  }
+  // tokens of the cycled lengths 12, 24, 12
+  EXPECT_NEAR(a.tokens_per_s * a.wall_s, 8.0 * (12 + 24 + 12), 1e-6 * 8 * 48);
+  o.out = dir / "b";
+  EXPECT_EQ(train::run_training(c, o).final_eval[1].loss, a.final_eval[1].loss);
+  // freeze_qk with no bias is uniform attention over the strict past: every sequence's query row
+  // averages the bits, which is still a valid (weak) classifier
+  c.model.mechanism = "nope";
+  o.out = dir / "nope";
+  EXPECT_TRUE(std::isfinite(train::run_training(c, o).final_eval[0].loss));
 }
 
 TEST(TrainRun, ResumeFromAMidRunCheckpointEndsTheSame) {
@@ -204,7 +281,8 @@ TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
 
 TEST(TrainExperiments, PaperScaleConfigsBuildThePapersModelsAndTrainAFewSteps) {
   const auto dir = temp_dir("experiments");
-  for (const std::string name : {"jordan-t5", "jordan-t10", "jordan-t10-third"}) {  // synthetic data
+  for (const std::string name :
+       {"jordan-t5", "jordan-t10", "jordan-t10-third"}) {  // synthetic data
     SCOPED_TRACE(name);
     EXPECT_FALSE(train::experiment_configs(name, "cpu", {}).empty());
     std::set<std::string> seen;
@@ -232,6 +310,39 @@ TEST(TrainExperiments, PaperScaleConfigsBuildThePapersModelsAndTrainAFewSteps) {
     }
     EXPECT_GE(seen.size(), 7u);
   }
+  // the PJ-RoPE synthetic bridge (pj-rope.md 3.3, 3.6): one file per target
+  for (const std::string name :
+       {"pj-bridge", "pj-bridge-second-jet", "pj-bridge-third-jet", "pj-bridge-lc-core"}) {
+    SCOPED_TRACE(name);
+    const auto cpu = train::experiment_configs(name, "cpu", {});
+    const auto paper = train::experiment_configs(name, "paper", {});
+    ASSERT_EQ(cpu.size(), paper.size());  // the full protocol fits 2 cores
+    EXPECT_EQ(paper.size() % 3, 0u);
+    for (const auto& c : paper) {
+      EXPECT_EQ(c.task.kind, "pj_query_lm");
+      EXPECT_EQ(c.task.teacher, "signed");
+      EXPECT_TRUE(c.task.median_threshold);
+      EXPECT_EQ(c.task.train_lengths, (std::vector<int64_t>{48, 96}));
+      EXPECT_EQ(c.task.train_length, 96);
+      EXPECT_TRUE(c.model.freeze_qk);
+      EXPECT_FALSE(c.model.include_self);
+      EXPECT_EQ(c.model.d_model, 96);
+      EXPECT_EQ(c.model.heads, 4);
+      EXPECT_EQ(c.model.layers, 2);
+      EXPECT_EQ(c.optim.steps, 350);
+      EXPECT_EQ(c.optim.batch, 96);
+      EXPECT_EQ(c.optim.clip, 0.0);
+      EXPECT_EQ(c.eval.lengths, (std::vector<int64_t>{96, 192, 384}));
+      EXPECT_EQ(c.eval.batches, 8);
+    }
+    // the model: 150,242 parameters without PJ in the reference (Linear(E, 2) head); ours scores
+    // 2 of 3 head rows, 97 more
+    auto c = paper.front();
+    ASSERT_EQ(c.model.mechanism, "nope");
+    c.model.vocab = 3;
+    EXPECT_EQ(models::TransformerLM(c.model)->parameter_count(), 150242 + 97);
+  }
+
   EXPECT_NE(error_of([] { train::experiment_configs("no-such-table", "cpu", {}); }).find("known:"),
             std::string::npos);
   EXPECT_NE(
