@@ -95,23 +95,7 @@ QueryLmBatch PjQueryLmGenerator::next(int64_t length, int64_t batch) {
     coeff_ = teacher_.coefficients(length);
     cached_length_ = length;
   }
-  QueryLmBatch out;
-  out.batch = batch;
-  out.length = length;
-  out.tokens.resize(static_cast<size_t>(batch * length));
-  out.labels.resize(static_cast<size_t>(batch));
-  out.scores.resize(static_cast<size_t>(batch));
-  for (int64_t b = 0; b < batch; ++b) {
-    int64_t* row = out.tokens.data() + b * length;
-    double score = 0;
-    for (int64_t j = 0; j < length - 1; ++j) {
-      row[j] = gen_.randint(0, 2);
-      const double c = coeff_[static_cast<size_t>(j)];
-      score += row[j] ? c : -c;
-    }
-    row[length - 1] = kQueryLmQuery;
-    out.scores[static_cast<size_t>(b)] = score;
-  }
+  QueryLmBatch out = draw_query_batch(gen_, batch, length, coeff_);
   double threshold = 0;
   if (teacher_.config().median_threshold) {  // torch.median: the lower middle value
     std::vector<double> s = out.scores;

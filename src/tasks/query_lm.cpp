@@ -164,12 +164,8 @@ std::vector<double> QueryLmTeacher::kernel(int64_t length) const {
 QueryLmGenerator::QueryLmGenerator(const QueryLmConfig& c, uint64_t generator_seed)
     : teacher_(c), gen_(generator_seed) {}
 
-QueryLmBatch QueryLmGenerator::next(int64_t length, int64_t batch) {
-  if (batch < 1) throw InputError(fmt::format("query-LM: batch size {} must be >= 1", batch));
-  if (length != cached_length_) {
-    kernel_ = teacher_.kernel(length);
-    cached_length_ = length;
-  }
+QueryLmBatch draw_query_batch(TorchCpuGenerator& gen, int64_t batch, int64_t length,
+                              const std::vector<double>& weight) {
   QueryLmBatch out;
   out.batch = batch;
   out.length = length;
@@ -180,13 +176,27 @@ QueryLmBatch QueryLmGenerator::next(int64_t length, int64_t batch) {
     int64_t* row = out.tokens.data() + b * length;
     double score = 0;
     for (int64_t j = 0; j < length - 1; ++j) {
-      row[j] = gen_.randint(0, 2);
-      const double k = kernel_[static_cast<size_t>(length - 2 - j)];  // lag T-1-j
-      score += row[j] ? k : -k;
+      row[j] = gen.randint(0, 2);
+      const double w = weight[static_cast<size_t>(j)];
+      score += row[j] ? w : -w;
     }
     row[length - 1] = kQueryLmQuery;
     out.scores[static_cast<size_t>(b)] = score;
   }
+  return out;
+}
+
+QueryLmBatch QueryLmGenerator::next(int64_t length, int64_t batch) {
+  if (batch < 1) throw InputError(fmt::format("query-LM: batch size {} must be >= 1", batch));
+  if (length != cached_length_) {
+    kernel_ = teacher_.kernel(length);
+    cached_length_ = length;
+  }
+  // bit j sits at lag T-1-j: its weight is the kernel at that lag
+  std::vector<double> weight(static_cast<size_t>(length - 1));
+  for (int64_t j = 0; j + 1 < length; ++j)
+    weight[static_cast<size_t>(j)] = kernel_[static_cast<size_t>(length - 2 - j)];
+  QueryLmBatch out = draw_query_batch(gen_, batch, length, weight);
   const QueryLmConfig& c = teacher_.config();
   for (int64_t b = 0; b < batch; ++b) {
     const double s = out.scores[static_cast<size_t>(b)];

@@ -105,6 +105,12 @@ struct QueryLmBatch {
 // row-major order (then, in stochastic mode, one Bernoulli per row), as the reference's
 // generate_batch does, so with the same seed it reproduces the reference run on a CPU device
 // bit for bit (the published runs used CUDA generators).
+// One batch of `length - 1` random bits (ids 0/1, drawn from `gen` row by row as the reference
+// does) and the QUERY token; scores[b] = sum_j (2 bit_j - 1) weight[j] over the bit positions
+// j = 0..length-2 (labels are left to the caller). Shared by the query-LM and the PJ bridge.
+QueryLmBatch draw_query_batch(TorchCpuGenerator& gen, int64_t batch, int64_t length,
+                              const std::vector<double>& weight);
+
 class QueryLmGenerator {
  public:
   QueryLmGenerator(const QueryLmConfig& c, uint64_t generator_seed);
