@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cmath>
@@ -279,17 +280,23 @@ void report_plot(PlotStatus status, const std::string& stem, bool* warned) {
   }
 }
 
+// The suite's curves grouped by target, targets in their first-seen order.
+std::vector<std::pair<std::string, std::vector<const probes::ProbeCurve*>>> curves_by_target(
+    const SuiteResult& r) {
+  std::vector<std::pair<std::string, std::vector<const probes::ProbeCurve*>>> out;
+  for (const auto& c : r.curves) {
+    auto it =
+        std::find_if(out.begin(), out.end(), [&](const auto& g) { return g.first == c.target; });
+    if (it == out.end()) it = out.insert(out.end(), {c.target, {}});
+    it->second.push_back(&c);
+  }
+  return out;
+}
+
 // Curves against an abscissa of their own (pj-t5: a metric against T, one curve per variant):
 // log2 x axis, log y axis when every value is positive.
 void write_xy_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
-  std::vector<std::string> targets;
-  std::map<std::string, std::vector<const probes::ProbeCurve*>> by_target;
-  for (const auto& c : r.curves) {
-    if (!by_target.count(c.target)) targets.push_back(c.target);
-    by_target[c.target].push_back(&c);
-  }
-  for (const auto& t : targets) {
-    const auto& curves = by_target[t];
+  for (const auto& [t, curves] : curves_by_target(r)) {
     const std::string stem = safe_stem(fmt::format("{}_{}", r.suite, t));
     std::ostringstream csv;
     csv << "x";
@@ -332,14 +339,7 @@ void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
     write_xy_plots(out, r, warned);
     return;
   }
-  std::vector<std::string> targets;
-  std::map<std::string, std::vector<const probes::ProbeCurve*>> by_target;
-  for (const auto& c : r.curves) {
-    if (!by_target.count(c.target)) targets.push_back(c.target);
-    by_target[c.target].push_back(&c);
-  }
-  for (const auto& t : targets) {
-    const auto& curves = by_target[t];
+  for (const auto& [t, curves] : curves_by_target(r)) {
     const std::string stem = safe_stem(fmt::format("{}_{}", r.suite, t));
     std::ostringstream csv;
     csv << "d";
