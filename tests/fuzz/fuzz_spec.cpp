@@ -90,7 +90,7 @@ void check_mechanism(const relpos::Mechanism& m, int head_dim, int heads) {
   FUZZ_CHECK(2 * next_pair <= head_dim, w, m.spec);
   FUZZ_CHECK(m.total_blocks() == next_block, w, m.spec);
   if (m.alibi()) FUZZ_CHECK(static_cast<int>(m.alibi()->slopes.size()) == heads, w, m.spec);
-  FUZZ_CHECK(m.has_transform() || m.alibi() || m.name == "nope", w, m.spec);
+  FUZZ_CHECK(m.has_transform() || !m.biases.empty() || m.name == "nope", w, m.spec);
   int driven = 0;
   for (const auto& t : m.transforms) {
     driven += t.position_driven();
