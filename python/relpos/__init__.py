@@ -29,12 +29,16 @@ torch.ops.load_library(str(_LIB))
 
 from .attention import attention, fused_attention  # noqa: E402
 from .encoding import InputError, PositionEncoding, rope_scaling_spec  # noqa: E402
+from .journey import frame_angles, journey_attention, rotate_pairs  # noqa: E402
 
 __all__ = [
     "InputError",
     "PositionEncoding",
     "attention",
     "fused_attention",
+    "frame_angles",
+    "journey_attention",
+    "rotate_pairs",
     "mechanisms",
     "mechanism",
     "rope_scaling_spec",

@@ -13,6 +13,7 @@ import functools
 import torch
 
 from .encoding import InputError, PositionEncoding
+from .journey import _journey_info, journey_attention
 
 
 def fused_attention(
@@ -109,6 +110,25 @@ def attention(
                 raise InputError(f"{name} contains NaN or Inf")
     B, Hq, Tq, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
+    spec = mechanism.spec if isinstance(mechanism, PositionEncoding) else mechanism
+    if isinstance(spec, str) and _journey_info(spec, D, Hk) is not None:
+        # journey terms rotate v and the output too: one sequence at positions 0..T-1
+        if q_positions is not None or k_positions is not None or Tq != Tk or Hq != Hk:
+            raise InputError(
+                f"{spec!r}: journey attention here scores one sequence at its own positions; "
+                "use relpos.journey_attention (or the C++ nn::attention) for other calls"
+            )
+        if _journey_info(spec, D, Hk)[1]:
+            raise InputError(f"{spec!r} has per-token angles: call relpos.journey_attention "
+                             "with the increments")
+        s = _alibi_slopes(spec, D, Hq)
+        if s is not None:
+            t = torch.tensor(s, dtype=q.dtype)
+            slopes = t if slopes is None else slopes + t
+        out = journey_attention(q, k, v, spec, pair_layout=pair_layout, causal=causal,
+                                window=window, key_len=key_len, scale=scale, lag_table=lag_table,
+                                slopes=slopes, cq=cq, ck=ck)
+        return (out, None) if return_lse else out
     if isinstance(mechanism, str):
         enc = _fixed_encoding(mechanism, D, Hk, pair_layout, q.dtype)
     elif isinstance(mechanism, PositionEncoding) or mechanism is None:

@@ -80,6 +80,11 @@ struct Roles {
   std::string str() const;
 };
 
+// How a ContentPhase term accumulates per-token increments a_s into its phase (kernels/scan.hpp):
+// the papers' causal exclusive sum, or the JoFormer reference code's time-reversed inclusive sum
+// (which reads later tokens: kept to reproduce that code, and documented as a causality leak).
+enum class PhaseScan { Exclusive, ReversedInclusive };
+
 enum class TransformKind {
   JordanBlocks,  // block-diagonal Jordan family over `segments` (RoPE ... jet spectra)
   FixedLinear,   // a constant D x D map M (no position): keys get M, queries M^{-T}
@@ -93,9 +98,10 @@ struct TransformTerm {
   TransformKind kind = TransformKind::JordanBlocks;
   TimeSource time = TimeSource::Position;
   Roles roles;
-  std::vector<JordanSegment> segments;  // JordanBlocks: coordinates not covered stay untouched
-  std::vector<double> matrix;           // FixedLinear: M, row-major D x D
-  std::vector<double> matrix_inv_t;     // FixedLinear: M^{-T}, row-major
+  std::vector<JordanSegment> segments;    // JordanBlocks: coordinates not covered stay untouched
+  std::vector<double> matrix;             // FixedLinear: M, row-major D x D
+  std::vector<double> matrix_inv_t;       // FixedLinear: M^{-T}, row-major
+  PhaseScan scan = PhaseScan::Exclusive;  // ContentPhase: how the phase is accumulated
 
   bool position_driven() const { return kind == TransformKind::JordanBlocks; }
   bool exact() const;             // a group law holds (fixed maps: always)

@@ -204,9 +204,21 @@ nlohmann::json mechanism_json(const Mechanism& m) {
   for (const auto& t : m.transforms) {
     nlohmann::json tj{{"name", t.name},
                       {"kind", kind(t.kind)},
-                      {"time", t.time == TimeSource::Position ? "position" : "other"},
+                      {"time", t.time == TimeSource::Position       ? "position"
+                               : t.time == TimeSource::ContentPhase ? "content_phase"
+                                                                    : "vector_position"},
                       {"roles", t.roles.str()},
+                      {"values", t.roles.values},
+                      {"outputs", t.roles.outputs},
                       {"exact", t.exact()}};
+    if (t.roles.values || t.roles.outputs || t.time == TimeSource::ContentPhase) {
+      // a journey term (core/mechanisms/journey.cpp): frame angle of pair m = time * f_m
+      std::vector<double> f;
+      for (const auto& sg : t.segments)
+        for (double w : sg.omega) f.push_back(-w);
+      tj["frame_frequencies"] = f;
+      tj["scan"] = t.scan == PhaseScan::Exclusive ? "exclusive" : "reversed_inclusive";
+    }
     if (t.kind == TransformKind::FixedLinear) {
       tj["matrix"] = t.matrix;
       tj["matrix_inv_t"] = t.matrix_inv_t;

@@ -7,17 +7,27 @@
 #include "core/registry.hpp"
 #include "core/types.hpp"
 #include "torch/attention.hpp"
+#include "torch/journey.hpp"
 
 namespace relpos::models {
 
 Preset parse_preset(const std::string& name) {
   if (name == "jordan") return Preset::Jordan;
   if (name == "pj") return Preset::PJ;
-  throw InputError(fmt::format("unknown model preset '{}' (valid: jordan, pj)", name));
+  if (name == "joformer") return Preset::JoFormer;
+  throw InputError(fmt::format("unknown model preset '{}' (valid: jordan, pj, joformer)", name));
 }
 
 std::string to_string(Preset p) {
-  return p == Preset::Jordan ? "jordan" : "pj";
+  switch (p) {
+    case Preset::Jordan:
+      return "jordan";
+    case Preset::PJ:
+      return "pj";
+    case Preset::JoFormer:
+      return "joformer";
+  }
+  return "?";
 }
 
 void ModelConfig::validate() const {
@@ -35,13 +45,24 @@ void ModelConfig::validate() const {
         fmt::format("model: attention must be fused or composed, got '{}'", attention));
   if (d_model % heads)
     throw InputError(fmt::format("model: d_model {} is not divisible by heads {}", d_model, heads));
-  // the mechanism must fit this head shape (raises a named InputError otherwise)
-  build_mechanism(mechanism, static_cast<int>(head_dim()), static_cast<int>(heads));
+  if (weights != "softmax" && weights != "softplus")
+    throw InputError(fmt::format("model: weights must be softmax or softplus, got '{}'", weights));
+  if (!(dropout >= 0 && dropout < 1))
+    throw InputError(fmt::format("model: dropout must be in [0, 1), got {}", dropout));
+  range(embed_dim, 0, 65536, "embed_dim");
+  if (embed_dim > 0 && preset == Preset::Jordan)
+    throw InputError(
+        "model: embed_dim (an embedding with an expander) needs an untied head: "
+        "preset pj or joformer");
+  // the mechanism must fit this head shape (raises a named InputError otherwise), and a journey
+  // term must be usable by the attention path
+  nn::journey_term(
+      build_mechanism(mechanism, static_cast<int>(head_dim()), static_cast<int>(heads)));
 }
 
 BlockImpl::BlockImpl(const ModelConfig& c, int64_t index) : c_(c) {
   const int64_t d = c.d_model;
-  const bool bias = c.preset == Preset::PJ;
+  const bool bias = c.preset != Preset::Jordan;
   qkv_ = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(d, 3 * d).bias(bias)));
   proj_ = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(d, d).bias(bias)));
   up_ = register_module("up",
@@ -76,34 +97,80 @@ torch::Tensor BlockImpl::norm(int which, const torch::Tensor& x) {
   return which == 1 ? ln1_(x) : ln2_(x);
 }
 
-torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions) {
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
+                                 const torch::Tensor& frame) {
   const int64_t B = x.size(0), T = x.size(1), H = c_.heads, hd = c_.head_dim();
   // one Linear(d, 3d) split into q, k, v in that order, heads [B, T, H, hd] -> [B, H, T, hd]
   const auto qkv = qkv_(norm(1, x)).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});
   nn::AttentionArgs args;
   args.q_positions = args.k_positions = positions;  // one tensor: one transform call
   args.exclude_self = !c_.include_self;
+  args.k_frame = frame;
   torch::Tensor y;
   const auto q = c_.freeze_qk ? torch::zeros_like(qkv[0]) : qkv[0];
   const auto k = c_.freeze_qk ? torch::zeros_like(qkv[1]) : qkv[1];
-  if (c_.attention == "fused") {
+  if (c_.weights == "softplus") {
+    y = softplus_attention(q, k, qkv[2], positions, frame);
+  } else if (c_.attention == "fused") {
     y = nn::attention(q, k, qkv[2], *enc_, args);
   } else {
+    if (nn::journey_term(enc_->mechanism()))
+      throw InputError(
+          "model: journey mechanisms run with attention = fused (or softplus weights)");
     const auto t = enc_->forward(q, k, positions);
     nn::AttentionArgs a = args;
     a.slopes = enc_->alibi_slopes();
     if (a.slopes.defined()) a.slopes = a.slopes.to(x.scalar_type());
     if (enc_->has_lag_table()) {
       const int64_t span =
-          positions.defined() ? static_cast<int64_t>(
-                                    std::ceil((positions.max() - positions.min()).item<double>()))
-                              : T - 1;
+          positions.defined()
+              ? static_cast<int64_t>(std::ceil((positions.max() - positions.min()).item<double>()))
+              : T - 1;
       a.lag_table = enc_->lag_table(span + 1).to(x.scalar_type());
     }
     y = nn::composed_attention(t.q, t.k, qkv[2], a);
   }
-  auto h = x + proj_(y.transpose(1, 2).reshape({B, T, c_.d_model}));
-  return h + down_(torch::gelu(up_(norm(2, h))));  // exact (erf) GELU
+  const double p = is_training() ? c_.dropout : 0.0;
+  auto h = x + torch::dropout(proj_(y.transpose(1, 2).reshape({B, T, c_.d_model})), p, p > 0);
+  const auto u = up_(norm(2, h));
+  // JoFormer: ReLU; the others: exact (erf) GELU
+  return h + torch::dropout(down_(c_.preset == Preset::JoFormer ? torch::relu(u) : torch::gelu(u)),
+                            p, p > 0);
+}
+
+torch::Tensor BlockImpl::softplus_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                            const torch::Tensor& v, const torch::Tensor& positions,
+                                            const torch::Tensor& frame) {
+  // the reference: w_ij = softplus(q_i . k_j / sqrt(hd)) for visible j, exactly 0 otherwise, no
+  // normalisation over j; dropout on w; journey frames around it as in the fused path
+  const int64_t T = q.size(2);
+  const auto pos =
+      positions.defined() ? positions.to(torch::kDouble) : torch::arange(T, torch::kDouble);
+  torch::Tensor qt = q, kt = k, vt = v;
+  nn::Frame f;
+  const Layout layout = enc_->plan().layout;
+  if (const TransformTerm* j = nn::journey_term(enc_->mechanism())) {
+    f = nn::Frame::of(nn::frame_angles(*j, pos, frame, q.scalar_type(), "frame"));
+    qt = nn::rotate_pairs(q, f, false, layout);
+    kt = nn::rotate_pairs(k, f, false, layout);
+    if (j->roles.values) vt = nn::rotate_pairs(v, f, false, layout);
+    if (!j->roles.outputs) f = {};
+  } else if (enc_->mechanism().has_transform()) {
+    const auto t = enc_->forward(q, k, positions);
+    qt = t.q;
+    kt = t.k;
+  }
+  if (!enc_->mechanism().biases.empty())
+    throw InputError("model: softplus weights take transform mechanisms only (no bias terms)");
+  const auto lag = pos.view({-1, 1}) - pos.view({1, -1});
+  const auto visible = c_.include_self ? lag >= 0 : lag > 0;
+  const auto s = torch::matmul(qt, kt.transpose(-1, -2)) / std::sqrt(double(q.size(3)));
+  auto w = torch::softplus(s) * visible.to(s.scalar_type());
+  const double p = is_training() ? c_.dropout : 0.0;
+  w = torch::dropout(w, p, p > 0);
+  auto o = torch::matmul(w, vt);
+  if (f.defined()) o = nn::rotate_pairs(o, f, true, layout);
+  return o;
 }
 
 std::pair<torch::Tensor, torch::Tensor> BlockImpl::qk_norms(const torch::Tensor& x,
@@ -111,6 +178,8 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::qk_norms(const torch::Tensor&
   const int64_t B = x.size(0), T = x.size(1);
   const auto qkv =
       qkv_(norm(1, x)).view({B, T, 3, c_.heads, c_.head_dim()}).permute({2, 0, 3, 1, 4});
+  if (nn::journey_term(enc_->mechanism()))  // rotations keep every norm
+    return {qkv[0].norm(2, -1).mean({0, 1}), qkv[1].norm(2, -1).mean({0, 1})};
   const auto t = enc_->forward(qkv[0], qkv[1], positions);
   return {t.q.norm(2, -1).mean({0, 1}), t.k.norm(2, -1).mean({0, 1})};
 }
@@ -118,15 +187,44 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::qk_norms(const torch::Tensor&
 TransformerLMImpl::TransformerLMImpl(const ModelConfig& c) : c_(c) {
   c_.validate();
   // Embedding's default initialisation is N(0, 1), as the reference
-  embed_ = register_module("embed", torch::nn::Embedding(c.vocab, c.d_model));
+  const auto m =
+      build_mechanism(c.mechanism, static_cast<int>(c.head_dim()), static_cast<int>(c.heads));
+  const TransformTerm* j = nn::journey_term(m);
+  const bool per_token = j && j->time == TimeSource::ContentPhase;
+  // embed_dim 0: d_model, except the JoFormer per-token model, which the reference embeds in d/2
+  // and expands with a Linear
+  const int64_t e = c.embed_dim > 0                             ? c.embed_dim
+                    : c.preset == Preset::JoFormer && per_token ? c.d_model / 2
+                                                                : c.d_model;
+  embed_ = register_module("embed", torch::nn::Embedding(c.vocab, e));
+  if (e != c.d_model) expand_ = register_module("expand", torch::nn::Linear(e, c.d_model));
   for (int64_t i = 0; i < c.layers; ++i)
     blocks_.push_back(register_module(fmt::format("block{}", i), Block(c, i)));
+  if (per_token) {
+    // per-token angle vectors, N(0, 1) radians (the reference); one table for every layer (the
+    // paper: layer-independent) or one per layer
+    const int64_t tables = c.angles_per_layer ? std::max<int64_t>(c.layers, 1) : 1;
+    for (int64_t i = 0; i < tables; ++i)
+      angle_tables_.push_back(register_parameter(fmt::format("angles{}", i),
+                                                 torch::randn({c.vocab, c.head_dim() / 2})));
+  }
   if (c.preset == Preset::Jordan) {
     rms_f_ = register_parameter("rms_f", torch::ones({c.d_model}));
   } else {
-    ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+    if (c.preset == Preset::PJ)  // the JoFormer reference has no final norm
+      ln_f_ =
+          register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     head_ = register_module("head", torch::nn::Linear(c.d_model, c.vocab));
   }
+}
+
+torch::Tensor TransformerLMImpl::journey_frames(const torch::Tensor& tokens, int64_t layer) {
+  if (angle_tables_.empty()) return {};
+  const auto& table =
+      angle_tables_[std::min<size_t>(static_cast<size_t>(layer), angle_tables_.size() - 1)];
+  const auto m =
+      build_mechanism(c_.mechanism, static_cast<int>(c_.head_dim()), static_cast<int>(c_.heads));
+  return nn::content_frame_angles(*nn::journey_term(m), torch::embedding(table, tokens));
 }
 
 torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens,
@@ -137,9 +235,15 @@ torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens,
       (tokens.min().item<int64_t>() < 0 || tokens.max().item<int64_t>() >= c_.vocab))
     throw InputError(fmt::format("model: token ids must be in [0, {})", c_.vocab));
   auto x = embed_(tokens);
-  for (auto& b : blocks_) x = b->forward(x, positions);
+  if (expand_) x = expand_(x);
+  // layer-independent frames are scanned once and shared
+  torch::Tensor frame = journey_frames(tokens, 0);
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    if (i > 0 && angle_tables_.size() > 1) frame = journey_frames(tokens, static_cast<int64_t>(i));
+    x = blocks_[i]->forward(x, positions, frame);
+  }
   if (c_.preset == Preset::Jordan) return torch::matmul(rms_norm(x, rms_f_), embed_->weight.t());
-  return head_(ln_f_(x));
+  return head_(ln_f_ ? ln_f_(x) : x);
 }
 
 std::vector<std::pair<torch::Tensor, torch::Tensor>> TransformerLMImpl::qk_norm_profile(
@@ -147,9 +251,10 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> TransformerLMImpl::qk_norm_
   torch::NoGradGuard no_grad;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
   auto x = embed_(tokens);
-  for (auto& b : blocks_) {
-    out.push_back(b->qk_norms(x, {}));
-    x = b->forward(x, {});
+  if (expand_) x = expand_(x);
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    out.push_back(blocks_[i]->qk_norms(x, {}));
+    x = blocks_[i]->forward(x, {}, journey_frames(tokens, static_cast<int64_t>(i)));
   }
   return out;
 }

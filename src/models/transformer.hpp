@@ -5,6 +5,10 @@
 //           bias-free Linear(d, 3d) split q, k, v, exact-GELU MLP of ratio r, tied N(0,1)
 //           embeddings as the output head, 1/sqrt(hd), causal; no absolute positions
 //   pj      the PJ-RoPE block (pj-rope.md 3.3): pre-LayerNorm, qkv with bias, untied head
+//   joformer the JoFormer block (grape-joformer.md 4.2): pre-LayerNorm (eps 1e-5), q/k/v/out with
+//           bias, ReLU FFN of ratio r, dropout after the out projection and the FFN, no final norm,
+//           untied head with bias; a per-token journey mechanism gets a model-level angle table
+//           [vocab, D/2] (N(0, 1) radians) shared by every layer (or one per layer)
 #pragma once
 
 #include <torch/torch.h>
@@ -17,8 +21,8 @@
 
 namespace relpos::models {
 
-enum class Preset { Jordan, PJ };
-Preset parse_preset(const std::string& name);  // "jordan" | "pj"; InputError otherwise
+enum class Preset { Jordan, PJ, JoFormer };
+Preset parse_preset(const std::string& name);  // "jordan" | "pj" | "joformer"; InputError otherwise
 std::string to_string(Preset p);
 
 struct ModelConfig {
@@ -39,6 +43,16 @@ struct ModelConfig {
   // the mechanism's bias alone
   bool include_self = true;
   bool freeze_qk = false;
+  // The JoFormer comparison (grape-joformer.md 4): "softmax" attention weights (the paper) or
+  // "softplus" (the reference code: w_ij = ln(1 + e^{s_ij}) for j <= i, unnormalised; composed,
+  // since it is not a softmax); dropout after the out projection, the FFN and (softplus) on the
+  // weights; a token embedding of width embed_dim followed by a Linear expander to d_model (0:
+  // d_model without expander, except d_model / 2 for the JoFormer preset with per-token angles,
+  // as the reference); per-layer angle tables instead of one shared table
+  std::string weights = "softmax";
+  double dropout = 0.0;
+  int64_t embed_dim = 0;
+  bool angles_per_layer = false;
   int64_t head_dim() const { return d_model / heads; }
   // InputError naming the problem (head dim not dividing, sizes out of range, bad spec)
   void validate() const;
@@ -47,7 +61,9 @@ struct ModelConfig {
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const ModelConfig& c, int64_t index);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions);
+  // frame: per-token journey frames [B, T, D/2] (mechanisms with per-token angles), else undefined
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
+                        const torch::Tensor& frame = {});
   // The norms of the transformed queries and keys per position, mean over batch and heads
   // ([T] each): how the mechanism rescales them along the sequence.
   std::pair<torch::Tensor, torch::Tensor> qk_norms(const torch::Tensor& x,
@@ -56,6 +72,10 @@ class BlockImpl : public torch::nn::Module {
 
  private:
   torch::Tensor norm(int which, const torch::Tensor& x);
+  // the reference JoFormer's unnormalised softplus attention (composed)
+  torch::Tensor softplus_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const torch::Tensor& positions,
+                                   const torch::Tensor& frame);
   ModelConfig c_;
   torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, up_{nullptr}, down_{nullptr};
   torch::Tensor rms1_, rms2_;                         // jordan preset
@@ -74,10 +94,15 @@ class TransformerLMImpl : public torch::nn::Module {
   int64_t parameter_count();
   // Per layer, the mean norms of the transformed q and k at each position ([T] each).
   std::vector<std::pair<torch::Tensor, torch::Tensor>> qk_norm_profile(const torch::Tensor& tokens);
+  // The per-token journey frames of layer `layer` for these tokens ([B, T, D/2]; undefined when
+  // the mechanism has fixed angles).
+  torch::Tensor journey_frames(const torch::Tensor& tokens, int64_t layer);
 
  private:
   ModelConfig c_;
   torch::nn::Embedding embed_{nullptr};
+  torch::nn::Linear expand_{nullptr};        // embed_dim -> d_model (embed_dim > 0)
+  std::vector<torch::Tensor> angle_tables_;  // per-token journey angles [vocab, D/2]
   std::vector<Block> blocks_;
   torch::Tensor rms_f_;
   torch::nn::LayerNorm ln_f_{nullptr};

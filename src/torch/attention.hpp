@@ -26,6 +26,9 @@ struct AttentionArgs {
   torch::Tensor slopes;     // [Hq]: - slopes[h] (p_i - p_j)
   torch::Tensor cq, ck;  // [B, Hq, Tq], [B, Hq, Tk]: + cq[i] - ck[j] (pass float64 for long sums)
   bool exclude_self = false;  // causal only: keys strictly before the query (p_j < p_i)
+  // Per-token journey frames (mechanisms with journey(angles=token)): the content phases
+  // [B, T, P] of the keys and queries (nn::content_frame_angles); q_frame defaults to k_frame.
+  torch::Tensor q_frame, k_frame;
 };
 
 // Fused softmax attention: q [B, Hq, Tq, D], k and v [B, Hk, Tk, D] (Hk divides Hq), float32 or
@@ -34,7 +37,8 @@ struct AttentionArgs {
 std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::Tensor& k,
                                            const torch::Tensor& v, const AttentionArgs& args = {});
 
-// Attention with a mechanism: its transforms (the encoding's parameters, so they train) on q and k,
+// Attention with a mechanism: its transforms (a journey term rotates q, k, v by their frames and
+// the output back, torch/journey.hpp) (the encoding's parameters, so they train) on q and k,
 // its biases (ALiBi slopes) added to args' biases inside the kernel. The encoding is built for
 // Hk heads: with grouped-query attention every query head uses the transform of its key/value
 // head (the relative law needs one map per scored pair). Returns out [B, Hq, Tq, D].

@@ -13,6 +13,7 @@
 #include "core/registry.hpp"
 #include "kernels/attention/attention.hpp"
 #include "torch/attention.hpp"
+#include "torch/journey.hpp"
 #include "torch/op_util.hpp"
 
 namespace relpos::nn {
@@ -179,11 +180,10 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
       return std::make_tuple(out, lse);
     }
     AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention", [&] {
-      kernels::attention_forward<scalar_t>(d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(),
-                                           o.v.data_ptr<scalar_t>(), o.positions(),
-                                           o.bias<scalar_t>(),
-                                           o.options(causal, window, scale, exclude_self),
-                                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+      kernels::attention_forward<scalar_t>(
+          d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(), o.v.data_ptr<scalar_t>(),
+          o.positions(), o.bias<scalar_t>(), o.options(causal, window, scale, exclude_self),
+          out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
     });
     return std::make_tuple(out, lse);
   });
@@ -326,12 +326,11 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
       if (slot >= 5) mask[slot - 2] = ctx->needs_input_grad(edge);
       ++edge;
     }
-    auto g = call_fused_attention_backward(grad_out[0], s[0], s[1], s[2], s[3], s[4], opt(s[5]),
-                                           opt(s[6]), opt(s[7]), opt(s[8]), opt(s[9]), opt(s[10]),
-                                           ctx->saved_data["causal"].toBool(),
-                                           ctx->saved_data["window"].toDouble(), opt(s[11]),
-                                           ctx->saved_data["scale"].toDouble(),
-                                           ctx->saved_data["exclude_self"].toBool(), mask);
+    auto g = call_fused_attention_backward(
+        grad_out[0], s[0], s[1], s[2], s[3], s[4], opt(s[5]), opt(s[6]), opt(s[7]), opt(s[8]),
+        opt(s[9]), opt(s[10]), ctx->saved_data["causal"].toBool(),
+        ctx->saved_data["window"].toDouble(), opt(s[11]), ctx->saved_data["scale"].toDouble(),
+        ctx->saved_data["exclude_self"].toBool(), mask);
     const auto keep = [&](int i, torch::Tensor t) { return mask[i] ? t : torch::Tensor(); };
     return {keep(0, std::get<0>(g)),
             keep(1, std::get<1>(g)),
@@ -367,8 +366,8 @@ torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k, const
                            const OptTensor& lag_table, const OptTensor& slopes, const OptTensor& cq,
                            const OptTensor& ck, int64_t layout) {
   return value_errors([&] {
-    AttentionArgs a{get(q_pos), get(k_pos),     causal,      window,  get(key_len),
-                    scale,      get(lag_table), get(slopes), get(cq), get(ck)};
+    AttentionArgs a{get(q_pos),  get(k_pos), causal,  window, get(key_len), scale, get(lag_table),
+                    get(slopes), get(cq),    get(ck), false,  {},           {}};
     return attention(q, k, v, spec, a, layout ? Layout::HalfSplit : Layout::Interleaved);
   });
 }
@@ -379,10 +378,9 @@ torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k, const
 
 std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::Tensor& k,
                                            const torch::Tensor& v, const AttentionArgs& a) {
-  auto [out, lse] = call_fused_attention(q, k, v, opt(a.q_positions), opt(a.k_positions),
-                                         opt(a.lag_table), opt(a.slopes), opt(a.cq), opt(a.ck),
-                                         a.causal, a.window, opt(a.key_len), a.scale,
-                                         a.exclude_self);
+  auto [out, lse] = call_fused_attention(
+      q, k, v, opt(a.q_positions), opt(a.k_positions), opt(a.lag_table), opt(a.slopes), opt(a.cq),
+      opt(a.ck), a.causal, a.window, opt(a.key_len), a.scale, a.exclude_self);
   return {out, lse};
 }
 
@@ -407,8 +405,27 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const auto kpos = args.k_positions.defined()
                         ? attention_positions(args.k_positions, B, Tk, "k_positions")
                         : torch::arange(Tk, torch::kDouble);
-  torch::Tensor qt = q, kt = k;
-  if (m.has_transform() && q.numel() && k.numel()) {
+  torch::Tensor qt = q, kt = k, vt = v;
+  Frame q_frame;
+  const TransformTerm* journey = journey_term(m);
+  if (journey && q.numel() && k.numel()) {
+    // frames per token: q and k (and v) rotated by their own frames, the output back below
+    const auto dt = q.scalar_type();
+    const auto k_angles = frame_angles(*journey, kpos, args.k_frame, dt, "k_frame");
+    const bool same = !args.q_frame.defined() &&
+                      (journey->time == TimeSource::ContentPhase || qpos.is_same(kpos));
+    const auto q_angles =
+        same ? k_angles : frame_angles(*journey, qpos, args.q_frame, dt, "q_frame");
+    if (q_angles.size(-2) != Tq)
+      throw InputError(fmt::format("attention: the query frame has {} positions, q has {}",
+                                   q_angles.size(-2), Tq));
+    const Frame k_frame = Frame::of(k_angles);
+    q_frame = same ? k_frame : Frame::of(q_angles);
+    const Layout layout = enc.plan().layout;
+    qt = rotate_pairs(q, q_frame, false, layout);
+    kt = rotate_pairs(k, k_frame, false, layout);
+    if (journey->roles.values) vt = rotate_pairs(v, k_frame, false, layout);
+  } else if (m.has_transform() && q.numel() && k.numel()) {
     const int64_t g = Hq / Hk;
     // one call when queries and keys share heads and positions (decided from the arguments, as
     // the Python function does, which must not read values under torch.compile)
@@ -457,13 +474,17 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           "({} query heads, {} key heads) is not supported with it",
           m.spec, Hq, Hk));
     if (args.lag_table.defined())
-      throw InputError("attention: an explicit lag_table together with the mechanism's own "
-                       "learned table is not supported; add them into one table");
+      throw InputError(
+          "attention: an explicit lag_table together with the mechanism's own "
+          "learned table is not supported; add them into one table");
     const double span = (qpos.max() - kpos.min()).item<double>();
     const int64_t len = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(span)) + 1);
     a.lag_table = enc.lag_table(len).to(q.scalar_type());
   }
-  return fused_attention(qt, kt, v, a)[0];
+  auto out = fused_attention(qt, kt, vt, a)[0];
+  if (journey && journey->roles.outputs && q_frame.defined())
+    out = rotate_pairs(out, q_frame, true, enc.plan().layout);
+  return out;
 }
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -528,7 +549,8 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? q_positions, Tensor? k_positions, Tensor? lag_table, Tensor? slopes, "
       "Tensor? cq, Tensor? ck, bool causal, float window, Tensor? key_len, float scale, "
-      "bool exclude_self, bool[7] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool exclude_self, bool[7] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)");
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, str mechanism, Tensor? q_positions=None, "
       "Tensor? k_positions=None, bool causal=True, float window=0., Tensor? key_len=None, "

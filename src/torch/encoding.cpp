@@ -276,6 +276,12 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
                                                            const torch::Tensor& positions) {
   const auto pos = checked_positions(mech_, q, k, positions, options_.check_finite);
   if (!mech_.has_transform() || q.numel() == 0) return {q, k};
+  for (const auto& t : mech_.transforms)
+    if (t.time == TimeSource::ContentPhase)
+      throw InputError(fmt::format(
+          "{}: term '{}' is driven by per-token angles, not positions: call nn::attention with "
+          "the content frames (AttentionArgs::k_frame) instead of the encoding",
+          mech_.spec, t.name));
   // the terms in spec order: fixed maps as matrix products, the position term by the kernels
   torch::Tensor qq = q, kk = k;
   size_t fixed = 0;
@@ -349,9 +355,11 @@ torch::Tensor PositionEncodingImpl::logit_bias(const torch::Tensor& qp,
   if (mech_.pj_bias()) {
     // the table gathered at the rounded, clamped lags (the kernel's rule)
     const auto lag = qp.to(torch::kDouble).unsqueeze(1) - kp.to(torch::kDouble).unsqueeze(0);
-    const int64_t len = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(lag.max().item<double>())) + 1);
+    const int64_t len =
+        std::max<int64_t>(1, static_cast<int64_t>(std::ceil(lag.max().item<double>())) + 1);
     const auto idx = torch::floor(lag + 0.5).clamp(0, len - 1).to(torch::kLong);
-    const auto t = lag_table(len).index_select(1, idx.flatten()).view({-1, lag.size(0), lag.size(1)});
+    const auto t =
+        lag_table(len).index_select(1, idx.flatten()).view({-1, lag.size(0), lag.size(1)});
     out = out.defined() ? out + t.to(torch::kFloat) : t.to(torch::kFloat);
   }
   return out;

@@ -107,6 +107,10 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
     m.get("attention", c.model.attention);
     m.get("include_self", c.model.include_self);
     m.get("freeze_qk", c.model.freeze_qk);
+    m.get("weights", c.model.weights);
+    m.get("dropout", c.model.dropout);
+    m.get("embed_dim", c.model.embed_dim);
+    m.get("angles_per_layer", c.model.angles_per_layer);
     m.finish();
     c.model.preset = models::parse_preset(preset);
     if (layout == "interleaved") {
@@ -158,6 +162,7 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
     e.get("lengths", c.eval.lengths);
     e.get("batches", c.eval.batches);
     e.get("batch_size", c.eval.batch_size);
+    e.get("full_split", c.eval.full_split);
     e.finish();
   }
   r.finish();
@@ -184,7 +189,11 @@ toml::table to_table(const TrainConfig& c) {
                             {"layout", to_string(c.model.layout)},
                             {"attention", c.model.attention},
                             {"include_self", c.model.include_self},
-                            {"freeze_qk", c.model.freeze_qk}}},
+                            {"freeze_qk", c.model.freeze_qk},
+                            {"weights", c.model.weights},
+                            {"dropout", c.model.dropout},
+                            {"embed_dim", c.model.embed_dim},
+                            {"angles_per_layer", c.model.angles_per_layer}}},
       {"task", toml::table{{"kind", c.task.kind},
                            {"benchmark", c.task.benchmark},
                            {"train_length", c.task.train_length},
@@ -214,7 +223,8 @@ toml::table to_table(const TrainConfig& c) {
       {"eval", toml::table{{"every", c.eval.every},
                            {"lengths", lengths},
                            {"batches", c.eval.batches},
-                           {"batch_size", c.eval.batch_size}}},
+                           {"batch_size", c.eval.batch_size},
+                           {"full_split", c.eval.full_split}}},
   };
 }
 

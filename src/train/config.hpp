@@ -52,6 +52,9 @@ struct EvalConfig {
   std::vector<int64_t> lengths{1024, 2048, 4096, 8192};
   int64_t batches = 32;
   int64_t batch_size = 1;
+  // corpus LMs: every non-overlapping window of the validation split (in batches of batch_size)
+  // instead of `batches` random ones
+  bool full_split = false;
 };
 
 struct TrainConfig {

@@ -30,25 +30,40 @@ fs::path experiments_dir() {
 namespace {
 
 struct Column {
-  std::string metric;  // loss | accuracy | perplexity
+  std::string metric;  // loss | accuracy | perplexity | exp2_loss (2^loss, loss in nats)
   int64_t length = 0;
+  std::string setting;  // a sweep setting (METRIC@LENGTH:SETTING), else empty
 };
 
 Column parse_column(const std::string& s, const std::string& source) {
-  const auto at = s.find('@');
+  const auto at = s.find('@'), colon = s.find(':');
   Column c;
   if (at != std::string::npos) {
     c.metric = s.substr(0, at);
     try {
-      c.length = std::stoll(s.substr(at + 1));
+      size_t used = 0;
+      const std::string len = s.substr(at + 1, colon == std::string::npos ? colon : colon - at - 1);
+      c.length = std::stoll(len, &used);
+      if (used != len.size()) c.length = 0;
     } catch (const std::exception&) {
       c.length = 0;
     }
+    if (colon != std::string::npos) c.setting = s.substr(colon + 1);
   }
-  if (c.length <= 0 || (c.metric != "loss" && c.metric != "accuracy" && c.metric != "perplexity"))
+  if (c.length <= 0 ||
+      (c.metric != "loss" && c.metric != "accuracy" && c.metric != "perplexity" &&
+       c.metric != "exp2_loss") ||
+      (colon != std::string::npos && c.setting.empty()))
     throw InputError(fmt::format(
-        "{}: column '{}' must be METRIC@LENGTH (loss, accuracy, perplexity)", source, s));
+        "{}: column '{}' must be METRIC@LENGTH or METRIC@LENGTH:SETTING (loss, accuracy, "
+        "perplexity, exp2_loss)",
+        source, s));
   return c;
+}
+
+// The sweep outcome's key of a method under a column's setting.
+std::string result_key(const std::string& method, const Column& c) {
+  return c.setting.empty() ? method : fmt::format("{} ({})", method, c.setting);
 }
 
 std::vector<std::string> strings(const toml::node* n, const std::string& what,
@@ -70,7 +85,10 @@ std::pair<double, double> stat(const std::vector<std::pair<double, double>>& run
                                const std::string& metric) {
   std::vector<double> v;
   for (const auto& [loss, acc] : runs)
-    v.push_back(metric == "loss" ? loss : metric == "accuracy" ? acc : std::exp(loss));
+    v.push_back(metric == "loss"        ? loss
+                : metric == "accuracy"  ? acc
+                : metric == "exp2_loss" ? std::exp2(loss)
+                                        : std::exp(loss));
   if (v.empty()) return {NAN, NAN};
   const double m = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
   double s = 0;
@@ -128,7 +146,8 @@ struct Experiment {
 
 Experiment load_experiment(const std::string& name, const std::string& scale,
                            const std::vector<std::string>& sets,
-                           const std::vector<std::string>& only = {}) {
+                           const std::vector<std::string>& only = {},
+                           const std::vector<std::string>& only_settings = {}) {
   const fs::path file = experiments_dir() / fmt::format("{}.toml", name);
   if (name.empty() || name.find('/') != std::string::npos || !fs::exists(file)) {
     std::string known;
@@ -206,6 +225,23 @@ Experiment load_experiment(const std::string& name, const std::string& scale,
     labels = l2;
     rows = kept;
   }
+  if (!only_settings.empty()) {  // a subset of the settings (other columns show '-' for ours)
+    auto* st = sweep->get_as<toml::table>("settings");
+    if (!st)
+      throw InputError(fmt::format("{}: this experiment has no sweep settings to select", source));
+    toml::table kept;
+    for (const auto& want : only_settings) {
+      const auto* v = st->get(want);
+      if (!v) {
+        std::string known;
+        for (const auto& [k, x] : *st)
+          known += fmt::format("{}{}", known.empty() ? "" : ", ", k.str());
+        throw InputError(fmt::format("{}: no sweep setting '{}' (known: {})", source, want, known));
+      }
+      kept.insert_or_assign(want, *v);
+    }
+    sweep->insert_or_assign("settings", kept);
+  }
   std::ostringstream sweep_text;
   sweep_text << root;
   return {source,      sweep_text.str(), report,   methods, paper_columns,
@@ -214,23 +250,40 @@ Experiment load_experiment(const std::string& name, const std::string& scale,
 
 }  // namespace
 
+std::string resolve_scale(const std::string& name, const std::string& scale) {
+  if (!scale.empty()) return scale;
+  const fs::path file = experiments_dir() / fmt::format("{}.toml", name);
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return "cpu";  // load_experiment names the problem
+  try {
+    const auto root =
+        toml::parse(std::string_view(read_text(file)), std::string_view(file.string()));
+    return root["scale"]["cpu"].as_table() ? "cpu" : "paper";
+  } catch (const toml::parse_error&) {
+    return "cpu";
+  }
+}
+
 std::vector<TrainConfig> experiment_configs(const std::string& name, const std::string& scale,
                                             const std::vector<std::string>& sets) {
-  const auto e = load_experiment(name, scale, sets);
+  const auto e = load_experiment(name, resolve_scale(name, scale), sets);
   return sweep_configs(e.sweep_text, e.source, e.all_sets);
 }
 
-std::string reproduce(const std::string& name, const std::string& scale,
+std::string reproduce(const std::string& name, const std::string& scale_in,
                       const std::vector<std::string>& sets, const std::string& out, bool progress,
-                      const std::vector<std::string>& only) {
-  const auto ex = load_experiment(name, scale, sets, only);
+                      const std::vector<std::string>& only,
+                      const std::vector<std::string>& only_settings, int64_t parallel) {
+  const std::string scale = resolve_scale(name, scale_in);
+  const auto ex = load_experiment(name, scale, sets, only, only_settings);
   const auto& [source, sweep_text_str, report, methods, paper_columns, our_columns, labels,
                all_sets, rows] = ex;
   const fs::path folder = out.empty()
                               ? fs::path("runs") / "reproduce" / fmt::format("{}-{}", name, scale)
                               : fs::path(out);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto outcome = run_sweep_text(sweep_text_str, source, all_sets, folder.string(), progress);
+  const auto outcome =
+      run_sweep_text(sweep_text_str, source, all_sets, folder.string(), progress, parallel);
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   const auto label_of = [&](size_t i) { return labels.empty() ? methods[i] : labels[i]; };
@@ -240,11 +293,27 @@ std::string reproduce(const std::string& name, const std::string& scale,
       report.get("kind") ? report.get("kind")->value_or(std::string("rows")) : "rows";
   if (kind == "rows") {
     const auto* paper = report.get_as<toml::array>("paper");
+    // optional second view of our runs per column (reproduce.also, e.g. another metric)
+    const auto also = strings(report.get("also"), "reproduce.also", source);
+    if (!also.empty() && also.size() != paper_columns.size())
+      throw InputError(
+          fmt::format("{}: reproduce.also must have one entry per reproduce.columns", source));
+    const auto ours_at = [&](size_t i, const std::string& column) {
+      const auto col = parse_column(column, source);
+      const auto it = outcome.results.find(result_key(methods[i], col));
+      return it == outcome.results.end() || !it->second.count(col.length)
+                 ? std::pair<double, double>{NAN, NAN}
+                 : stat(it->second.at(col.length), col.metric);
+    };
     md += "| method |";
     std::string rule = "|---|";
     for (size_t c = 0; c < paper_columns.size(); ++c) {
       md += fmt::format(" paper {} | ours {} |", paper_columns[c], our_columns[c]);
       rule += "---:|---:|";
+      if (!also.empty()) {
+        md += fmt::format(" ours {} |", also[c]);
+        rule += "---:|";
+      }
     }
     md += fmt::format("\n{}\n", rule);
     std::vector<std::vector<double>> pm_paper(paper_columns.size()), pm_ours(paper_columns.size());
@@ -255,12 +324,12 @@ std::string reproduce(const std::string& name, const std::string& scale,
         const double pmean = prow && prow->size() > 2 * c ? (*prow)[2 * c].value_or(NAN) : NAN;
         const double pstd =
             prow && prow->size() > 2 * c + 1 ? (*prow)[2 * c + 1].value_or(NAN) : NAN;
-        const auto col = parse_column(our_columns[c], source);
-        const auto it = outcome.results.find(methods[i]);
-        const auto [m, s] = it == outcome.results.end() || !it->second.count(col.length)
-                                ? std::pair<double, double>{NAN, NAN}
-                                : stat(it->second.at(col.length), col.metric);
+        const auto [m, s] = ours_at(i, our_columns[c]);
         md += fmt::format(" {} | {} |", pm(pmean, pstd), pm(m, s));
+        if (!also.empty()) {
+          const auto [am, as] = ours_at(i, also[c]);
+          md += fmt::format(" {} |", pm(am, as));
+        }
         if (!std::isnan(pmean) && !std::isnan(m)) {
           pm_paper[c].push_back(pmean);
           pm_ours[c].push_back(m);
@@ -294,7 +363,7 @@ std::string reproduce(const std::string& name, const std::string& scale,
       size_t arg = methods.size();
       double bm = NAN, bs = NAN;
       for (size_t i = 0; i < methods.size(); ++i) {
-        const auto it = outcome.results.find(methods[i]);
+        const auto it = outcome.results.find(result_key(methods[i], col));
         if (it == outcome.results.end() || !it->second.count(col.length)) continue;
         const auto [m, s] = stat(it->second.at(col.length), col.metric);
         const bool better = col.metric == "accuracy" ? m > bm : m < bm;
@@ -318,7 +387,8 @@ std::string reproduce(const std::string& name, const std::string& scale,
       folder.string(), wall);
   write_file_atomic(folder / "reproduce.md", md);
   for (const auto& part : strings(report.get("parts"), "reproduce.parts", source))
-    md += fmt::format("\n{}", reproduce(part, scale, sets, (folder / part).string(), progress));
+    md += fmt::format(
+        "\n{}", reproduce(part, scale, sets, (folder / part).string(), progress, {}, {}, parallel));
   return md;
 }
 

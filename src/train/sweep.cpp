@@ -1,13 +1,20 @@
 #include "train/sweep.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <toml++/toml.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "core/files.hpp"
 #include "core/plot.hpp"
@@ -227,6 +234,77 @@ void write_plots(const fs::path& root, const std::vector<Job>& jobs,
                   common, series("length_curves.csv")));
 }
 
+// Runs the unfinished jobs `jobs` at a time, each in a child process of this program
+// (`train --config DIR/job.toml --out DIR --resume --quiet`, output in DIR/train.log): runs of a
+// sweep are independent, and on a few cores several single-threaded runs of small models go
+// faster than one run on every core (docs/performance.md). Each child gets cores / jobs threads
+// unless the configuration names a count.
+void run_jobs_in_processes(std::vector<const Job*> todo, int64_t jobs, bool progress) {
+  // longest first (cost ~ steps x tokens per step x layers x d^2), so that no long run starts
+  // last and runs alone
+  const auto cost = [](const Job* j) {
+    const auto& c = j->config;
+    return static_cast<double>(c.optim.steps) * static_cast<double>(c.optim.batch) *
+           static_cast<double>(c.task.train_length) *
+           static_cast<double>(std::max<int64_t>(c.model.layers, 1)) *
+           static_cast<double>(c.model.d_model) * static_cast<double>(c.model.d_model);
+  };
+  std::stable_sort(todo.begin(), todo.end(),
+                   [&](const Job* a, const Job* b) { return cost(a) > cost(b); });
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) throw InputError("sweep: --jobs needs /proc/self/exe (Linux) to start the runs");
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  std::map<pid_t, const Job*> running;
+  std::vector<std::string> failed;
+  size_t next = 0;
+  while (next < todo.size() || !running.empty()) {
+    while (static_cast<int64_t>(running.size()) < jobs && next < todo.size()) {
+      const Job& j = *todo[next++];
+      TrainConfig c = j.config;
+      if (c.threads == 0) c.threads = std::max<int64_t>(1, cores / jobs);
+      fs::create_directories(j.dir);
+      write_file_atomic(j.dir / "job.toml", c.to_toml());
+      const std::string config = (j.dir / "job.toml").string(), dir = j.dir.string(),
+                        log = (j.dir / "train.log").string(), prog = exe.string();
+      std::vector<std::string> args{prog,    "train", "--config", config,
+                                    "--out", dir,     "--resume", "--quiet"};
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      posix_spawn_file_actions_t fa;
+      posix_spawn_file_actions_init(&fa);
+      posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      posix_spawn_file_actions_adddup2(&fa, 1, 2);
+      pid_t pid = 0;
+      const int rc = posix_spawn(&pid, prog.c_str(), &fa, nullptr, argv.data(), environ);
+      posix_spawn_file_actions_destroy(&fa);
+      if (rc != 0)
+        throw InputError(fmt::format("sweep: cannot start '{}': {}", prog, std::strerror(rc)));
+      running[pid] = &j;
+      if (progress)
+        fmt::print(stderr, "sweep: started {} seed {}{} (pid {}, log {})\n", j.method, j.seed,
+                   j.setting.empty() ? std::string() : fmt::format(" ({})", j.setting), pid, log);
+    }
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, 0);
+    if (pid < 0) break;
+    const auto it = running.find(pid);
+    if (it == running.end()) continue;
+    const Job& j = *it->second;
+    running.erase(it);
+    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (!ok)
+      failed.push_back(fmt::format("{} (see {})", j.dir.string(), (j.dir / "train.log").string()));
+    if (progress)
+      fmt::print(stderr, "sweep: {} {} seed {}{}\n", ok ? "finished" : "FAILED", j.method, j.seed,
+                 j.setting.empty() ? std::string() : fmt::format(" ({})", j.setting));
+  }
+  if (!failed.empty())
+    throw InputError(
+        fmt::format("sweep: {} run(s) failed: {}", failed.size(), fmt::join(failed, "; ")));
+}
+
 }  // namespace
 
 std::vector<TrainConfig> sweep_configs(const std::string& text, const std::string& source,
@@ -240,11 +318,17 @@ std::vector<TrainConfig> sweep_configs(const std::string& text, const std::strin
 
 SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
                             const std::vector<std::string>& sets, const std::string& out,
-                            bool progress) {
+                            bool progress, int64_t parallel) {
   const Sweep sw = parse_sweep(text, source);
   const TrainConfig base = parse_config(sw.base_toml, source);
   const fs::path root = out.empty() ? fs::path("runs") / base.name : fs::path(out);
   const std::vector<Job> jobs = build_jobs(sw, base, sets, root);
+  if (parallel > 1) {
+    std::vector<const Job*> todo;
+    for (const auto& j : jobs)
+      if (!fs::exists(j.dir / "summary.json")) todo.push_back(&j);  // unfinished
+    run_jobs_in_processes(todo, parallel, progress);
+  }
   for (size_t i = 0; i < jobs.size(); ++i) {
     const auto& j = jobs[i];
     if (fs::exists(j.dir / "summary.json")) continue;  // finished earlier
@@ -328,14 +412,14 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
 }
 
 std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>& sets,
-                      const std::string& out, bool progress) {
+                      const std::string& out, bool progress, int64_t parallel) {
   std::ifstream in(sweep_file);
   if (!in)
     throw InputError(
         fmt::format("sweep file '{}' does not exist or is unreadable", sweep_file.string()));
   std::ostringstream text;
   text << in.rdbuf();
-  return run_sweep_text(text.str(), sweep_file.string(), sets, out, progress).markdown;
+  return run_sweep_text(text.str(), sweep_file.string(), sets, out, progress, parallel).markdown;
 }
 
 }  // namespace relpos::train

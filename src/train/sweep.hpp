@@ -27,9 +27,10 @@ struct SweepOutcome {
   std::vector<std::string> methods;
   std::map<std::string, std::map<int64_t, std::vector<std::pair<double, double>>>> results;
 };
+// parallel > 1: that many runs at a time, each in a child process (train --config ...).
 SweepOutcome run_sweep_text(const std::string& toml_text, const std::string& source,
                             const std::vector<std::string>& sets, const std::string& out,
-                            bool progress);
+                            bool progress, int64_t parallel = 1);
 
 // The configuration of every run of a sweep (checked), without running any.
 std::vector<TrainConfig> sweep_configs(const std::string& toml_text, const std::string& source,
@@ -37,7 +38,7 @@ std::vector<TrainConfig> sweep_configs(const std::string& toml_text, const std::
 
 // Returns the Markdown summary table.
 std::string run_sweep(const std::filesystem::path& sweep_file, const std::vector<std::string>& sets,
-                      const std::string& out, bool progress);
+                      const std::string& out, bool progress, int64_t parallel = 1);
 
 // A folder-safe name for a method spec: "jordan(m=2, regime=raw)" -> "jordan_m_2_regime_raw".
 std::string method_folder(const std::string& spec);

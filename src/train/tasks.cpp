@@ -112,12 +112,31 @@ class CorpusLmTask : public Task {
         sampler_(static_cast<int64_t>(corpus_.train.size()), c.task.train_length,
                  tasks::lm_train_generator_seed(protocol_, c.seed)),
         eval_starts_(
-            tasks::lm_eval_starts(static_cast<int64_t>(corpus_.validation.size()), protocol_)) {}
+            tasks::lm_eval_starts(static_cast<int64_t>(corpus_.validation.size()), protocol_)),
+        full_split_(c.eval.full_split),
+        eval_batch_size_(c.eval.batch_size) {}
   int64_t vocab() const override { return corpus_.vocab_size; }
   Batch next_train_batch(int64_t batch) override {
     return windows(corpus_.train, sampler_.next_starts(batch), protocol_.seq_len_train);
   }
   std::vector<Batch> eval_set(int64_t length) override {
+    if (full_split_) {
+      // every non-overlapping window that has a next-token target for each position
+      const auto n = static_cast<int64_t>(corpus_.validation.size());
+      std::vector<Batch> out;
+      std::vector<int64_t> starts;
+      for (int64_t s = 0; s + length + 1 <= n; s += length) {
+        starts.push_back(s);
+        if (static_cast<int64_t>(starts.size()) == eval_batch_size_ || s + 2 * length + 1 > n) {
+          out.push_back(windows(corpus_.validation, starts, length));
+          starts.clear();
+        }
+      }
+      if (out.empty())
+        throw InputError(fmt::format(
+            "the validation split ({} tokens) is shorter than one window of {}", n, length + 1));
+      return out;
+    }
     for (const auto& e : eval_starts_)
       if (e.length == length) {
         std::vector<Batch> out;
@@ -151,6 +170,8 @@ class CorpusLmTask : public Task {
   tasks::LmProtocol protocol_;
   tasks::WindowSampler sampler_;
   std::vector<tasks::EvalStarts> eval_starts_;
+  bool full_split_;
+  int64_t eval_batch_size_;
 };
 
 tasks::TokenCorpus load_corpus(const TaskConfig& t) {

@@ -169,24 +169,42 @@ int main(int argc, char** argv) {
   sweep_cmd->add_option("--set", ta.sets, "Override for every run: section.key=value");
   sweep_cmd->add_option("--out", ta.out, "Sweep folder (default runs/SWEEP_NAME)");
   sweep_cmd->add_flag("--quiet", sweep_quiet, "No progress on stderr");
+  int64_t jobs = 1;
+  sweep_cmd
+      ->add_option("--jobs", jobs,
+                   "Runs at a time, each in its own process (cores / jobs threads each)")
+      ->check(CLI::Range(1, 256));
   sweep_cmd->callback([&] {
-    const auto md = train::run_sweep(sweep_config, ta.sets, ta.out, !sweep_quiet);
+    const auto md = train::run_sweep(sweep_config, ta.sets, ta.out, !sweep_quiet, jobs);
     fmt::print("{}", md);
   });
 
-  std::string experiment, scale = "cpu";
+  std::string experiment, scale;
   auto* repro_cmd = app.add_subcommand(
       "reproduce", "Run a paper table (experiments/NAME.toml) and print it beside the paper's");
   repro_cmd->add_option("name", experiment, "Experiment name (experiments/NAME.toml)")->required();
-  repro_cmd->add_option("--scale", scale, "paper (the paper's sizes; for a GPU) or cpu")
-      ->check(CLI::IsMember({"paper", "cpu"}));
+  auto* scale_opt = repro_cmd->add_option(
+      "--scale", scale,
+      "paper (the paper's sizes), cpu (default where the file has it), or another [scale.X]");
+  repro_cmd
+      ->add_option("--mode", scale,
+                   "A protocol of the file, as --scale (JoFormer: paper or reference)")
+      ->excludes(scale_opt);
+  std::vector<int64_t> layers;
+  repro_cmd->add_option("--layers", layers, "Only the settings L<n> (e.g. 1,3,6: layer counts)")
+      ->delimiter(',');
+  repro_cmd->add_option("--jobs", jobs, "Runs at a time, each in its own process")
+      ->check(CLI::Range(1, 256));
   repro_cmd->add_option("--set", ta.sets, "Override for every run: section.key=value");
   repro_cmd->add_option("--out", ta.out, "Folder (default runs/reproduce/NAME-SCALE)");
   repro_cmd->add_flag("--quiet", sweep_quiet, "No progress on stderr");
   std::vector<std::string> only;
   repro_cmd->add_option("--methods", only, "Only these rows (labels or specs, repeatable)");
   repro_cmd->callback([&] {
-    fmt::print("{}", train::reproduce(experiment, scale, ta.sets, ta.out, !sweep_quiet, only));
+    std::vector<std::string> settings;
+    for (auto n : layers) settings.push_back(fmt::format("L{}", n));
+    fmt::print("{}", train::reproduce(experiment, scale, ta.sets, ta.out, !sweep_quiet, only,
+                                      settings, jobs));
   });
 
   int64_t bench_T = 1024, bench_batch = 4;

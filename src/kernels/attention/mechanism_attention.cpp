@@ -70,10 +70,11 @@ bool same_head(const ParamValues& p, int a, int b) {
 
 void check_attention_support(const Mechanism& m) {
   for (const auto& t : m.transforms) {
-    if (t.roles.values || t.roles.outputs)
+    if (t.roles.values || t.roles.outputs || t.time == TimeSource::ContentPhase)
       throw InputError(fmt::format(
-          "attention: term '{}' transforms {} (a journey transform): not yet supported by the "
-          "attention path",
+          "attention: term '{}' transforms {} (a journey transform): it runs through "
+          "nn::attention (torch/journey.hpp) and decodes with kernels::JourneyCache, not through "
+          "this path",
           t.name, t.roles.str()));
     if (t.position_driven() && t.time != TimeSource::Position)
       throw InputError(fmt::format(

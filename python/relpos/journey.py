@@ -1,0 +1,88 @@
+"""JoFormer's journey transform from Python (core/mechanisms/journey.cpp, torch/journey.hpp).
+
+``torch.ops.relpos.rotate_pairs(x, cos, sin, inverse, layout)`` rotates every coordinate pair of
+``x [B, H, T, D]`` by per-token angles given as their cosines and sines ``[B, T, P]`` or ``[T, P]``
+(differentiable in all three; Meta kernels for ``torch.compile``). :func:`journey_attention`
+rotates q, k and v into their frames, runs the fused kernel and rotates the output back:
+``o_i = sum_j alpha_ij R(theta_j - theta_i) v_j``. Frames are fixed (``journey``,
+``journey(angles=integer)``: theta = p f) or per token (``journey(angles=token)``): the causal scan
+``Phi_t = sum_{s<t} a_s`` of the angle increments a you pass (the rows of your angle table for
+each token). :func:`relpos.attention` routes journey mechanisms here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .encoding import InputError
+
+_INFO: dict = {}
+
+
+@torch.compiler.assume_constant_result  # a function of the spec and head shape only
+def _journey_info(spec: str, head_dim: int, heads: int):
+    """(frame frequencies, per_token, values, outputs, scan) of the spec's journey term, or None."""
+    key = (spec, head_dim, heads)
+    if key not in _INFO:
+        from . import mechanism  # late: the package imports this module
+
+        info = None
+        for t in mechanism(spec, head_dim, heads)["transforms"]:
+            if "frame_frequencies" in t:
+                info = (tuple(t["frame_frequencies"]), t["time"] == "content_phase", t["values"],
+                        t["outputs"], t["scan"])
+        _INFO[key] = info
+    return _INFO[key]
+
+
+def rotate_pairs(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False,
+                 pair_layout: str = "interleaved") -> torch.Tensor:
+    """Rotates pair p of every head vector by ``angles[..., t, p]`` (``-angles`` when inverse)."""
+    layout = {"interleaved": 0, "half_split": 1}.get(pair_layout)
+    if layout is None:
+        raise InputError(f"pair_layout must be interleaved or half_split, got {pair_layout!r}")
+    a = angles.to(x.dtype)
+    try:
+        return torch.ops.relpos.rotate_pairs(x, torch.cos(a), torch.sin(a), inverse, layout)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def frame_angles(spec: str, head_dim: int, heads: int, *, positions: torch.Tensor | None = None,
+                 increments: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
+    """The frames of a journey mechanism: positions ``[T]`` times its frequencies (reduced mod
+    2 pi in float64), or the causal scan of per-token ``increments [B, T, D/2]``."""
+    info = _journey_info(spec, head_dim, heads)
+    if info is None:
+        raise InputError(f"{spec!r} has no journey term")
+    freqs, per_token, _, _, scan = info
+    if per_token:
+        if increments is None:
+            raise InputError(f"{spec!r} has per-token angles: pass increments [B, T, {len(freqs)}]")
+        return torch.ops.relpos.causal_scan(increments, scan)
+    if positions is None:
+        positions = torch.arange(length, dtype=torch.float64)
+    f = torch.tensor(freqs, dtype=torch.float64)
+    return torch.remainder(positions.to(torch.float64).unsqueeze(-1) * f, 2 * math.pi)
+
+
+def journey_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mechanism: str, *,
+                      increments: torch.Tensor | None = None, pair_layout: str = "interleaved",
+                      **kwargs) -> torch.Tensor:
+    """Causal journey attention over one sequence (queries and keys at 0..T-1): q, k, v
+    ``[B, H, T, D]``; ``increments [B, T, D/2]`` for per-token angles. Other keyword arguments go
+    to :func:`relpos.fused_attention` (biases, scale)."""
+    from .attention import fused_attention
+
+    B, H, T, D = q.shape
+    if k.shape[2] != T:
+        raise InputError("journey_attention scores one sequence: q and k need the same length")
+    _, _, values, outputs, _ = _journey_info(mechanism, D, k.shape[1])
+    theta = frame_angles(mechanism, D, k.shape[1], increments=increments, length=T)
+    qt = rotate_pairs(q, theta, pair_layout=pair_layout)
+    kt = rotate_pairs(k, theta, pair_layout=pair_layout)
+    vt = rotate_pairs(v, theta, pair_layout=pair_layout) if values else v
+    out, _ = fused_attention(qt, kt, vt, **kwargs)
+    return rotate_pairs(out, theta, inverse=True, pair_layout=pair_layout) if outputs else out

@@ -1,0 +1,131 @@
+// Plane rotations by per-token angles (kernels/rotate.hpp): the forward against the 2 x 2 matrix
+// written out in float64, the inverse flag as the exact inverse, the backward as the adjoint
+// (<g, R x> = <R^T g, x>), the angle gradient (through the cos/sin gradients) against central
+// differences in float64, shared angles (summed over the batch), both layouts, untouched pairs
+// past P, in-place calls, float32.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "core/types.hpp"
+#include "kernels/rotate.hpp"
+#include "test_util.hpp"
+
+using namespace relpos;
+using namespace relpos::kernels;
+
+namespace {
+
+// y = R(s phi) x by the matrix, float64.
+std::vector<double> rotate_by_definition(const RotateDims& d, Layout layout, bool inverse,
+                                         const std::vector<double>& x,
+                                         const std::vector<double>& phi) {
+  std::vector<double> y = x;
+  const double s = inverse ? -1 : 1;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.H; ++h)
+      for (int64_t t = 0; t < d.T; ++t)
+        for (int64_t p = 0; p < d.P; ++p) {
+          const int64_t row = ((b * d.H + h) * d.T + t) * d.D;
+          const int64_t i = row + (layout == Layout::Interleaved ? 2 * p : p);
+          const int64_t j = layout == Layout::Interleaved ? i + 1 : i + d.D / 2;
+          const double a = s * phi[((d.angles_per_batch ? b : 0) * d.T + t) * d.P + p];
+          y[i] = std::cos(a) * x[i] - std::sin(a) * x[j];
+          y[j] = std::sin(a) * x[i] + std::cos(a) * x[j];
+        }
+  return y;
+}
+
+template <class F>
+std::vector<double> map(const std::vector<double>& a, F f) {
+  std::vector<double> out(a.size());
+  for (size_t i = 0; i < a.size(); ++i) out[i] = f(a[i]);
+  return out;
+}
+
+double dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace
+
+TEST(RotatePairs, ForwardInverseAdjointAndAngleGradient) {
+  std::mt19937_64 rng(11);
+  for (Layout layout : {Layout::Interleaved, Layout::HalfSplit})
+    for (bool shared : {false, true})
+      for (bool inverse : {false, true})
+        for (auto [B, H, T, D, P] :
+             {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{1, 1, 1, 2, 1},
+              {2, 3, 5, 8, 4},
+              {3, 2, 7, 10, 3},
+              {2, 1, 4, 90, 45}}) {
+          const RotateDims d{B, H, T, D, P, !shared};
+          const auto x = test::normal_vec(static_cast<size_t>(B * H * T * D), rng);
+          auto phi = test::normal_vec(static_cast<size_t>((shared ? 1 : B) * T * P), rng);
+          for (auto& a : phi) a *= 3;
+          std::vector<double> y(x.size()), back(x.size());
+          const auto c = map(phi, [](double v) { return std::cos(v); }),
+                     sn = map(phi, [](double v) { return std::sin(v); });
+          rotate_pairs_forward<double>(d, layout, inverse, x.data(), c.data(), sn.data(), y.data());
+          const auto want = rotate_by_definition(d, layout, inverse, x, phi);
+          for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], want[i], 1e-14);
+          // the inverse flag undoes the forward
+          rotate_pairs_forward<double>(d, layout, !inverse, y.data(), c.data(), sn.data(),
+                                       back.data());
+          for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(back[i], x[i], 1e-13);
+          // backward: the adjoint, and the angle gradient of L = <g, y> by central differences
+          const auto g = test::normal_vec(x.size(), rng);
+          std::vector<double> dx(x.size()), dc(phi.size()), ds(phi.size()), dphi(phi.size());
+          rotate_pairs_backward<double>(d, layout, inverse, x.data(), c.data(), sn.data(), g.data(),
+                                        dx.data(), dc.data(), ds.data());
+          for (size_t k = 0; k < phi.size(); ++k) dphi[k] = -sn[k] * dc[k] + c[k] * ds[k];
+          EXPECT_NEAR(dot(g, y), dot(dx, x), 1e-11 * (1 + std::abs(dot(g, y))));
+          const double eps = 1e-6;
+          for (size_t k = 0; k < phi.size(); ++k) {
+            auto hi = phi, lo = phi;
+            hi[k] += eps;
+            lo[k] -= eps;
+            const double fd = (dot(g, rotate_by_definition(d, layout, inverse, x, hi)) -
+                               dot(g, rotate_by_definition(d, layout, inverse, x, lo))) /
+                              (2 * eps);
+            ASSERT_NEAR(dphi[k], fd, 1e-7 * (1 + std::abs(fd))) << "angle " << k;
+          }
+          // in place gives the same
+          auto inplace = x;
+          rotate_pairs_forward<double>(d, layout, inverse, inplace.data(), c.data(), sn.data(),
+                                       inplace.data());
+          EXPECT_EQ(inplace, y);
+          auto g_inplace = g;
+          rotate_pairs_backward<double>(d, layout, inverse, x.data(), c.data(), sn.data(),
+                                        g_inplace.data(), g_inplace.data(), nullptr, nullptr);
+          EXPECT_EQ(g_inplace, dx);
+        }
+}
+
+TEST(RotatePairs, Float32MatchesFloat64AndRejectsBadShapes) {
+  std::mt19937_64 rng(5);
+  const RotateDims d{2, 2, 9, 12, 6, true};
+  const auto x = test::normal_vec(static_cast<size_t>(2 * 2 * 9 * 12), rng);
+  const auto phi = test::normal_vec(static_cast<size_t>(2 * 9 * 6), rng);
+  std::vector<double> y(x.size());
+  const auto c = map(phi, [](double v) { return std::cos(v); }),
+             sn = map(phi, [](double v) { return std::sin(v); });
+  rotate_pairs_forward<double>(d, Layout::Interleaved, false, x.data(), c.data(), sn.data(),
+                               y.data());
+  const std::vector<float> xf(x.begin(), x.end()), cf(c.begin(), c.end()), sf(sn.begin(), sn.end());
+  std::vector<float> yf(xf.size());
+  rotate_pairs_forward<float>(d, Layout::Interleaved, false, xf.data(), cf.data(), sf.data(),
+                              yf.data());
+  for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(yf[i], y[i], 2e-6 * (1 + std::abs(y[i])));
+  EXPECT_THROW(rotate_pairs_forward<double>({1, 1, 1, 3, 1, true}, Layout::Interleaved, false,
+                                            x.data(), c.data(), sn.data(), y.data()),
+               InputError);
+  EXPECT_THROW(rotate_pairs_forward<double>({1, 1, 1, 4, 3, true}, Layout::Interleaved, false,
+                                            x.data(), c.data(), sn.data(), y.data()),
+               InputError);
+}

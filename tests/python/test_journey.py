@@ -1,0 +1,79 @@
+"""JoFormer's journey transform from Python: torch.ops.relpos.rotate_pairs against the rotation
+written with plain ops (gradcheck in float64, torch.compile fullgraph), journey attention against
+o_i = sum_j alpha_ij R(theta_j - theta_i) v_j from its definition, exact shift invariance of fixed
+frames, per-token frames by the causal scan, named errors."""
+
+import math
+
+import pytest
+import torch
+
+import relpos
+
+
+def rotate_composed(x, a, inverse=False):
+    s = -1.0 if inverse else 1.0
+    c, n = torch.cos(a).unsqueeze(1), s * torch.sin(a).unsqueeze(1)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([c * x0 - n * x1, n * x0 + c * x1], -1).flatten(-2)
+
+
+def by_definition(q, k, v, theta):
+    B, H, T, D = q.shape
+    out = torch.zeros_like(q)
+    for i in range(T):
+        rel = (theta[:, : i + 1] - theta[:, i : i + 1])  # [B, i+1, P]
+        kj = rotate_composed(k[:, :, : i + 1], rel)
+        vj = rotate_composed(v[:, :, : i + 1], rel)
+        w = torch.softmax((q[:, :, i : i + 1] * kj).sum(-1) / math.sqrt(D), -1)
+        out[:, :, i] = (w.unsqueeze(-1) * vj).sum(2)
+    return out
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotate_pairs_matches_composed_and_gradcheck(inverse):
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.allclose(relpos.rotate_pairs(x, a, inverse=inverse), rotate_composed(x, a, inverse),
+                          atol=1e-13)
+    c, s = torch.cos(a).detach().requires_grad_(), torch.sin(a).detach().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x, c, s: torch.ops.relpos.rotate_pairs(x, c, s, inverse, 0), (x, c, s))
+    assert torch.autograd.gradcheck(lambda x, a: relpos.rotate_pairs(x, a, inverse=inverse), (x, a))
+
+
+def test_rotate_pairs_compiles_fullgraph():
+    x = torch.randn(2, 2, 6, 8, requires_grad=True)
+    a = torch.randn(6, 4, requires_grad=True)
+    f = torch.compile(lambda x, a: relpos.rotate_pairs(x, a).square().sum(), fullgraph=True,
+                      backend="aot_eager")
+    f(x, a).backward()
+    gx, ga = x.grad.clone(), a.grad.clone()
+    x.grad = a.grad = None
+    relpos.rotate_pairs(x, a).square().sum().backward()
+    assert torch.allclose(gx, x.grad, atol=1e-5) and torch.allclose(ga, a.grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["journey", "journey(angles=integer)"])
+def test_fixed_journey_attention_matches_definition_and_is_shift_invariant(spec):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 7, 8, dtype=torch.float64) for _ in range(3))
+    out = relpos.attention(q, k, v, spec)
+    theta = relpos.frame_angles(spec, 8, 2, length=7)
+    assert torch.allclose(out, by_definition(q, k, v, theta.expand(2, 7, 4)), atol=1e-12)
+    shifted = relpos.frame_angles(spec, 8, 2, positions=torch.arange(7, dtype=torch.float64) + 999.5)
+    out2, _ = relpos.fused_attention(*(relpos.rotate_pairs(t, shifted) for t in (q, k, v)))
+    assert torch.allclose(relpos.rotate_pairs(out2, shifted, inverse=True), out, atol=1e-12)
+
+
+def test_per_token_journey_attention_uses_the_causal_scan():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 6, 6, dtype=torch.float64) for _ in range(3))
+    inc = torch.randn(1, 6, 3, dtype=torch.float64)
+    out = relpos.journey_attention(q, k, v, "journey(angles=token)", increments=inc)
+    phi = torch.cumsum(inc, 1) - inc
+    assert torch.allclose(out, by_definition(q, k, v, phi), atol=1e-12)
+    with pytest.raises(relpos.InputError, match="increments"):
+        relpos.attention(q, k, v, "journey(angles=token)")
+    with pytest.raises(relpos.InputError, match="pair_layout"):
+        relpos.rotate_pairs(q, inc, pair_layout="zigzag")
