@@ -26,6 +26,14 @@ PairIndex pair_index(Layout layout, int64_t D) {
   return layout == Layout::Interleaved ? PairIndex{2, 1} : PairIndex{1, D / 2};
 }
 
+// Offsets of the frame of token (b, t) in cos/sin and of the row (b, h, t) in x.
+int64_t frame_offset(const RotateDims& d, int64_t b, int64_t t) {
+  return ((d.angles_per_batch ? b : 0) * d.T + t) * d.P;
+}
+int64_t row_offset(const RotateDims& d, int64_t b, int64_t h, int64_t t) {
+  return ((b * d.H + h) * d.T + t) * d.D;
+}
+
 bool parallel(const RotateDims& d) {
   return d.B * d.T * d.H * d.D > (1 << 16);
 }
@@ -42,10 +50,9 @@ void rotate_pairs_forward(const RotateDims& d, Layout layout, bool inverse, cons
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.H; ++h)
       for (int64_t t = 0; t < d.T; ++t) {
-        const int64_t a = ((d.angles_per_batch ? b : 0) * d.T + t) * d.P;
-        const T* c = cos + a;
-        const T* s = sin + a;
-        const int64_t row = ((b * d.H + h) * d.T + t) * d.D;
+        const T* c = cos + frame_offset(d, b, t);
+        const T* s = sin + frame_offset(d, b, t);
+        const int64_t row = row_offset(d, b, h, t);
         const T* xr = x + row;
         T* yr = y + row;
         if (yr != xr)
@@ -71,13 +78,12 @@ void rotate_pairs_backward(const RotateDims& d, Layout layout, bool inverse, con
 #pragma omp parallel for collapse(2) schedule(static) if (parallel(d))
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t t = 0; t < d.T; ++t) {
-      const int64_t a = ((d.angles_per_batch ? b : 0) * d.T + t) * d.P;
-      const T* c = cos + a;
-      const T* s = sin + a;
+      const T* c = cos + frame_offset(d, b, t);
+      const T* s = sin + frame_offset(d, b, t);
       double* pc = grads ? gc.data() + (b * d.T + t) * d.P : nullptr;
       double* ps = grads ? gs.data() + (b * d.T + t) * d.P : nullptr;
       for (int64_t h = 0; h < d.H; ++h) {
-        const int64_t row = ((b * d.H + h) * d.T + t) * d.D;
+        const int64_t row = row_offset(d, b, h, t);
         const T* xr = x + row;
         const T* gr = dy + row;
         T* dr = dx + row;
