@@ -31,6 +31,12 @@ def fused_attention(
     slopes: torch.Tensor | None = None,
     cq: torch.Tensor | None = None,
     ck: torch.Tensor | None = None,
+    gq: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    path_q: torch.Tensor | None = None,
+    path_k: torch.Tensor | None = None,
+    path_beta: torch.Tensor | None = None,
+    path_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused softmax attention; returns ``(out, lse)``.
 
@@ -40,13 +46,17 @@ def fused_attention(
     ``j < key_len[b]``, ``p_j <= p_i`` (causal) and ``p_i - p_j < window`` (window > 0).
     Biases, all optional and summed: ``lag_table [Hq, L]`` indexed by the rounded lag (clamped to
     the table), ``- slopes[h] (p_i - p_j)``, and ``cq[b,h,i] - ck[b,h,j]`` (FoX / GRAPE-A gates;
-    pass float64 cumulative sums: the kernel subtracts them in float64). A row with no visible key
-    gives zeros. Differentiable in q, k, v and every bias tensor.
+    pass float64 cumulative sums: the kernel subtracts them in float64), GRAPE's gated slopes
+    ``- (p_i - p_j) (gq[b,h,i] + gk[b,h,j])`` (``[B, Hq, Tq]``, ``[B, Hq, Tk]``, either optional)
+    and path integrals ``sum_{l=j+1..slot(i)} path_beta[h] logsigmoid(path_scale path_q[b,h,i] .
+    path_k[b,h,l])`` (probes ``[B, Hq, T, P]``, slot(i) = Tk - Tq + i; default positions). A row
+    with no visible key gives zeros. Differentiable in q, k, v and every bias tensor.
     """
     try:
         return torch.ops.relpos.fused_attention(
             q, k, v, q_positions, k_positions, lag_table, slopes, cq, ck, causal, float(window),
-            key_len, 0.0 if scale is None else float(scale),
+            key_len, 0.0 if scale is None else float(scale), False, gq, gk, path_q, path_k,
+            path_beta, float(path_scale),
         )
     except ValueError as e:
         raise InputError(str(e)) from None

@@ -76,8 +76,20 @@ bool Mechanism::transform_exact() const {
   return std::all_of(transforms.begin(), transforms.end(), [](const auto& t) { return t.exact(); });
 }
 
+const BiasTerm* Mechanism::content_bias() const {
+  for (const auto& b : biases)
+    if (b.content_dependent()) return &b;
+  return nullptr;
+}
+
 std::string Mechanism::exactness() const {
   const bool tex = transform_exact();
+  if (const BiasTerm* c = content_bias()) {
+    // GRAPE's additive forms: relative in the positions for fixed gates, not a function of i - j
+    const char* form = c->shape == BiasShape::PathIntegral ? "path-additive" : "content-gated";
+    if (!has_transform()) return form;
+    return fmt::format("{} + {}", tex ? "exact" : "approximate", form);
+  }
   if (!has_transform()) return alibi() ? "augmented exact" : "exact";
   if (alibi()) return tex ? "exact + augmented bias" : "approximate + augmented bias";
   return tex ? "exact" : "approximate";

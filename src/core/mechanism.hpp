@@ -102,6 +102,14 @@ struct TransformTerm {
   std::vector<double> matrix;             // FixedLinear: M, row-major D x D
   std::vector<double> matrix_inv_t;       // FixedLinear: M^{-T}, row-major
   PhaseScan scan = PhaseScan::Exclusive;  // ContentPhase: how the phase is accumulated
+  // GRAPE-M: a rotation whose per-plane frequencies are learned by the model (log-frequencies
+  // lambda, theta_m = exp(lambda_m / frequency_scale), initialised at the segments' omega); the
+  // model passes the frames (torch/grape.hpp), the segments give the initial (RoPE) frames
+  bool learned_frequencies = false;
+  double frequency_scale = 1.0;
+  // GRAPE-M's learned commuting basis (Alg. 1): "none", or E = "cayley" / "exp" of a learned skew
+  // matrix (q, k -> E R E^T q, k; E = I at init)
+  std::string basis = "none";
 
   bool position_driven() const { return kind == TransformKind::JordanBlocks; }
   bool exact() const;             // a group law holds (fixed maps: always)
@@ -111,8 +119,9 @@ struct TransformTerm {
 // Additive logit biases, computed by the attention kernel from O(T) state (DESIGN.md 1 (B)).
 enum class BiasShape {
   LagTable,      // b_h(i - j): one table per head (slope form: b_h(d) = -slope_h d)
-  Separable,     // c_h(i) - c_h(j) from per-token scalars (FoX, GRAPE-A)
+  Separable,     // c_h(i) - c_h(j) from per-token scalars (FoX)
   PathIntegral,  // sum_{l=j+1..i} psi_h(i, l) (GRAPE-AP)
+  GatedSlope,    // -(i - j) (g_h(i) + g_h(j)) from per-token gates (GRAPE-A)
 };
 struct BiasTerm {
   std::string name;
@@ -123,6 +132,15 @@ struct BiasTerm {
   // LagTable learned from parameters (the PJ-RoPE bias, core/pj_bias.hpp): the kernel gets the
   // table built from them for the call's lags
   std::optional<PjBiasConfig> pj;
+  // Content-dependent biases (GRAPE: Separable, PathIntegral, GatedSlope): their per-token
+  // scalars or probes come from the token representations, so a model computes them
+  // (torch/grape.hpp); `slopes` holds the per-head ALiBi slopes they scale. gate: "k", "q" or
+  // "qk" (GatedSlope); paper_form: the paper's parameterisation instead of the reference code's;
+  // probe_dim: P (PathIntegral).
+  std::string gate = {};
+  bool paper_form = false;
+  int probe_dim = 0;
+  bool content_dependent() const { return shape != BiasShape::LagTable; }
 };
 
 // The learnable (or fixed) parameters of a mechanism, declared once here and built by the
@@ -162,8 +180,9 @@ struct Mechanism {
   // The position-driven Jordan term's segments (empty when there is none).
   const std::vector<JordanSegment>& segments() const;
   const TransformTerm* position_term() const;
-  const BiasTerm* alibi() const;    // the slope-form lag bias, if any
-  const BiasTerm* pj_bias() const;  // the learned PJ lag table, if any
+  const BiasTerm* alibi() const;         // the slope-form lag bias, if any
+  const BiasTerm* pj_bias() const;       // the learned PJ lag table, if any
+  const BiasTerm* content_bias() const;  // a content-dependent (GRAPE) bias, if any
   int total_blocks() const;
   int gate_rows() const;  // max order - 1 over gate segments (rows of the gates array)
   bool transform_exact() const;

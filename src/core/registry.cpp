@@ -227,7 +227,15 @@ nlohmann::json mechanism_json(const Mechanism& m) {
   }
   nlohmann::json biases = nlohmann::json::array();
   for (const auto& b : m.biases)
-    biases.push_back({{"name", b.name}, {"shape", "lag_table"}, {"slopes", b.slopes}});
+    biases.push_back({{"name", b.name},
+                      {"shape", b.shape == BiasShape::LagTable       ? "lag_table"
+                                : b.shape == BiasShape::Separable    ? "separable"
+                                : b.shape == BiasShape::PathIntegral ? "path_integral"
+                                                                     : "gated_slope"},
+                      {"slopes", b.slopes},
+                      {"gate", b.gate},
+                      {"paper_form", b.paper_form},
+                      {"probe_dim", b.probe_dim}});
   const ParamValues init = default_params(m);
   nlohmann::json params = nlohmann::json::array();
   for (const auto& p : m.params) {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/registry.hpp"
@@ -15,7 +16,9 @@ Preset parse_preset(const std::string& name) {
   if (name == "jordan") return Preset::Jordan;
   if (name == "pj") return Preset::PJ;
   if (name == "joformer") return Preset::JoFormer;
-  throw InputError(fmt::format("unknown model preset '{}' (valid: jordan, pj, joformer)", name));
+  if (name == "grape") return Preset::Grape;
+  throw InputError(
+      fmt::format("unknown model preset '{}' (valid: jordan, pj, joformer, grape)", name));
 }
 
 std::string to_string(Preset p) {
@@ -26,6 +29,8 @@ std::string to_string(Preset p) {
       return "pj";
     case Preset::JoFormer:
       return "joformer";
+    case Preset::Grape:
+      return "grape";
   }
   return "?";
 }
@@ -54,14 +59,51 @@ void ModelConfig::validate() const {
     throw InputError(
         "model: embed_dim (an embedding with an expander) needs an untied head: "
         "preset pj or joformer");
+  nn::parse_kv_shift(kv_shift);
+  if (kv_shift != "none" && preset != Preset::Grape)
+    throw InputError("model: kv_shift is an option of the grape preset");
+  if (preset == Preset::Grape && (weights != "softmax" || embed_dim > 0))
+    throw InputError("model: the grape preset takes softmax weights and no embed_dim");
   // the mechanism must fit this head shape (raises a named InputError otherwise), and a journey
   // term must be usable by the attention path
-  nn::journey_term(
-      build_mechanism(mechanism, static_cast<int>(head_dim()), static_cast<int>(heads)));
+  const auto m = build_mechanism(mechanism, static_cast<int>(head_dim()), static_cast<int>(heads));
+  if (preset == Preset::Grape) {
+    if (m.has_transform() && head_dim() % 2)
+      throw InputError("model: the grape preset's rotations need an even head dim");
+    return;  // GrapeAttention checks the terms when it is built
+  }
+  const bool learned = std::any_of(m.transforms.begin(), m.transforms.end(),
+                                   [](const auto& t) { return t.learned_frequencies; });
+  if (m.content_bias() || learned)
+    throw InputError(fmt::format(
+        "model: mechanism '{}' is a GRAPE form with learned or content-gated parts: use "
+        "preset = \"grape\"",
+        mechanism));
+  nn::journey_term(m);
+}
+
+// SwiGLU width of the grape preset (the reference: floor(8/3 d))
+static int64_t swiglu_hidden(int64_t d) {
+  return 8 * d / 3;
 }
 
 BlockImpl::BlockImpl(const ModelConfig& c, int64_t index) : c_(c) {
   const int64_t d = c.d_model;
+  if (c.preset == Preset::Grape) {
+    const auto linear = [&](int64_t in, int64_t out) {
+      return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+    };
+    qkv_ = register_module("qkv", linear(d, 3 * d));
+    proj_ = register_module("proj", linear(d, d));
+    up_ = register_module("up", linear(d, 2 * swiglu_hidden(d)));  // W1 and W2 side by side
+    down_ = register_module("down", linear(swiglu_hidden(d), d));
+    rms1_ = register_parameter("rms1", torch::ones({d}));
+    rms2_ = register_parameter("rms2", torch::ones({d}));
+    grape_ = register_module(
+        fmt::format("grape{}", index),
+        nn::GrapeAttention(c.mechanism, d, c.heads, nn::parse_kv_shift(c.kv_shift), c.attention));
+    return;
+  }
   const bool bias = c.preset != Preset::Jordan;
   qkv_ = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(d, 3 * d).bias(bias)));
   proj_ = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(d, d).bias(bias)));
@@ -87,20 +129,52 @@ BlockImpl::BlockImpl(const ModelConfig& c, int64_t index) : c_(c) {
 }
 
 namespace {
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w) {
-  return w * x * torch::rsqrt(x.square().mean(-1, true) + 1e-6);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps = 1e-6) {
+  return w * x * torch::rsqrt(x.square().mean(-1, true) + eps);
+}
+// the GRAPE reference's RMSNorm: eps 1e-5, computed in float32 at least
+torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w) {
+  const auto xf = x.scalar_type() == torch::kDouble ? x : x.to(torch::kFloat);
+  return (rms_norm(xf, w.to(xf.scalar_type()), 1e-5)).to(x.scalar_type());
 }
 }  // namespace
 
 torch::Tensor BlockImpl::norm(int which, const torch::Tensor& x) {
+  if (c_.preset == Preset::Grape) return rms_norm_f32(x, which == 1 ? rms1_ : rms2_);
   if (c_.preset == Preset::Jordan) return rms_norm(x, which == 1 ? rms1_ : rms2_);
   return which == 1 ? ln1_(x) : ln2_(x);
+}
+
+nn::PositionEncoding& BlockImpl::encoding() {
+  return grape_ ? grape_->encoding() : enc_;
+}
+
+torch::Tensor BlockImpl::grape_mlp(const torch::Tensor& h) {
+  const auto u = up_(norm(2, h)).chunk(2, -1);
+  return h + down_(torch::silu(u[0]) * u[1]);
+}
+
+torch::Tensor BlockImpl::step(const torch::Tensor& x, nn::GrapeDecodeState& state) {
+  if (!grape_) throw InputError("model: step() is the grape preset's streaming path");
+  const int64_t B = x.size(0), T = x.size(1), H = c_.heads, hd = c_.head_dim();
+  const auto xn = norm(1, x);
+  const auto qkv = qkv_(xn).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});
+  const auto y = grape_->step(xn, qkv[0], qkv[1], qkv[2], state);
+  return grape_mlp(x + proj_(y.transpose(1, 2).reshape({B, T, c_.d_model})));
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
                                  const torch::Tensor& frame) {
   const int64_t B = x.size(0), T = x.size(1), H = c_.heads, hd = c_.head_dim();
   // one Linear(d, 3d) split into q, k, v in that order, heads [B, T, H, hd] -> [B, H, T, hd]
+  if (grape_) {
+    if (positions.defined())
+      throw InputError("model: the grape preset runs at positions 0..T-1 (no positions argument)");
+    const auto xn = norm(1, x);
+    const auto qkv = qkv_(xn).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});
+    const auto y = grape_->forward(xn, qkv[0], qkv[1], qkv[2]);
+    return grape_mlp(x + proj_(y.transpose(1, 2).reshape({B, T, c_.d_model})));
+  }
   const auto qkv = qkv_(norm(1, x)).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});
   nn::AttentionArgs args;
   args.q_positions = args.k_positions = positions;  // one tensor: one transform call
@@ -178,6 +252,10 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::qk_norms(const torch::Tensor&
   const int64_t B = x.size(0), T = x.size(1);
   const auto qkv =
       qkv_(norm(1, x)).view({B, T, 3, c_.heads, c_.head_dim()}).permute({2, 0, 3, 1, 4});
+  if (grape_) {
+    const auto p = grape_->parts(norm(1, x), qkv[0], qkv[1], qkv[2]);
+    return {p.q.norm(2, -1).mean({0, 1}), p.k.norm(2, -1).mean({0, 1})};
+  }
   if (nn::journey_term(enc_->mechanism()))  // rotations keep every norm
     return {qkv[0].norm(2, -1).mean({0, 1}), qkv[1].norm(2, -1).mean({0, 1})};
   const auto t = enc_->forward(qkv[0], qkv[1], positions);
@@ -189,7 +267,7 @@ TransformerLMImpl::TransformerLMImpl(const ModelConfig& c) : c_(c) {
   // Embedding's default initialisation is N(0, 1), as the reference
   const auto m =
       build_mechanism(c.mechanism, static_cast<int>(c.head_dim()), static_cast<int>(c.heads));
-  const TransformTerm* j = nn::journey_term(m);
+  const TransformTerm* j = c.preset == Preset::Grape ? nullptr : nn::journey_term(m);
   const bool per_token = j && j->time == TimeSource::ContentPhase;
   // embed_dim 0: d_model, except the JoFormer per-token model, which the reference embeds in d/2
   // and expands with a Linear
@@ -208,7 +286,7 @@ TransformerLMImpl::TransformerLMImpl(const ModelConfig& c) : c_(c) {
       angle_tables_.push_back(register_parameter(fmt::format("angles{}", i),
                                                  torch::randn({c.vocab, c.head_dim() / 2})));
   }
-  if (c.preset == Preset::Jordan) {
+  if (c.preset == Preset::Jordan || c.preset == Preset::Grape) {
     rms_f_ = register_parameter("rms_f", torch::ones({c.d_model}));
   } else {
     if (c.preset == Preset::PJ)  // the JoFormer reference has no final norm
@@ -216,6 +294,42 @@ TransformerLMImpl::TransformerLMImpl(const ModelConfig& c) : c_(c) {
           register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     head_ = register_module("head", torch::nn::Linear(c.d_model, c.vocab));
   }
+  if (c.preset == Preset::Grape) {
+    // the reference's init: tied embedding N(0, 0.02); every other parameter of >= 2 dims
+    // N(0, 0.5/sqrt(d)), the attention and MLP output projections / sqrt(layers); 1-D parameters
+    // and the gate directions, phase weights and log-frequencies keep their own
+    torch::NoGradGuard no_grad;
+    const double std0 = 0.5 / std::sqrt(static_cast<double>(c.d_model));
+    for (auto& p : named_parameters()) {
+      const std::string& name = p.key();
+      if (name == "embed.weight") {
+        p.value().normal_(0.0, 0.02);
+      } else if (p.value().dim() >= 2 && !nn::grape_keeps_init(name)) {
+        const bool out_proj = name.ends_with("proj.weight") || name.ends_with("down.weight");
+        const double layers = static_cast<double>(std::max<int64_t>(c.layers, 1));
+        p.value().normal_(0.0, out_proj ? std0 / std::sqrt(layers) : std0);
+      }
+    }
+  }
+}
+
+std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>>
+TransformerLMImpl::decay_groups() {
+  std::vector<torch::Tensor> decay, keep;
+  for (auto& p : named_parameters())
+    (c_.preset == Preset::Grape && nn::grape_no_decay(p.key()) ? keep : decay).push_back(p.value());
+  return {decay, keep};
+}
+
+torch::Tensor TransformerLMImpl::step(const torch::Tensor& tokens,
+                                      std::vector<nn::GrapeDecodeState>& states) {
+  if (c_.preset != Preset::Grape) throw InputError("model: step() needs the grape preset");
+  if (tokens.dim() != 2 || tokens.scalar_type() != torch::kLong)
+    throw InputError("model: tokens must be an int64 tensor [B, T]");
+  states.resize(blocks_.size());
+  auto x = embed_(tokens);
+  for (size_t i = 0; i < blocks_.size(); ++i) x = blocks_[i]->step(x, states[i]);
+  return torch::matmul(rms_norm_f32(x, rms_f_), embed_->weight.t());
 }
 
 torch::Tensor TransformerLMImpl::journey_frames(const torch::Tensor& tokens, int64_t layer) {
@@ -243,6 +357,7 @@ torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens,
     x = blocks_[i]->forward(x, positions, frame);
   }
   if (c_.preset == Preset::Jordan) return torch::matmul(rms_norm(x, rms_f_), embed_->weight.t());
+  if (c_.preset == Preset::Grape) return torch::matmul(rms_norm_f32(x, rms_f_), embed_->weight.t());
   return head_(ln_f_ ? ln_f_(x) : x);
 }
 

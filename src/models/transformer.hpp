@@ -9,6 +9,11 @@
 //           bias, ReLU FFN of ratio r, dropout after the out projection and the FFN, no final norm,
 //           untied head with bias; a per-token journey mechanism gets a model-level angle table
 //           [vocab, D/2] (N(0, 1) radians) shared by every layer (or one per layer)
+//   grape   the Llama/GRAPE block (grape-joformer.md 1.1): pre-RMSNorm (eps 1e-5, fp32), bias-free
+//           q/k/v/out, SwiGLU MLP of width floor(8/3 d), the GRAPE attention sublayer
+//           (torch/grape.hpp: KV-shift, rotation, QK-RMSNorm with head-shared gains, biases in the
+//           fused kernel), final RMSNorm, head tied to the N(0, 0.02) embedding; the reference's
+//           init (N(0, 0.5/sqrt d), output projections / sqrt(layers)) and decay grouping
 #pragma once
 
 #include <torch/torch.h>
@@ -18,11 +23,13 @@
 #include <vector>
 
 #include "torch/encoding.hpp"
+#include "torch/grape.hpp"
 
 namespace relpos::models {
 
-enum class Preset { Jordan, PJ, JoFormer };
-Preset parse_preset(const std::string& name);  // "jordan" | "pj" | "joformer"; InputError otherwise
+enum class Preset { Jordan, PJ, JoFormer, Grape };
+// "jordan" | "pj" | "joformer" | "grape"; InputError otherwise
+Preset parse_preset(const std::string& name);
 std::string to_string(Preset p);
 
 struct ModelConfig {
@@ -53,6 +60,8 @@ struct ModelConfig {
   double dropout = 0.0;
   int64_t embed_dim = 0;
   bool angles_per_layer = false;
+  // The GRAPE block's data-dependent token shift of k and/or v: none | k | v | kv
+  std::string kv_shift = "none";
   int64_t head_dim() const { return d_model / heads; }
   // InputError naming the problem (head dim not dividing, sizes out of range, bad spec)
   void validate() const;
@@ -68,7 +77,11 @@ class BlockImpl : public torch::nn::Module {
   // ([T] each): how the mechanism rescales them along the sequence.
   std::pair<torch::Tensor, torch::Tensor> qk_norms(const torch::Tensor& x,
                                                    const torch::Tensor& positions);
-  nn::PositionEncoding& encoding() { return enc_; }
+  nn::PositionEncoding& encoding();
+  // The grape preset's streaming path: the next tokens' hidden states x [B, T, d] given the
+  // layer's cache (updated); equals forward() on the whole sequence.
+  torch::Tensor step(const torch::Tensor& x, nn::GrapeDecodeState& state);
+  nn::GrapeAttention& grape() { return grape_; }
 
  private:
   torch::Tensor norm(int which, const torch::Tensor& x);
@@ -81,6 +94,8 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor rms1_, rms2_;                         // jordan preset
   torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};  // pj preset
   nn::PositionEncoding enc_{nullptr};
+  nn::GrapeAttention grape_{nullptr};  // grape preset
+  torch::Tensor grape_mlp(const torch::Tensor& h);
 };
 TORCH_MODULE(Block);
 
@@ -97,6 +112,12 @@ class TransformerLMImpl : public torch::nn::Module {
   // The per-token journey frames of layer `layer` for these tokens ([B, T, D/2]; undefined when
   // the mechanism has fixed angles).
   torch::Tensor journey_frames(const torch::Tensor& tokens, int64_t layer);
+  // grape preset: logits [B, T, vocab] of the next tokens given every layer's cache (resized to
+  // the layers on first use, updated); a sequence fed in pieces gives forward()'s logits.
+  torch::Tensor step(const torch::Tensor& tokens, std::vector<nn::GrapeDecodeState>& states);
+  // Parameters to decay and not to decay (the grape preset exempts the RMSNorm gains; the other
+  // presets decay everything).
+  std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> decay_groups();
 
  private:
   ModelConfig c_;

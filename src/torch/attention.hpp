@@ -29,6 +29,12 @@ struct AttentionArgs {
   // Per-token journey frames (mechanisms with journey(angles=token)): the content phases
   // [B, T, P] of the keys and queries (nn::content_frame_angles); q_frame defaults to k_frame.
   torch::Tensor q_frame, k_frame;
+  // Content-dependent biases (GRAPE, torch/grape.hpp): gated slopes - (p_i - p_j) (gq_i + gk_j),
+  // gq [B, Hq, Tq], gk [B, Hq, Tk] (either may be absent); the path integral
+  // + sum_{l=j+1..slot(i)} path_beta_h logsigmoid(path_scale path_q_i . path_k_l) with probes
+  // [B, Hq, T, P] and path_beta [Hq] (kernels/attention/attention.hpp; default positions only).
+  torch::Tensor gq, gk, path_q, path_k, path_beta;
+  double path_scale = 1.0;
 };
 
 // Fused softmax attention: q [B, Hq, Tq, D], k and v [B, Hk, Tk, D] (Hk divides Hq), float32 or

@@ -43,13 +43,23 @@ std::string shape_of(const torch::Tensor& t) {
 // key lengths int64; every problem named.
 struct Operands {
   torch::Tensor q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len;
+  torch::Tensor gq, gk, path_q, path_k, path_beta;  // gated slopes, path integral
+  double path_scale = 1.0;
   kernels::AttentionDims dims;
   bool per_batch = false;
 
   template <class T>
   kernels::AttentionBias<T> bias() const {
-    return {ptr<T>(lag_table), lag_table.defined() ? lag_table.size(1) : 0, ptr<T>(slopes),
-            ptr<double>(cq), ptr<double>(ck)};
+    kernels::AttentionBias<T> b{ptr<T>(lag_table), lag_table.defined() ? lag_table.size(1) : 0,
+                                ptr<T>(slopes), ptr<double>(cq), ptr<double>(ck)};
+    b.gq = ptr<T>(gq);
+    b.gk = ptr<T>(gk);
+    b.path_q = ptr<T>(path_q);
+    b.path_k = ptr<T>(path_k);
+    b.path_beta = ptr<T>(path_beta);
+    b.path_dim = path_q.defined() ? path_q.size(3) : 0;
+    b.path_scale = path_scale;
+    return b;
   }
   kernels::AttentionPositions positions() const {
     return {ptr<double>(q_pos), ptr<double>(k_pos), per_batch};
@@ -78,7 +88,9 @@ torch::Tensor attention_positions(const torch::Tensor& p, int64_t B, int64_t T, 
 Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                  const OptTensor& q_pos, const OptTensor& k_pos, const OptTensor& lag_table,
                  const OptTensor& slopes, const OptTensor& cq, const OptTensor& ck,
-                 const OptTensor& key_len, double window, double scale) {
+                 const OptTensor& key_len, double window, double scale, const OptTensor& gq,
+                 const OptTensor& gk, const OptTensor& path_q, const OptTensor& path_k,
+                 const OptTensor& path_beta, double path_scale) {
   for (const auto* t : {&q, &k, &v}) {
     const char* name = t == &q ? "q" : t == &k ? "k" : "v";
     if (!t->defined()) throw InputError(fmt::format("attention: {} is undefined", name));
@@ -157,19 +169,53 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
           fmt::format("attention: key_len must be an integer tensor [{}], got {}", B, shape_of(t)));
     o.key_len = t.to(torch::kLong).contiguous();
   }
+  // per-token tensors of q's dtype with an exact shape
+  const auto per_token = [&](const OptTensor& x, std::vector<int64_t> shape, const char* name) {
+    auto t = get(x);
+    if (!t.defined()) return t;
+    if (t.sizes() != torch::IntArrayRef(shape))
+      throw InputError(fmt::format("attention: {} must be [{}], got {}", name,
+                                   fmt::join(shape, ", "), shape_of(t)));
+    if (t.scalar_type() != q.scalar_type())
+      throw InputError(fmt::format("attention: {} must have q's dtype", name));
+    return t.contiguous();
+  };
+  o.gq = per_token(gq, {B, Hq, Tq}, "gq");
+  o.gk = per_token(gk, {B, Hq, Tk}, "gk");
+  const auto tpq = get(path_q), tpk = get(path_k), tpb = get(path_beta);
+  if (tpq.defined() != tpk.defined() || tpq.defined() != tpb.defined())
+    throw InputError("attention: the path integral needs path_q, path_k and path_beta together");
+  if (tpq.defined()) {
+    const int64_t P = tpq.dim() == 4 ? tpq.size(3) : 0;
+    if (P < 1)
+      throw InputError(fmt::format("attention: path_q must be [{}, {}, {}, P], got {}", B, Hq, Tq,
+                                   shape_of(tpq)));
+    o.path_q = per_token(path_q, {B, Hq, Tq, P}, "path_q");
+    o.path_k = per_token(path_k, {B, Hq, Tk, P}, "path_k");
+    o.path_beta = per_token(path_beta, {Hq}, "path_beta");
+    if (!std::isfinite(path_scale)) throw InputError("attention: path_scale must be finite");
+    o.path_scale = path_scale;
+  }
   return o;
 }
 
 // ---- CPU ---------------------------------------------------------------------------------------
 
+// The op's arguments after exclude_self (gated slopes and path integral), spelled once for the
+// signatures below.
+#define RELPOS_EXTRA_PARAMS                                                                   \
+  const OptTensor &gq, const OptTensor &gk, const OptTensor &path_q, const OptTensor &path_k, \
+      const OptTensor &path_beta, double path_scale
+#define RELPOS_EXTRA_ARGS gq, gk, path_q, path_k, path_beta, path_scale
+
 std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
     const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
     const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
-    double scale, bool exclude_self) {
+    double scale, bool exclude_self, RELPOS_EXTRA_PARAMS) {
   return value_errors([&] {
-    const auto o =
-        prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale);
+    const auto o = prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale,
+                           RELPOS_EXTRA_ARGS);
     const auto& d = o.dims;
     auto out = output_like(o.q);
     auto lse = torch::empty({d.B, d.Hq, d.Tq}, o.q.options());
@@ -189,21 +235,24 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
   });
 }
 
-constexpr int kGrads = 7;  // q, k, v, lag_table, slopes, cq, ck
-using Grads7 = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                          torch::Tensor, torch::Tensor>;
+// gradients: q, k, v, lag_table, slopes, cq, ck, gq, gk, path_q, path_k, path_beta
+constexpr int kGrads = 12;
+using Grads = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                         torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                         torch::Tensor, torch::Tensor>;
 
-Grads7 fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q,
-                                    const torch::Tensor& k, const torch::Tensor& v,
-                                    const torch::Tensor& out_in, const torch::Tensor& lse_in,
-                                    const OptTensor& q_pos, const OptTensor& k_pos,
-                                    const OptTensor& lag_table, const OptTensor& slopes,
-                                    const OptTensor& cq, const OptTensor& ck, bool causal,
-                                    double window, const OptTensor& key_len, double scale,
-                                    bool exclude_self, std::array<bool, kGrads> mask) {
+Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q,
+                                   const torch::Tensor& k, const torch::Tensor& v,
+                                   const torch::Tensor& out_in, const torch::Tensor& lse_in,
+                                   const OptTensor& q_pos, const OptTensor& k_pos,
+                                   const OptTensor& lag_table, const OptTensor& slopes,
+                                   const OptTensor& cq, const OptTensor& ck, bool causal,
+                                   double window, const OptTensor& key_len, double scale,
+                                   bool exclude_self, RELPOS_EXTRA_PARAMS,
+                                   std::array<bool, kGrads> mask) {
   return value_errors([&] {
-    const auto o =
-        prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale);
+    const auto o = prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale,
+                           RELPOS_EXTRA_ARGS);
     const auto& d = o.dims;
     const auto out = out_in.contiguous(), lse = lse_in.contiguous();
     const auto dout = grad_out.defined() ? grad_out.contiguous() : torch::zeros_like(out);
@@ -217,23 +266,31 @@ Grads7 fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::
     };
     auto dq = grad_for(0, o.q), dk = grad_for(1, o.k), dv = grad_for(2, o.v),
          dlag = grad_for(3, o.lag_table), dslopes = grad_for(4, o.slopes), dcq = grad_for(5, o.cq),
-         dck = grad_for(6, o.ck);
+         dck = grad_for(6, o.ck), dgq = grad_for(7, o.gq), dgk = grad_for(8, o.gk),
+         dpq = grad_for(9, o.path_q), dpk = grad_for(10, o.path_k),
+         dbeta = grad_for(11, o.path_beta);
     if (d.Tk == 0 || o.q.numel() == 0) {  // no visible key: every gradient is zero
       for (auto* t : {&dq, &dk, &dv}) t->zero_();
     } else {
       AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention_backward", [&] {
+        kernels::AttentionBiasGrads<scalar_t> g{mptr<scalar_t>(dlag), mptr<scalar_t>(dslopes),
+                                                mptr<double>(dcq), mptr<double>(dck)};
+        g.gq = mptr<scalar_t>(dgq);
+        g.gk = mptr<scalar_t>(dgk);
+        g.path_q = mptr<scalar_t>(dpq);
+        g.path_k = mptr<scalar_t>(dpk);
+        g.path_beta = mptr<scalar_t>(dbeta);
         kernels::attention_backward<scalar_t>(
             d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(), o.v.data_ptr<scalar_t>(),
             o.positions(), o.bias<scalar_t>(), o.options(causal, window, scale, exclude_self),
             dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-            mptr<scalar_t>(dq), mptr<scalar_t>(dk), mptr<scalar_t>(dv),
-            {mptr<scalar_t>(dlag), mptr<scalar_t>(dslopes), mptr<double>(dcq), mptr<double>(dck)});
+            mptr<scalar_t>(dq), mptr<scalar_t>(dk), mptr<scalar_t>(dv), g);
       });
     }
     // per-token gradients back in the caller's dtype
     if (dcq.numel()) dcq = dcq.to(get(cq).scalar_type());
     if (dck.numel()) dck = dck.to(get(ck).scalar_type());
-    return std::make_tuple(dq, dk, dv, dlag, dslopes, dcq, dck);
+    return std::make_tuple(dq, dk, dv, dlag, dslopes, dcq, dck, dgq, dgk, dpq, dpk, dbeta);
   });
 }
 
@@ -242,24 +299,36 @@ Grads7 fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::
 std::tuple<torch::Tensor, torch::Tensor> fused_attention_meta(
     const torch::Tensor& q, const torch::Tensor&, const torch::Tensor&, const OptTensor&,
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool,
-    double, const OptTensor&, double, bool) {
+    double, const OptTensor&, double, bool, const OptTensor&, const OptTensor&, const OptTensor&,
+    const OptTensor&, const OptTensor&, double) {
   return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
           torch::empty({q.size(0), q.size(1), q.size(2)}, q.options())};
 }
 
-Grads7 fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q,
-                                     const torch::Tensor& k, const torch::Tensor& v,
-                                     const torch::Tensor&, const torch::Tensor&, const OptTensor&,
-                                     const OptTensor&, const OptTensor& lag_table,
-                                     const OptTensor& slopes, const OptTensor& cq,
-                                     const OptTensor& ck, bool, double, const OptTensor&, double,
-                                     bool, std::array<bool, kGrads> mask) {
+Grads fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q,
+                                    const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor&, const torch::Tensor&, const OptTensor&,
+                                    const OptTensor&, const OptTensor& lag_table,
+                                    const OptTensor& slopes, const OptTensor& cq,
+                                    const OptTensor& ck, bool, double, const OptTensor&, double,
+                                    bool, RELPOS_EXTRA_PARAMS, std::array<bool, kGrads> mask) {
+  (void)path_scale;
   const auto like = [&](int i, const torch::Tensor& t) {
     return mask[i] && t.defined() ? torch::empty_like(t, torch::MemoryFormat::Contiguous)
                                   : torch::empty({0}, q.options());
   };
-  return {like(0, q),           like(1, k),       like(2, v),      like(3, get(lag_table)),
-          like(4, get(slopes)), like(5, get(cq)), like(6, get(ck))};
+  return {like(0, q),
+          like(1, k),
+          like(2, v),
+          like(3, get(lag_table)),
+          like(4, get(slopes)),
+          like(5, get(cq)),
+          like(6, get(ck)),
+          like(7, get(gq)),
+          like(8, get(gk)),
+          like(9, get(path_q)),
+          like(10, get(path_k)),
+          like(11, get(path_beta))};
 }
 
 // ---- Autograd: the backward is the fused_attention_backward op ---------------------------------
@@ -268,69 +337,88 @@ std::tuple<torch::Tensor, torch::Tensor> call_fused_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
     const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
     const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
-    double scale, bool exclude_self) {
+    double scale, bool exclude_self, RELPOS_EXTRA_PARAMS) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("relpos::fused_attention", "")
                              .typed<decltype(fused_attention_cpu)>();
   return op.call(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal, window, key_len, scale,
-                 exclude_self);
+                 exclude_self, RELPOS_EXTRA_ARGS);
 }
 
-Grads7 call_fused_attention_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
-                                     const torch::Tensor& k, const torch::Tensor& v,
-                                     const torch::Tensor& out, const torch::Tensor& lse,
-                                     const OptTensor& q_pos, const OptTensor& k_pos,
-                                     const OptTensor& lag_table, const OptTensor& slopes,
-                                     const OptTensor& cq, const OptTensor& ck, bool causal,
-                                     double window, const OptTensor& key_len, double scale,
-                                     bool exclude_self, std::array<bool, kGrads> mask) {
+Grads call_fused_attention_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
+                                    const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& out, const torch::Tensor& lse,
+                                    const OptTensor& q_pos, const OptTensor& k_pos,
+                                    const OptTensor& lag_table, const OptTensor& slopes,
+                                    const OptTensor& cq, const OptTensor& ck, bool causal,
+                                    double window, const OptTensor& key_len, double scale,
+                                    bool exclude_self, RELPOS_EXTRA_PARAMS,
+                                    std::array<bool, kGrads> mask) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("relpos::fused_attention_backward", "")
                              .typed<decltype(fused_attention_backward_cpu)>();
   return op.call(grad_out, q, k, v, out, lse, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                 window, key_len, scale, exclude_self, mask);
+                 window, key_len, scale, exclude_self, RELPOS_EXTRA_ARGS, mask);
 }
 
 class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
  public:
   // inputs in schema order: q k v q_pos k_pos lag_table slopes cq ck causal window key_len scale
+  // exclude_self gq gk path_q path_k path_beta path_scale
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const OptTensor& q_pos,
                                const OptTensor& k_pos, const OptTensor& lag_table,
                                const OptTensor& slopes, const OptTensor& cq, const OptTensor& ck,
                                bool causal, double window, const OptTensor& key_len, double scale,
-                               bool exclude_self) {
+                               bool exclude_self, RELPOS_EXTRA_PARAMS) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = call_fused_attention(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                                           window, key_len, scale, exclude_self);
+                                           window, key_len, scale, exclude_self, RELPOS_EXTRA_ARGS);
     ctx->save_for_backward({q, k, v, out, lse, get(q_pos), get(k_pos), get(lag_table), get(slopes),
-                            get(cq), get(ck), get(key_len)});
+                            get(cq), get(ck), get(key_len), get(gq), get(gk), get(path_q),
+                            get(path_k), get(path_beta)});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["window"] = window;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["exclude_self"] = exclude_self;
+    ctx->saved_data["path_scale"] = path_scale;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     const auto s = ctx->get_saved_variables();
-    // needs_input_grad counts only the tensor inputs that were present (an absent optional is no
-    // edge): the edge index of each gradient output q k v lag_table slopes cq ck
+    // the tensor inputs in order with the saved slot of each and its gradient index (-1: none);
+    // needs_input_grad counts only the tensor inputs that were present (an absent optional is
+    // no edge)
+    constexpr std::array<std::pair<int, int>, 15> inputs{{{0, 0},
+                                                          {1, 1},
+                                                          {2, 2},
+                                                          {5, -1},
+                                                          {6, -1},
+                                                          {7, 3},
+                                                          {8, 4},
+                                                          {9, 5},
+                                                          {10, 6},
+                                                          {11, -1},
+                                                          {12, 7},
+                                                          {13, 8},
+                                                          {14, 9},
+                                                          {15, 10},
+                                                          {16, 11}}};
     std::array<bool, kGrads> mask{};
     int edge = 0;
-    for (int slot = 0; slot < 9; ++slot) {  // q k v q_pos k_pos lag_table slopes cq ck
-      const bool present = slot < 3 || s[slot + 2].defined();
-      if (!present) continue;
-      if (slot < 3) mask[slot] = ctx->needs_input_grad(edge);
-      if (slot >= 5) mask[slot - 2] = ctx->needs_input_grad(edge);
+    for (const auto& [slot, grad] : inputs) {
+      if (!s[slot].defined()) continue;
+      if (grad >= 0) mask[grad] = ctx->needs_input_grad(edge);
       ++edge;
     }
     auto g = call_fused_attention_backward(
         grad_out[0], s[0], s[1], s[2], s[3], s[4], opt(s[5]), opt(s[6]), opt(s[7]), opt(s[8]),
         opt(s[9]), opt(s[10]), ctx->saved_data["causal"].toBool(),
         ctx->saved_data["window"].toDouble(), opt(s[11]), ctx->saved_data["scale"].toDouble(),
-        ctx->saved_data["exclude_self"].toBool(), mask);
+        ctx->saved_data["exclude_self"].toBool(), opt(s[12]), opt(s[13]), opt(s[14]), opt(s[15]),
+        opt(s[16]), ctx->saved_data["path_scale"].toDouble(), mask);
     const auto keep = [&](int i, torch::Tensor t) { return mask[i] ? t : torch::Tensor(); };
     return {keep(0, std::get<0>(g)),
             keep(1, std::get<1>(g)),
@@ -345,6 +433,12 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
             {},
             {},
             {},
+            {},
+            keep(7, std::get<7>(g)),
+            keep(8, std::get<8>(g)),
+            keep(9, std::get<9>(g)),
+            keep(10, std::get<10>(g)),
+            keep(11, std::get<11>(g)),
             {}};
   }
 };
@@ -353,11 +447,13 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_autograd(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
     const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
     const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
-    double scale, bool exclude_self) {
+    double scale, bool exclude_self, RELPOS_EXTRA_PARAMS) {
   auto r = FusedAttentionFunction::apply(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                                         window, key_len, scale, exclude_self);
+                                         window, key_len, scale, exclude_self, RELPOS_EXTRA_ARGS);
   return {r[0], r[1]};
 }
+#undef RELPOS_EXTRA_PARAMS
+#undef RELPOS_EXTRA_ARGS
 
 // `relpos::attention`: composite (its autograd comes from the transform and fused ops it calls).
 torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -366,8 +462,17 @@ torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k, const
                            const OptTensor& lag_table, const OptTensor& slopes, const OptTensor& cq,
                            const OptTensor& ck, int64_t layout) {
   return value_errors([&] {
-    AttentionArgs a{get(q_pos),  get(k_pos), causal,  window, get(key_len), scale, get(lag_table),
-                    get(slopes), get(cq),    get(ck), false,  {},           {}};
+    AttentionArgs a;
+    a.q_positions = get(q_pos);
+    a.k_positions = get(k_pos);
+    a.causal = causal;
+    a.window = window;
+    a.key_len = get(key_len);
+    a.scale = scale;
+    a.lag_table = get(lag_table);
+    a.slopes = get(slopes);
+    a.cq = get(cq);
+    a.ck = get(ck);
     return attention(q, k, v, spec, a, layout ? Layout::HalfSplit : Layout::Interleaved);
   });
 }
@@ -380,7 +485,8 @@ std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::
                                            const torch::Tensor& v, const AttentionArgs& a) {
   auto [out, lse] = call_fused_attention(
       q, k, v, opt(a.q_positions), opt(a.k_positions), opt(a.lag_table), opt(a.slopes), opt(a.cq),
-      opt(a.ck), a.causal, a.window, opt(a.key_len), a.scale, a.exclude_self);
+      opt(a.ck), a.causal, a.window, opt(a.key_len), a.scale, a.exclude_self, opt(a.gq), opt(a.gk),
+      opt(a.path_q), opt(a.path_k), opt(a.path_beta), a.path_scale);
   return {out, lse};
 }
 
@@ -392,6 +498,11 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                                  shape_of(q), shape_of(k)));
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hk = k.size(1),
                 Tk = k.size(2);
+  if (const BiasTerm* c = m.content_bias())
+    throw InputError(fmt::format(
+        "attention: '{}' has a content-gated bias ({}): its gates come from the tokens; use "
+        "nn::GrapeAttention (torch/grape.hpp) or pass gq/gk, cq/ck or path_* to fused_attention",
+        m.spec, c->name));
   if (Hk != m.heads || Hq % Hk)
     throw InputError(fmt::format(
         "attention: the encoding has {} heads; it must have the key/value heads ({}), which "
@@ -523,6 +634,21 @@ torch::Tensor composed_attention(const torch::Tensor& q, const torch::Tensor& k,
   if (a.cq.defined())
     scores = scores +
              (a.cq.unsqueeze(-1).to(torch::kDouble) - a.ck.unsqueeze(-2).to(torch::kDouble)).to(dt);
+  if (a.gq.defined() || a.gk.defined()) {
+    const auto gate = (a.gq.defined() ? a.gq.unsqueeze(-1) : torch::zeros({1}, q.options())) +
+                      (a.gk.defined() ? a.gk.unsqueeze(-2) : torch::zeros({1}, q.options()));
+    scores = scores - lag.unsqueeze(1).to(dt) * gate;
+  }
+  if (a.path_q.defined()) {
+    // edges e(i, l) = beta logsigmoid(s p_i . p_l) for l <= slot(i) = Tk - Tq + i; the bias
+    // sum_{l=j+1..slot(i)} e(i, l) = (row total) - (cumulative sum up to j)
+    const auto z = torch::matmul(a.path_q, a.path_k.transpose(-1, -2)) * a.path_scale;
+    const auto on = (torch::arange(Tk).view({1, Tk}) <= torch::arange(Tk - Tq, Tk).view({Tq, 1}));
+    const auto e = torch::where(on, torch::log_sigmoid(z) * a.path_beta.view({1, Hq, 1, 1}),
+                                torch::zeros({1}, q.options()));
+    const auto c = torch::cumsum(e, -1);
+    scores = scores + (c.narrow(-1, Tk - 1, 1) - c);
+  }
   auto visible = torch::ones({1, 1, Tq, Tk}, torch::kBool);
   if (a.causal) visible = visible & (a.exclude_self ? lag > 0 : lag >= 0).unsqueeze(1);
   if (a.window > 0) visible = visible & (lag < a.window).unsqueeze(1);
@@ -544,13 +670,16 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor? q_positions=None, "
       "Tensor? k_positions=None, Tensor? lag_table=None, Tensor? slopes=None, Tensor? cq=None, "
       "Tensor? ck=None, bool causal=True, float window=0., Tensor? key_len=None, "
-      "float scale=0., bool exclude_self=False) -> (Tensor, Tensor)");
+      "float scale=0., bool exclude_self=False, Tensor? gq=None, Tensor? gk=None, "
+      "Tensor? path_q=None, Tensor? path_k=None, Tensor? path_beta=None, float path_scale=1.) "
+      "-> (Tensor, Tensor)");
   m.def(
       "fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? q_positions, Tensor? k_positions, Tensor? lag_table, Tensor? slopes, "
       "Tensor? cq, Tensor? ck, bool causal, float window, Tensor? key_len, float scale, "
-      "bool exclude_self, bool[7] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-      "Tensor)");
+      "bool exclude_self, Tensor? gq, Tensor? gk, Tensor? path_q, Tensor? path_k, "
+      "Tensor? path_beta, float path_scale, bool[12] output_mask) -> (Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, str mechanism, Tensor? q_positions=None, "
       "Tensor? k_positions=None, bool causal=True, float window=0., Tensor? key_len=None, "

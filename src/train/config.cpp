@@ -111,6 +111,7 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
     m.get("dropout", c.model.dropout);
     m.get("embed_dim", c.model.embed_dim);
     m.get("angles_per_layer", c.model.angles_per_layer);
+    m.get("kv_shift", c.model.kv_shift);
     m.finish();
     c.model.preset = models::parse_preset(preset);
     if (layout == "interleaved") {
@@ -193,7 +194,8 @@ toml::table to_table(const TrainConfig& c) {
                             {"weights", c.model.weights},
                             {"dropout", c.model.dropout},
                             {"embed_dim", c.model.embed_dim},
-                            {"angles_per_layer", c.model.angles_per_layer}}},
+                            {"angles_per_layer", c.model.angles_per_layer},
+                            {"kv_shift", c.model.kv_shift}}},
       {"task", toml::table{{"kind", c.task.kind},
                            {"benchmark", c.task.benchmark},
                            {"train_length", c.task.train_length},

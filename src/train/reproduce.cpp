@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <numbers>
 #include <numeric>
 #include <sstream>
 
@@ -30,7 +31,7 @@ fs::path experiments_dir() {
 namespace {
 
 struct Column {
-  std::string metric;  // loss | accuracy | perplexity | exp2_loss (2^loss, loss in nats)
+  std::string metric;  // loss | accuracy | perplexity | exp2_loss (2^loss, loss in nats) | bpb
   int64_t length = 0;
   std::string setting;  // a sweep setting (METRIC@LENGTH:SETTING), else empty
 };
@@ -52,11 +53,11 @@ Column parse_column(const std::string& s, const std::string& source) {
   }
   if (c.length <= 0 ||
       (c.metric != "loss" && c.metric != "accuracy" && c.metric != "perplexity" &&
-       c.metric != "exp2_loss") ||
+       c.metric != "exp2_loss" && c.metric != "bpb") ||
       (colon != std::string::npos && c.setting.empty()))
     throw InputError(fmt::format(
         "{}: column '{}' must be METRIC@LENGTH or METRIC@LENGTH:SETTING (loss, accuracy, "
-        "perplexity, exp2_loss)",
+        "perplexity, exp2_loss, bpb)",
         source, s));
   return c;
 }
@@ -88,6 +89,7 @@ std::pair<double, double> stat(const std::vector<std::pair<double, double>>& run
     v.push_back(metric == "loss"        ? loss
                 : metric == "accuracy"  ? acc
                 : metric == "exp2_loss" ? std::exp2(loss)
+                : metric == "bpb"       ? loss / std::numbers::ln2
                                         : std::exp(loss));
   if (v.empty()) return {NAN, NAN};
   const double m = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());

@@ -46,6 +46,8 @@ struct Sweep {
   std::vector<std::string> methods;
   std::vector<int64_t> seeds{0};
   std::vector<std::pair<std::string, std::vector<std::string>>> settings{{"", {}}};
+  // setting -> the only methods that run it (sweep.only; a setting not named runs every method)
+  std::map<std::string, std::vector<std::string>> only;
 };
 
 Sweep parse_sweep(const std::string& text, const std::string& source) {
@@ -103,12 +105,37 @@ Sweep parse_sweep(const std::string& text, const std::string& source) {
         }
         s.settings.push_back({std::string(name.str()), sets});
       }
+    } else if (key == "only") {
+      const auto* t = v.as_table();
+      if (!t)
+        throw InputError(fmt::format(
+            "{}: sweep.only must be a table: setting = [the methods that run it]", source));
+      for (const auto& [name, list] : *t) {
+        const auto* a = list.as_array();
+        if (!a)
+          throw InputError(
+              fmt::format("{}: sweep.only.{} must be an array of methods", source, name.str()));
+        for (const auto& e : *a) {
+          const auto str = e.value<std::string>();
+          if (!str)
+            throw InputError(
+                fmt::format("{}: sweep.only.{} must hold strings", source, name.str()));
+          s.only[std::string(name.str())].push_back(*str);
+        }
+      }
     } else {
-      throw InputError(
-          fmt::format("{}: unknown key 'sweep.{}' (valid: methods, seeds, settings)", source, key));
+      throw InputError(fmt::format(
+          "{}: unknown key 'sweep.{}' (valid: methods, seeds, settings, only)", source, key));
     }
   }
   if (s.methods.empty()) throw InputError(fmt::format("{}: sweep.methods is missing", source));
+  // (sweep.only may name methods that --methods filtered out)
+  for (const auto& [setting, methods] : s.only) {
+    if (std::none_of(s.settings.begin(), s.settings.end(),
+                     [&](const auto& x) { return x.first == setting; }))
+      throw InputError(
+          fmt::format("{}: sweep.only.{} names no setting of sweep.settings", source, setting));
+  }
   root.erase("sweep");
   std::ostringstream base;
   base << root;
@@ -130,6 +157,10 @@ std::vector<Job> build_jobs(const Sweep& sw, const TrainConfig& base,
   for (const auto& method : sw.methods)
     for (const auto& [setting, overrides] : sw.settings)
       for (const int64_t seed : sw.seeds) {
+        if (const auto it = sw.only.find(setting);
+            it != sw.only.end() &&
+            std::find(it->second.begin(), it->second.end(), method) == it->second.end())
+          continue;
         TrainConfig c = base;
         for (const auto& s : sets) apply_override(c, s);
         for (const auto& s : overrides) apply_override(c, s);

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numbers>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -199,6 +200,27 @@ class Progress {
 
 }  // namespace
 
+namespace {
+torch::optim::AdamWOptions adamw_options(const OptimConfig& o,
+                                         std::optional<double> wd = std::nullopt) {
+  return torch::optim::AdamWOptions(o.lr)
+      .betas({o.beta1, o.beta2})
+      .eps(o.eps)
+      .weight_decay(wd.value_or(o.weight_decay));
+}
+
+std::vector<torch::optim::OptimizerParamGroup> adamw_groups(models::TransformerLMImpl& model,
+                                                            const OptimConfig& o) {
+  // one group, or (grape preset) a second without decay for the RMSNorm gains
+  auto [decay, keep] = model.decay_groups();
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(adamw_options(o)));
+  if (!keep.empty())
+    groups.emplace_back(keep, std::make_unique<torch::optim::AdamWOptions>(adamw_options(o, 0.0)));
+  return groups;
+}
+}  // namespace
+
 std::string mechanism_stats_json(models::TransformerLMImpl& model) {
   nlohmann::json layers = nlohmann::json::array();
   for (auto& block : model.blocks()) {
@@ -210,6 +232,12 @@ std::string mechanism_stats_json(models::TransformerLMImpl& model) {
     j["gamma"] = mean_abs(kp.gamma);
     j["abs_eta"] = mean_abs(kp.eta);
     j["abs_gates"] = mean_abs(kp.gates);
+    if (auto& g = block->grape()) {
+      // the QK-norm gains break the relative law of a rotation once gain_m != gain_{m+D/2}
+      j["gain_pair_gap"] = g->gain_pair_gap();
+      if (const auto f = g->frequencies(); f.defined())
+        j["mean_log_frequency"] = f.detach().log().mean().item<double>();
+    }
     layers.push_back(j);
   }
   return layers.dump();
@@ -239,10 +267,7 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
   check_memory(c, mc.vocab);
   torch::manual_seed(static_cast<uint64_t>(c.seed));  // the model's initialisation
   models::TransformerLM model(mc);
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(c.optim.lr)
-                                                   .betas({c.optim.beta1, c.optim.beta2})
-                                                   .eps(c.optim.eps)
-                                                   .weight_decay(c.optim.weight_decay));
+  torch::optim::AdamW opt(adamw_groups(*model, c.optim), adamw_options(c.optim));
   const fs::path ckpt_path = o.out / "checkpoints" / "last.pt";
   Checkpoint ck;
   Metrics metrics;
@@ -382,7 +407,7 @@ LoadedRun load_run(const fs::path& run_dir, const std::vector<int64_t>& lengths)
   mc.vocab = r.task->vocab();
   check_memory(r.config, mc.vocab);
   r.model = models::TransformerLM(mc);
-  torch::optim::AdamW opt(r.model->parameters(), torch::optim::AdamWOptions(r.config.optim.lr));
+  torch::optim::AdamW opt(adamw_groups(*r.model, r.config.optim), adamw_options(r.config.optim));
   const fs::path ckpt = run_dir / "checkpoints" / "last.pt";
   if (!fs::exists(ckpt)) throw InputError(fmt::format("no checkpoint at '{}'", ckpt.string()));
   r.step = load_checkpoint(ckpt, *r.model, opt).step;

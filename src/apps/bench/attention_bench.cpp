@@ -4,15 +4,27 @@
 //   sdpa_mask  SDPA with the ALiBi-shaped lag bias b_h(d) = -slope_h d materialised as a float
 //              mask [1, H, T, T] (-inf above the diagonal), is_causal=false
 //   ours_lag   our kernel with the same bias as a lag table [H, T] (lag_len = T)
+// Those are --bias none (ours, sdpa) and --bias alibi (ours_lag, sdpa_mask), the default. With
+// --bias fox and/or grape-ap, three cases per bias (X = fox or grape_ap):
+//   ours_X      our kernel with the bias as its O(T) inputs: FoX cq = ck = c (bias c_i - c_j),
+//               GRAPE-AP path_q, path_k, path_beta (bias(i, j) = sum_{l=j+1..i} beta_h
+//               logsigmoid(scale pq_i . pk_l)); forward+backward also takes the gradients of c,
+//               or of pq, pk, beta
+//   composed_X  the same in plain LibTorch ops with the bias materialised as [B, H, T, T] on
+//               every call (composed_bias), softmax(q k^T / sqrt(D) + bias, causal) v; the
+//               backward goes through the bias construction (autograd)
+//   sdpa_X      at::scaled_dot_product_attention fed that bias as a float mask (-inf above the
+//               diagonal, is_causal=false), built and differentiated likewise
+// They are checked against composed_X at the smallest T (outputs and every gradient).
 // Timing: every case of one T in one process, round-robin over the repeats (noise spreads over
 // all cases alike), after a warm-up; medians, every run listed. Inputs, outputs and the mask are
 // allocated outside the timed region except each call's own outputs and gradients; the mask is
 // built once per T (not timed: a fixed ALiBi mask can be cached by a user).
 // Memory: each case once more in a child process (this program re-run with --memory-child):
 // it warms the case up at a small T (code pages, thread pools), allocates the inputs, reads its
-// resident set, builds the mask (sdpa_mask), resets the peak (/proc/self/clear_refs), runs the
-// case once and reports peak resident set - resident set after the inputs: the case's own
-// memory (the mask included), nothing of the other cases.
+// resident set, builds the mask (sdpa_mask; the bool causal mask of composed_X, sdpa_X), resets the
+// peak (/proc/self/clear_refs), runs the case once and reports peak resident set - resident set
+// after the inputs: the case's own memory (the mask included), nothing of the other cases.
 #include "apps/bench/attention_bench.hpp"
 
 #include <ATen/ATen.h>
@@ -35,6 +47,7 @@
 #include <vector>
 
 #include "apps/bench/proc_memory.hpp"
+#include "core/charts.hpp"
 #include "core/files.hpp"
 #include "core/types.hpp"
 #include "kernels/attention/attention.hpp"
@@ -48,9 +61,26 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-enum class Impl { Ours, Sdpa, SdpaMask, OursLag };
+enum class Impl {
+  Ours,
+  Sdpa,
+  SdpaMask,
+  OursLag,
+  OursFox,
+  ComposedFox,
+  SdpaFox,
+  OursAp,
+  ComposedAp,
+  SdpaAp
+};
 enum class Mode { Fwd, FwdBwd };
-constexpr Impl kImpls[] = {Impl::Ours, Impl::Sdpa, Impl::SdpaMask, Impl::OursLag};
+enum class Bias { None, Alibi, Fox, GrapeAp };
+constexpr Impl kImpls[] = {Impl::Ours,       Impl::Sdpa,        Impl::SdpaMask, Impl::OursLag,
+                           Impl::OursFox,    Impl::ComposedFox, Impl::SdpaFox,  Impl::OursAp,
+                           Impl::ComposedAp, Impl::SdpaAp};
+constexpr Bias kBiases[] = {Bias::None, Bias::Alibi, Bias::Fox, Bias::GrapeAp};
+constexpr int64_t kPathDim = 8;         // GRAPE-AP probe dimension P
+constexpr double kPathScale = 1.0 / 8;  // GRAPE-AP path_scale
 
 const char* name(Impl i) {
   switch (i) {
@@ -62,8 +92,64 @@ const char* name(Impl i) {
       return "sdpa_mask";
     case Impl::OursLag:
       return "ours_lag";
+    case Impl::OursFox:
+      return "ours_fox";
+    case Impl::ComposedFox:
+      return "composed_fox";
+    case Impl::SdpaFox:
+      return "sdpa_fox";
+    case Impl::OursAp:
+      return "ours_grape_ap";
+    case Impl::ComposedAp:
+      return "composed_grape_ap";
+    case Impl::SdpaAp:
+      return "sdpa_grape_ap";
   }
   return "?";
+}
+const char* name(Bias b) {
+  switch (b) {
+    case Bias::None:
+      return "none";
+    case Bias::Alibi:
+      return "alibi";
+    case Bias::Fox:
+      return "fox";
+    case Bias::GrapeAp:
+      return "grape-ap";
+  }
+  return "?";
+}
+Bias bias_of(Impl i) {
+  switch (i) {
+    case Impl::Ours:
+    case Impl::Sdpa:
+      return Bias::None;
+    case Impl::SdpaMask:
+    case Impl::OursLag:
+      return Bias::Alibi;
+    case Impl::OursFox:
+    case Impl::ComposedFox:
+    case Impl::SdpaFox:
+      return Bias::Fox;
+    case Impl::OursAp:
+    case Impl::ComposedAp:
+    case Impl::SdpaAp:
+      return Bias::GrapeAp;
+  }
+  return Bias::None;
+}
+// The three cases of a FoX / GRAPE-AP bias: fused kernel, plain-op composition, SDPA + mask.
+struct BiasCases {
+  Impl ours, composed, sdpa;
+};
+BiasCases cases_of(Bias b) {
+  return b == Bias::Fox ? BiasCases{Impl::OursFox, Impl::ComposedFox, Impl::SdpaFox}
+                        : BiasCases{Impl::OursAp, Impl::ComposedAp, Impl::SdpaAp};
+}
+// Cases that build a [B, H, T, T] bias from the FoX / GRAPE-AP inputs on every call.
+bool materialises(Impl i) {
+  return i == Impl::ComposedFox || i == Impl::SdpaFox || i == Impl::ComposedAp || i == Impl::SdpaAp;
 }
 const char* name(Mode m) {
   return m == Mode::Fwd ? "fwd" : "fwdbwd";
@@ -83,9 +169,10 @@ struct Args {
   int repeats = 5, warmup = 1, threads = 0, mm_n = 2048;
   std::string format = "md", json_out;
   std::vector<std::string> modes = {"fwd", "fwdbwd"};
-  std::vector<std::string> cases = {"ours", "sdpa", "sdpa_mask", "ours_lag"};
-  int64_t long_T = -1;       // -1: 32768 with the default T list, none otherwise
-  double max_mask_gib = -1;  // -1: 60% of MemAvailable at the start
+  std::vector<std::string> biases = {"none", "alibi"};
+  std::vector<std::string> cases;  // empty: every case of the selected biases
+  int64_t long_T = -1;             // -1: 32768 with the default T list, none otherwise
+  double max_mask_gib = -1;        // -1: 60% of MemAvailable at the start
   bool memory = true, scaling = true;
   // one memory measurement in a child process (internal)
   std::string child_case, child_mode, child_out;
@@ -118,20 +205,36 @@ at::Tensor alibi_slopes(int64_t H) {
 struct Inputs {
   Shape s;
   at::Tensor q, k, v, dout, lag, mask;
+  // FoX: c [B, H, T] float64 cumulative log forget gates. GRAPE-AP: probes pq, pk [B, H, T, P],
+  // beta [H]. upper [T, T] bool, true above the diagonal (j > i): the causal mask of the
+  // materialised FoX / GRAPE-AP cases (made by make_upper, like the ALiBi mask).
+  at::Tensor c, pq, pk, beta, upper;
 };
 
 // q, k, v, dout ~ N(0, 1), the lag table [H, T]: lag[h][d] = -slope_h d (exact in fp32: slopes
-// are powers of two). The mask is made separately (make_mask).
+// are powers of two); FoX c = cumsum(logsigmoid(N(0, 1))) in float64; GRAPE-AP probes ~ N(0, 1)
+// with P = 8, beta = the ALiBi slopes (core/charts.hpp). The masks are made separately
+// (make_mask, make_upper).
 Inputs make_inputs(const Shape& s) {
   at::manual_seed(0);
-  Inputs in{s, {}, {}, {}, {}, {}, {}};
+  Inputs in{s, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   in.q = at::randn({s.B, s.H, s.T, s.D});
   in.k = at::randn({s.B, s.H, s.T, s.D});
   in.v = at::randn({s.B, s.H, s.T, s.D});
   in.dout = at::randn({s.B, s.H, s.T, s.D});
   in.lag =
       (-alibi_slopes(s.H).unsqueeze(1) * at::arange(s.T, at::kFloat).unsqueeze(0)).contiguous();
+  in.c = at::log_sigmoid(at::randn({s.B, s.H, s.T}, at::kDouble)).cumsum(-1).contiguous();
+  in.pq = at::randn({s.B, s.H, s.T, kPathDim});
+  in.pk = at::randn({s.B, s.H, s.T, kPathDim});
+  const std::vector<double> slopes = relpos::alibi_slopes(static_cast<int>(s.H));
+  in.beta = at::tensor(slopes, at::kDouble).to(at::kFloat).contiguous();
   return in;
+}
+
+// [T, T] bool, true above the diagonal.
+void make_upper(Inputs& in) {
+  in.upper = at::ones({in.s.T, in.s.T}, at::kBool).triu(1);
 }
 
 // [1, H, T, T]: -slope_h (i - j) for j <= i, -inf above the diagonal.
@@ -148,17 +251,49 @@ double mask_gib(const Shape& s) {
   return double(s.H) * double(s.T) * double(s.T) * 4.0 / double(int64_t{1} << 30);
 }
 
+// Peak memory of a materialised FoX / GRAPE-AP case in units of one fp32 [B, H, T, T] tensor:
+// the number of such tensors alive at once (measured peaks, rounded up), for skipping the sizes
+// that cannot fit (--max-mask-gib).
+double tt_units(Impl i, Mode m) {
+  const bool bwd = m == Mode::FwdBwd;
+  switch (i) {  // measured at T = 1024, 2048 (B=1, H=8): 4.1 4.1 | 2.2 4.3 | 4.1 7.1 | 4.1 7.3
+    case Impl::ComposedFox:
+      return 5;
+    case Impl::SdpaFox:
+      return bwd ? 5 : 3;
+    case Impl::ComposedAp:
+      return bwd ? 8 : 5;
+    case Impl::SdpaAp:
+      return bwd ? 8 : 5;
+    default:
+      return 0;
+  }
+}
+double tt_gib(const Shape& s) {
+  return double(s.B) * double(s.H) * double(s.T) * double(s.T) * 4.0 / double(int64_t{1} << 30);
+}
+
 struct Outs {
   at::Tensor out, dq, dk, dv;
+  std::vector<std::pair<std::string, at::Tensor>> dbias;  // gradients of the bias inputs
 };
 
-Outs run_ours(const Inputs& in, bool lag, Mode mode) {
+Outs run_ours(const Inputs& in, Bias b, Mode mode) {
   const Shape& s = in.s;
   const kernels::AttentionDims d{s.B, s.H, s.H, s.T, s.T, s.D};
   kernels::AttentionBias<float> bias;
-  if (lag) {
+  if (b == Bias::Alibi) {
     bias.lag_table = in.lag.data_ptr<float>();
     bias.lag_len = s.T;
+  } else if (b == Bias::Fox) {  // c_i - c_j: the same cumulative sums twice
+    bias.cq = in.c.data_ptr<double>();
+    bias.ck = in.c.data_ptr<double>();
+  } else if (b == Bias::GrapeAp) {
+    bias.path_q = in.pq.data_ptr<float>();
+    bias.path_k = in.pk.data_ptr<float>();
+    bias.path_beta = in.beta.data_ptr<float>();
+    bias.path_dim = kPathDim;
+    bias.path_scale = kPathScale;
   }
   kernels::AttentionOptions o;
   o.causal = true;
@@ -172,11 +307,92 @@ Outs run_ours(const Inputs& in, bool lag, Mode mode) {
     r.dq = at::empty_like(in.q);
     r.dk = at::empty_like(in.k);
     r.dv = at::empty_like(in.v);
+    kernels::AttentionBiasGrads<float> g;  // accumulated: zeroed
+    at::Tensor gcq, gck, gpq, gpk, gbeta;
+    if (b == Bias::Fox) {
+      gcq = at::zeros_like(in.c);
+      gck = at::zeros_like(in.c);
+      g.cq = gcq.data_ptr<double>();
+      g.ck = gck.data_ptr<double>();
+    } else if (b == Bias::GrapeAp) {
+      gpq = at::zeros_like(in.pq);
+      gpk = at::zeros_like(in.pk);
+      gbeta = at::zeros_like(in.beta);
+      g.path_q = gpq.data_ptr<float>();
+      g.path_k = gpk.data_ptr<float>();
+      g.path_beta = gbeta.data_ptr<float>();
+    }
     kernels::attention_backward<float>(
         d, in.q.data_ptr<float>(), in.k.data_ptr<float>(), in.v.data_ptr<float>(), {}, bias, o,
         in.dout.data_ptr<float>(), r.out.data_ptr<float>(), lse.data_ptr<float>(),
-        r.dq.data_ptr<float>(), r.dk.data_ptr<float>(), r.dv.data_ptr<float>(), {});
+        r.dq.data_ptr<float>(), r.dk.data_ptr<float>(), r.dv.data_ptr<float>(), g);
+    if (b == Bias::Fox) r.dbias = {{"dc", gcq + gck}};  // c enters as cq and as ck
+    if (b == Bias::GrapeAp) r.dbias = {{"dpath_q", gpq}, {"dpath_k", gpk}, {"dpath_beta", gbeta}};
   }
+  return r;
+}
+
+// The FoX / GRAPE-AP bias [B, H, T, T] from c (FoX) or pq, pk, beta (GRAPE-AP) in plain LibTorch
+// ops; valid on and below the diagonal (above it: finite values the caller masks).
+//   FoX       c_i - c_j, from c rounded to fp32 (what an fp32 model computes; the kernel
+//             subtracts in float64)
+//   GRAPE-AP  A = beta_h logsigmoid(scale pq_i . pk_l), zero for l > i; bias(i, j) =
+//             sum_{l=j+1..i} A[i, l] = row total - inclusive cumulative sum along l
+at::Tensor composed_bias(const Inputs& in, Bias b, const at::Tensor& c, const at::Tensor& pq,
+                         const at::Tensor& pk, const at::Tensor& beta) {
+  if (b == Bias::Fox) {
+    const at::Tensor cf = c.to(at::kFloat);
+    return cf.unsqueeze(-1) - cf.unsqueeze(-2);
+  }
+  at::Tensor a =
+      at::log_sigmoid(at::matmul(pq, pk.transpose(-2, -1)) * kPathScale) * beta.view({1, -1, 1, 1});
+  a = a.masked_fill(in.upper, 0.0);
+  return a.sum(-1, true) - a.cumsum(-1);
+}
+
+// composed: softmax(q k^T / sqrt(D) + bias, causal) v in plain ops; sdpa: SDPA with the bias
+// as a float mask (-inf above the diagonal). Forward+backward: autograd through the bias
+// construction too (c, or pq, pk, beta, require grad).
+Outs run_materialised(const Inputs& in, Bias b, bool sdpa, Mode mode) {
+  const auto attend = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& bias) {
+    const double ninf = -std::numeric_limits<double>::infinity();
+    if (sdpa)
+      return at::scaled_dot_product_attention(q, k, v, bias.masked_fill(in.upper, ninf), 0.0,
+                                              false);
+    const at::Tensor qs = q * (1.0 / std::sqrt(static_cast<double>(in.s.D)));
+    const at::Tensor scores =
+        (at::matmul(qs, k.transpose(-2, -1)) + bias).masked_fill(in.upper, ninf);
+    return at::matmul(at::softmax(scores, -1), v);
+  };
+  if (mode == Mode::Fwd) {
+    c10::InferenceMode guard;
+    return {attend(in.q, in.k, in.v, composed_bias(in, b, in.c, in.pq, in.pk, in.beta)),
+            {},
+            {},
+            {},
+            {}};
+  }
+  const auto leaf = [](const at::Tensor& x) { return x.detach().requires_grad_(true); };
+  const at::Tensor q = leaf(in.q), k = leaf(in.k), v = leaf(in.v);
+  std::vector<at::Tensor> xs = {q, k, v};
+  at::Tensor c, pq, pk, beta;
+  if (b == Bias::Fox) {
+    c = leaf(in.c);
+    xs.push_back(c);
+  } else {
+    pq = leaf(in.pq);
+    pk = leaf(in.pk);
+    beta = leaf(in.beta);
+    xs.insert(xs.end(), {pq, pk, beta});
+  }
+  const at::Tensor out = attend(q, k, v, composed_bias(in, b, c, pq, pk, beta));
+  const auto g = torch::autograd::grad({out}, xs, {in.dout});
+  Outs r{out.detach(), g[0], g[1], g[2], {}};
+  if (b == Bias::Fox)
+    r.dbias = {{"dc", g[3]}};
+  else
+    r.dbias = {{"dpath_q", g[3]}, {"dpath_k", g[4]}, {"dpath_beta", g[5]}};
   return r;
 }
 
@@ -185,27 +401,43 @@ Outs run_sdpa(const Inputs& in, bool mask, Mode mode) {
   if (mask) m = in.mask;
   if (mode == Mode::Fwd) {
     c10::InferenceMode guard;
-    return {at::scaled_dot_product_attention(in.q, in.k, in.v, m, 0.0, !mask), {}, {}, {}};
+    return {at::scaled_dot_product_attention(in.q, in.k, in.v, m, 0.0, !mask), {}, {}, {}, {}};
   }
   const at::Tensor q = in.q.detach().requires_grad_(true), k = in.k.detach().requires_grad_(true),
                    v = in.v.detach().requires_grad_(true);
   const at::Tensor out = at::scaled_dot_product_attention(q, k, v, m, 0.0, !mask);
   const auto g = torch::autograd::grad({out}, {q, k, v}, {in.dout});
-  return {out.detach(), g[0], g[1], g[2]};
+  return {out.detach(), g[0], g[1], g[2], {}};
 }
 
 Outs run_case(const Inputs& in, Impl impl, Mode mode) {
   switch (impl) {
     case Impl::Ours:
-      return run_ours(in, false, mode);
+      return run_ours(in, Bias::None, mode);
     case Impl::OursLag:
-      return run_ours(in, true, mode);
+      return run_ours(in, Bias::Alibi, mode);
     case Impl::Sdpa:
       return run_sdpa(in, false, mode);
     case Impl::SdpaMask:
       return run_sdpa(in, true, mode);
+    case Impl::OursFox:
+    case Impl::OursAp:
+      return run_ours(in, bias_of(impl), mode);
+    case Impl::ComposedFox:
+    case Impl::ComposedAp:
+      return run_materialised(in, bias_of(impl), false, mode);
+    case Impl::SdpaFox:
+    case Impl::SdpaAp:
+      return run_materialised(in, bias_of(impl), true, mode);
   }
   return {};
+}
+
+// The per-T constants a case needs (built once per T, untimed): the ALiBi mask, the bool
+// causal mask of the materialised FoX / GRAPE-AP cases.
+void prepare(Inputs& in, Impl impl) {
+  if (impl == Impl::SdpaMask && !in.mask.defined()) make_mask(in);
+  if (materialises(impl) && !in.upper.defined()) make_upper(in);
 }
 
 // CPU time of the whole process (every thread), ms.
@@ -250,10 +482,11 @@ struct Check {
   std::vector<std::pair<std::string, std::pair<double, double>>>
       diffs;  // name: max |diff|, max |ref|
   bool ok = true;
+  std::string note;
 };
 
 Check compare(int64_t T, Mode mode, Impl ours, const Outs& a, Impl ref, const Outs& b) {
-  Check c{T, mode, name(ours), name(ref), {}, true};
+  Check c{T, mode, name(ours), name(ref), {}, true, {}};
   const auto one = [&](const char* what, const at::Tensor& x, const at::Tensor& y) {
     if (!x.defined() || !y.defined()) return;
     const double diff = (x - y).abs().max().item<double>();
@@ -266,6 +499,9 @@ Check compare(int64_t T, Mode mode, Impl ours, const Outs& a, Impl ref, const Ou
   one("dq", a.dq, b.dq);
   one("dk", a.dk, b.dk);
   one("dv", a.dv, b.dv);
+  for (const auto& [n, x] : a.dbias)
+    for (const auto& [m, y] : b.dbias)
+      if (n == m) one(n.c_str(), x, y);
   return c;
 }
 
@@ -292,16 +528,15 @@ void set_threads(int n) {
 Memory measure_here(const Shape& s, Impl impl, Mode mode) {
   {
     Inputs w = make_inputs({s.B, s.H, std::min<int64_t>(s.T, 256), s.D});
-    if (impl == Impl::SdpaMask) make_mask(w);
+    prepare(w, impl);
     for (int r = 0; r < 2; ++r) run_case(w, impl, mode);
   }
   Inputs in = make_inputs(s);
   Memory m;
   const int64_t base = rss_kib();
-  if (impl == Impl::SdpaMask) {
-    make_mask(in);
-    m.mask_mib = double(in.mask.numel()) * 4.0 / (1 << 20);
-  }
+  prepare(in, impl);
+  if (in.mask.defined()) m.mask_mib = double(in.mask.numel()) * 4.0 / (1 << 20);
+  if (in.upper.defined()) m.mask_mib = double(in.upper.numel()) / (1 << 20);
   m.peak_reset = reset_peak_rss();
   { const Outs r = run_case(in, impl, mode); }
   const int64_t peak = peak_rss_kib();
@@ -439,7 +674,22 @@ std::optional<double> paired_ratio(const std::vector<Result>& rs, int64_t T, Mod
   return median(x);
 }
 
-// Times every selected case at one T (round-robin), after checking ours against SDPA.
+bool selected(const Args& a, Bias b) {
+  return std::find(a.biases.begin(), a.biases.end(), name(b)) != a.biases.end();
+}
+
+// composed / ours and sdpa / ours of a FoX / GRAPE-AP bias (medians, and paired in brackets).
+struct BiasRatios {
+  std::optional<double> composed, sdpa, composed_paired, sdpa_paired;
+};
+BiasRatios bias_ratios(const std::vector<Result>& rs, int64_t T, Mode m, Bias b) {
+  const BiasCases c = cases_of(b);
+  return {ratio(rs, T, m, c.composed, c.ours), ratio(rs, T, m, c.sdpa, c.ours),
+          paired_ratio(rs, T, m, c.composed, c.ours), paired_ratio(rs, T, m, c.sdpa, c.ours)};
+}
+
+// Times every selected case at one T (round-robin), after checking ours against SDPA (and, at
+// the smallest T, the FoX / GRAPE-AP cases against their composition).
 void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
               const std::vector<Impl>& impls, bool long_run) {
   const Args& a = rep.a;
@@ -450,14 +700,17 @@ void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
       if (i == Impl::SdpaMask && mask_gib(s) > rep.max_mask_gib)
         r.skipped = fmt::format("mask {:.1f} GiB > limit {:.1f} GiB (--max-mask-gib)", mask_gib(s),
                                 rep.max_mask_gib);
+      if (materialises(i) && tt_units(i, m) * tt_gib(s) > rep.max_mask_gib)
+        r.skipped = fmt::format(
+            "about {:.0f} x {:.1f} GiB [B,H,T,T] tensors > limit {:.1f} GiB "
+            "(--max-mask-gib)",
+            tt_units(i, m), tt_gib(s), rep.max_mask_gib);
       res.push_back(r);
     }
-  const bool need_mask = std::any_of(res.begin(), res.end(), [](const Result& r) {
-    return r.impl == Impl::SdpaMask && r.skipped.empty();
-  });
   {
     Inputs in = make_inputs(s);
-    if (need_mask) make_mask(in);
+    for (const auto& r : res)
+      if (r.skipped.empty()) prepare(in, r.impl);
     // correctness, once per case (the first call also warms it up)
     for (Mode m : modes) {
       std::vector<std::pair<Impl, Outs>> outs;
@@ -468,17 +721,34 @@ void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
           if (j == i) return &o;
         return nullptr;
       };
-      for (const auto& [ours, ref] :
-           {std::pair{Impl::Ours, Impl::Sdpa}, std::pair{Impl::OursLag, Impl::SdpaMask}}) {
+      // FoX / GRAPE-AP against their composition: at the smallest T only (the composition
+      // rounds c to fp32, whose error grows with T; see composed_bias)
+      std::vector<std::pair<Impl, Impl>> pairs = {{Impl::Ours, Impl::Sdpa},
+                                                  {Impl::OursLag, Impl::SdpaMask}};
+      if (!long_run && s.T == *std::min_element(a.T.begin(), a.T.end()))
+        for (Bias b : {Bias::Fox, Bias::GrapeAp}) {
+          pairs.push_back({cases_of(b).ours, cases_of(b).composed});
+          pairs.push_back({cases_of(b).sdpa, cases_of(b).composed});
+        }
+      for (const auto& [ours, ref] : pairs) {
         const Outs *x = get(ours), *y = get(ref);
         if (!x || !y) continue;
         rep.checks.push_back(compare(s.T, m, ours, *x, ref, *y));
-        const Check& c = rep.checks.back();
+        Check& c = rep.checks.back();
+        if (ours == Impl::OursAp && !c.ok) {
+          // a kernel without the path-integral bias ignores path_q etc.: say so
+          const Outs plain = run_ours(in, Bias::None, Mode::Fwd);
+          if (at::equal(plain.out, x->out))
+            c.note =
+                "the kernel ignored the path-integral bias (its output equals the unbiased "
+                "one): this build has no GRAPE-AP support";
+        }
         rep.checks_ok = rep.checks_ok && c.ok;
         double worst = 0;
         for (const auto& d : c.diffs) worst = std::max(worst, d.second.first);
-        std::cerr << fmt::format("T={} {}: {} vs {}: max |diff| {:.2e} {}\n", s.T, name(m), c.ours,
-                                 c.ref, worst, c.ok ? "ok" : "FAILED");
+        std::cerr << fmt::format("T={} {}: {} vs {}: max |diff| {:.2e} {}{}\n", s.T, name(m),
+                                 c.ours, c.ref, worst, c.ok ? "ok" : "FAILED",
+                                 c.note.empty() ? "" : " (" + c.note + ")");
       }
     }
     for (int w = 1; w < a.warmup; ++w)
@@ -586,6 +856,65 @@ json targets_json(const Report& rep) {
       any = true;
     }
   t["long_forward_peak_below_1GB"] = {{"rows", lm}, {"met", any ? json(lm_met) : json()}};
+  for (Bias b : {Bias::Fox, Bias::GrapeAp}) {
+    if (!selected(rep.a, b)) continue;
+    const BiasCases c = cases_of(b);
+    const std::string key = b == Bias::Fox ? "fox" : "grape_ap";
+    // forward+backward at T = 8192: at least 2x faster than the composition and than SDPA
+    json rows = json::array();
+    bool met = true;
+    any = false;
+    for (Mode m : {Mode::FwdBwd})
+      for (Impl ref : {c.composed, c.sdpa}) {
+        const std::optional<double> x = ratio(rep.results, 8192, m, ref, c.ours);
+        if (x) {
+          rows.push_back({{"T", 8192},
+                          {"mode", name(m)},
+                          {"case", name(ref)},
+                          {"over_ours", *x},
+                          {"met", *x >= 2.0}});
+          met = met && *x >= 2.0;
+          any = true;
+        } else {
+          for (const auto& r : rep.results)
+            if (r.T == 8192 && r.mode == m && r.impl == ref && !r.skipped.empty())
+              rows.push_back(
+                  {{"T", 8192}, {"mode", name(m)}, {"case", name(ref)}, {"skipped", r.skipped}});
+        }
+      }
+    t[key + "_fwdbwd_2x_faster_than_composed_and_sdpa_at_8192"] = {
+        {"rows", rows}, {"met", any ? json(met) : json()}};
+    // ours' peak memory linear in T: peak(T) <= 1.5 (T / T0) max(peak(T0), 8 MiB), T0 the
+    // smallest T measured
+    json mrows = json::array();
+    bool mmet = true;
+    any = false;
+    for (Mode m : {Mode::Fwd, Mode::FwdBwd}) {
+      const Result* first = nullptr;
+      for (const auto& r : rep.results) {
+        if (r.mode != m || r.impl != c.ours || !r.skipped.empty() || !r.mem.ok) continue;
+        if (!first || r.T < first->T) first = &r;
+      }
+      if (!first) continue;
+      for (const auto& r : rep.results) {
+        if (r.mode != m || r.impl != c.ours || !r.skipped.empty() || !r.mem.ok) continue;
+        const double bound =
+            1.5 * double(r.T) / double(first->T) * std::max(first->mem.peak_above_inputs_mib, 8.0);
+        const bool ok = r.mem.peak_above_inputs_mib <= bound;
+        mrows.push_back({{"T", r.T},
+                         {"mode", name(m)},
+                         {"case", name(r.impl)},
+                         {"peak_above_inputs_mib", r.mem.peak_above_inputs_mib},
+                         {"bound_mib", bound},
+                         {"met", ok}});
+        if (r.T != first->T) {
+          mmet = mmet && ok;
+          any = true;
+        }
+      }
+    }
+    t[key + "_ours_memory_linear_in_T"] = {{"rows", mrows}, {"met", any ? json(mmet) : json()}};
+  }
   return t;
 }
 
@@ -595,6 +924,22 @@ json report_json(const Report& rep) {
   j["benchmark"] = "attention";
   j["shape"] = {{"B", a.B}, {"H", a.H},           {"D", a.D},
                 {"T", a.T}, {"dtype", "float32"}, {"causal", true}};
+  j["biases"] = a.biases;
+  if (selected(a, Bias::Fox) || selected(a, Bias::GrapeAp))
+    j["bias_setup"] = {
+        {"fox",
+         "c = cumsum(logsigmoid(N(0,1))) float64 [B,H,T]; bias c_i - c_j (ours: cq = ck "
+         "= c; composed/sdpa: c rounded to fp32, then the difference)"},
+        {"grape-ap",
+         fmt::format("probes N(0,1) [B,H,T,{}], path_scale {}, beta = ALiBi slopes; bias(i,j) = "
+                     "sum_{{l=j+1..i}} beta_h logsigmoid(scale pq_i . pk_l)",
+                     kPathDim, kPathScale)},
+        {"composed",
+         "plain LibTorch ops with the materialised [B,H,T,T] bias, built on every call (and "
+         "differentiated: the bias inputs require grad)"},
+        {"sdpa",
+         "at::scaled_dot_product_attention with the bias as a float mask (-inf above "
+         "the diagonal), is_causal=false, built on every call"}};
   j["kernel_isa"] = kernels::kernel_isa();
   j["torch_version"] = torch_version();
   j["threads"] = {{"requested", a.threads},
@@ -641,6 +986,22 @@ json report_json(const Report& rep) {
       ratios.push_back(row);
     }
   j["ratios"] = ratios;
+  json bratios = json::array();
+  for (int64_t T : a.T)
+    for (Mode m : {Mode::Fwd, Mode::FwdBwd})
+      for (Bias b : {Bias::Fox, Bias::GrapeAp}) {
+        const BiasRatios r = bias_ratios(rep.results, T, m, b);
+        if (!r.composed && !r.sdpa) continue;
+        const auto opt = [](const std::optional<double>& x) { return x ? json(*x) : json(); };
+        bratios.push_back({{"T", T},
+                           {"mode", name(m)},
+                           {"bias", name(b)},
+                           {"composed_over_ours", opt(r.composed)},
+                           {"sdpa_over_ours", opt(r.sdpa)},
+                           {"composed_over_ours_paired", opt(r.composed_paired)},
+                           {"sdpa_over_ours_paired", opt(r.sdpa_paired)}});
+      }
+  j["bias_ratios"] = bratios;
   json checks = json::array();
   for (const auto& c : rep.checks) {
     json d = json::object();
@@ -652,6 +1013,7 @@ json report_json(const Report& rep) {
                       {"reference", c.ref},
                       {"diffs", d},
                       {"ok", c.ok}});
+    if (!c.note.empty()) checks.back()["note"] = c.note;
   }
   j["checks"] = checks;
   j["checks_ok"] = rep.checks_ok;
@@ -714,9 +1076,10 @@ void write_md(std::ostream& os, const Report& rep) {
       "at::mm {}^3 fp32: {:.1f} GFLOP/s at the start ({:.1f} ms), {:.1f} GFLOP/s at the end\n\n",
       rep.mm_start.n, rep.mm_start.gflops, rep.mm_start.median_ms, rep.mm_end.gflops);
   write_md_results(os, rep, rep.results);
-  os << "\nRatios of the medians (in brackets: the median over the rounds of the ratio within a "
-        "round)\n\n| T | pass | ours / sdpa | ours_lag / sdpa_mask | sdpa_mask / ours_lag | "
-        "ours_lag / ours |\n|---|---|---|---|---|---|\n";
+  if (selected(a, Bias::None) || selected(a, Bias::Alibi))
+    os << "\nRatios of the medians (in brackets: the median over the rounds of the ratio within "
+          "a round)\n\n| T | pass | ours / sdpa | ours_lag / sdpa_mask | sdpa_mask / ours_lag | "
+          "ours_lag / ours |\n|---|---|---|---|---|---|\n";
   for (int64_t T : a.T)
     for (Mode m : {Mode::Fwd, Mode::FwdBwd}) {
       const auto x = ratio(rep.results, T, m, Impl::Ours, Impl::Sdpa);
@@ -729,13 +1092,28 @@ void write_md(std::ostream& os, const Report& rep) {
                         fmt_opt(px), fmt_opt(y), fmt_opt(py),
                         fmt_opt(y ? std::optional<double>(1 / *y) : std::nullopt), fmt_opt(z));
     }
+  bool any_bias = false;
+  for (int64_t T : a.T)
+    for (Mode m : {Mode::Fwd, Mode::FwdBwd})
+      for (Bias b : {Bias::Fox, Bias::GrapeAp}) {
+        const BiasRatios r = bias_ratios(rep.results, T, m, b);
+        if (!r.composed && !r.sdpa) continue;
+        if (!any_bias)
+          os << "\nFoX / GRAPE-AP: time of the materialised bias over the fused kernel's (median "
+                "ratio; in brackets the median over the rounds of the ratio within a round)\n\n"
+                "| T | pass | bias | composed / ours | sdpa / ours |\n|---|---|---|---|---|\n";
+        any_bias = true;
+        os << fmt::format("| {} | {} | {} | {} ({}) | {} ({}) |\n", T, name(m), name(b),
+                          fmt_opt(r.composed), fmt_opt(r.composed_paired), fmt_opt(r.sdpa),
+                          fmt_opt(r.sdpa_paired));
+      }
   os << "\nCorrectness (max |ours - reference|, max |reference|):\n\n";
   for (const auto& c : rep.checks) {
     std::string d;
     for (const auto& [n, v] : c.diffs)
       d += fmt::format(" {} {:.1e} ({:.1f})", n, v.first, v.second);
-    os << fmt::format("- T={} {} {} vs {}:{} {}\n", c.T, name(c.mode), c.ours, c.ref, d,
-                      c.ok ? "ok" : "FAILED");
+    os << fmt::format("- T={} {} {} vs {}:{} {}{}\n", c.T, name(c.mode), c.ours, c.ref, d,
+                      c.ok ? "ok" : "FAILED", c.note.empty() ? "" : " (" + c.note + ")");
   }
   if (!rep.long_results.empty()) {
     os << "\nLong forward:\n\n";
@@ -787,7 +1165,11 @@ void run(const Args& in_args) {
   for (const auto& m : a.modes) modes.push_back(mode_named(m));
   std::vector<Impl> impls;
   for (Impl i : kImpls)
-    if (std::find(a.cases.begin(), a.cases.end(), name(i)) != a.cases.end()) impls.push_back(i);
+    if (selected(a, bias_of(i)) &&
+        (a.cases.empty() || std::find(a.cases.begin(), a.cases.end(), name(i)) != a.cases.end()))
+      impls.push_back(i);
+  if (impls.empty())
+    throw InputError("no case left: --cases selects none of the cases of the --bias list");
   std::cerr << fmt::format("relpos bench attention: kernel build {}, {} threads\n",
                            kernels::kernel_isa(), rep.at_threads);
   rep.mm_start = bench_mm(a.mm_n, a.repeats);
@@ -795,7 +1177,7 @@ void run(const Args& in_args) {
   if (rep.a.long_T > 0) {
     std::vector<Impl> li;
     for (Impl i : impls)
-      if (i != Impl::SdpaMask) li.push_back(i);
+      if (i != Impl::SdpaMask && !materialises(i)) li.push_back(i);
     run_size(rep, {a.B, a.H, rep.a.long_T, a.D}, {Mode::Fwd}, li, true);
   }
   if (a.scaling) {
@@ -823,7 +1205,9 @@ void add_attention_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "attention",
       "Fused attention kernel vs at::scaled_dot_product_attention (no bias, and an ALiBi lag "
-      "bias as a materialised mask vs our lag table): time, GFLOP/s, peak memory, correctness");
+      "bias as a materialised mask vs our lag table; with --bias fox / grape-ap: the fused FoX / "
+      "GRAPE-AP biases vs their composition in plain ops and vs SDPA fed the materialised "
+      "bias): time, GFLOP/s, peak memory, correctness");
   cmd->add_option("--T", a->T, "sequence lengths, comma-separated (default 1024,4096,8192,16384)")
       ->delimiter(',')
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
@@ -841,16 +1225,29 @@ void add_attention_command(CLI::App& app) {
   cmd->add_option("--modes", a->modes, "fwd,fwdbwd")
       ->delimiter(',')
       ->check(CLI::IsMember({"fwd", "fwdbwd"}));
-  cmd->add_option("--cases", a->cases, "ours,sdpa,sdpa_mask,ours_lag")
+  std::vector<std::string> bias_names, case_names;
+  for (Bias b : kBiases) bias_names.push_back(name(b));
+  for (Impl i : kImpls) case_names.push_back(name(i));
+  cmd->add_option("--bias", a->biases,
+                  "biases, comma-separated: none (ours, sdpa), alibi (ours_lag, sdpa_mask), fox "
+                  "(ours_fox, composed_fox, sdpa_fox), grape-ap (ours_grape_ap, "
+                  "composed_grape_ap, sdpa_grape_ap); default none,alibi")
       ->delimiter(',')
-      ->check(CLI::IsMember({"ours", "sdpa", "sdpa_mask", "ours_lag"}));
+      ->check(CLI::IsMember(bias_names));
+  cmd->add_option("--cases", a->cases,
+                  "restrict to these cases (comma-separated) of the --bias list; default: all "
+                  "of them")
+      ->delimiter(',')
+      ->check(CLI::IsMember(case_names));
   auto* lt = cmd->add_option("--long-T", a->long_T,
-                             "a forward-only size after the others (ours, sdpa, ours_lag); default "
-                             "32768 with the default --T list, none when --T is given; 0: none")
+                             "a forward-only size after the others (the selected cases that "
+                             "materialise no T x T tensor: ours, sdpa, ours_lag, ours_fox, "
+                             "ours_grape_ap); default 32768 with the default --T list, none when "
+                             "--T is given; 0: none")
                  ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   cmd->add_option("--max-mask-gib", a->max_mask_gib,
-                  "skip sdpa_mask where the [1,H,T,T] mask is larger (default: 60% of "
-                  "MemAvailable)")
+                  "skip sdpa_mask where the [1,H,T,T] mask is larger, and the materialised FoX / "
+                  "GRAPE-AP cases where their estimated peak is (default: 60% of MemAvailable)")
       ->check(CLI::Range(0.0, 1e6));
   cmd->add_option("--mm-n", a->mm_n, "at::mm size for the machine's GFLOP/s")
       ->check(CLI::Range(16, 16384));

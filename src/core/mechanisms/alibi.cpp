@@ -13,7 +13,11 @@ std::vector<TermDef> alibi_family() {
                 {},
                 {"alibi", "rope_alibi", "<any>_alibi"}},
                [](const Args&, TermBuilder& b) {
-                 b.add_bias({"alibi", BiasShape::LagTable, alibi_slopes(b.m.heads), true, std::nullopt});
+                 BiasTerm t;
+                 t.name = "alibi";
+                 t.slopes = alibi_slopes(b.m.heads);
+                 t.unipotent_lift = true;
+                 b.add_bias(std::move(t));
                }});
 
   return d;

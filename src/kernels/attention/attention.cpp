@@ -43,8 +43,34 @@ void check(const AttentionDims& d, const AttentionBias<T>& bias, const Attention
     throw InputError("attention: a lag table needs 1 <= lag_len < 2^31");
   if (static_cast<bool>(bias.cq) != static_cast<bool>(bias.ck))
     throw InputError("attention: per-token biases need both cq and ck");
+  if (bias.path_q && (!bias.path_k || !bias.path_beta || bias.path_dim < 1))
+    throw InputError(
+        "attention: a path integral needs path_q, path_k, path_beta and path_dim >= 1");
+  if (bias.path_q && !std::isfinite(bias.path_scale))
+    throw InputError("attention: path_scale must be finite");
   if (!(o.window >= 0)) throw InputError("attention: window must be >= 0");
   if (!(o.scale >= 0)) throw InputError("attention: scale must be >= 0 (0: 1/sqrt(D))");
+}
+
+// logsigmoid(z) = min(z, 0) - log1p(e^{-|z|}), without overflow
+double log_sigmoid(double z) {
+  return std::min(z, 0.0) - std::log1p(std::exp(-std::abs(z)));
+}
+
+// The path integral's edge argument z(i, l) = path_scale pq[b,h,i] . pk[b,h,l].
+double path_z(const AttentionDims& d, const AttentionBias<double>& bias, int64_t b, int64_t h,
+              int64_t i, int64_t l) {
+  const int64_t P = bias.path_dim;
+  const double* a = bias.path_q + ((b * d.Hq + h) * d.Tq + i) * P;
+  const double* c = bias.path_k + ((b * d.Hq + h) * d.Tk + l) * P;
+  double z = 0;
+  for (int64_t p = 0; p < P; ++p) z += a[p] * c[p];
+  return bias.path_scale * z;
+}
+
+// Query row i's key slot (edges of the path integral run up to it).
+int64_t path_slot(const AttentionDims& d, int64_t i) {
+  return d.Tk - d.Tq + i;
 }
 
 // Row r's logits against every key (-inf where not visible); returns whether any is visible.
@@ -59,6 +85,17 @@ bool reference_logits(const AttentionDims& d, const double* q, const double* k,
   const double pq = pos.query(b, i, d.Tq, d.Tk);
   bool any = false;
   s.assign(static_cast<size_t>(d.Tk), -std::numeric_limits<double>::infinity());
+  // the path integral of every key: suffix[j] = sum_{l=j+1..slot(i)} beta logsigmoid(z(i, l))
+  std::vector<double> suffix;
+  if (bias.path_q) {
+    suffix.assign(static_cast<size_t>(d.Tk), 0.0);
+    const int64_t top = std::min(path_slot(d, i), d.Tk - 1);
+    double run = 0;
+    for (int64_t j = d.Tk - 1; j >= 0; --j) {
+      suffix[j] = run;
+      if (j >= 1 && j <= top) run += bias.path_beta[h] * log_sigmoid(path_z(d, bias, b, h, i, j));
+    }
+  }
   for (int64_t j = 0; j < kl; ++j) {
     const double pk = pos.key(b, j, d.Tk);
     if (o.causal && !(pk <= pq)) continue;
@@ -72,6 +109,10 @@ bool reference_logits(const AttentionDims& d, const double* q, const double* k,
       x += bias.lag_table[h * bias.lag_len + attention_lag_index(pq - pk, bias.lag_len)];
     if (bias.slopes) x -= bias.slopes[h] * (pq - pk);
     if (bias.cq) x += bias.cq[(b * d.Hq + h) * d.Tq + i] - bias.ck[(b * d.Hq + h) * d.Tk + j];
+    const double gate = (bias.gq ? bias.gq[(b * d.Hq + h) * d.Tq + i] : 0.0) +
+                        (bias.gk ? bias.gk[(b * d.Hq + h) * d.Tk + j] : 0.0);
+    x -= (pq - pk) * gate;
+    if (bias.path_q) x += suffix[j];
     s[j] = x;
     any = true;
   }
@@ -80,11 +121,25 @@ bool reference_logits(const AttentionDims& d, const double* q, const double* k,
 
 }  // namespace
 
+// The path integral's edges live on key slots: the kernels walk them with the default positions
+// and every key.
+template <class T>
+void check_path(const AttentionBias<T>& bias, const AttentionPositions& pos,
+                const AttentionOptions& o) {
+  if (!bias.path_q) return;
+  if (pos.q || pos.k)
+    throw InputError(
+        "attention: a path integral runs on the default positions (key slots 0..Tk-1, queries "
+        "the last Tq): pass no positions with it");
+  if (o.key_len) throw InputError("attention: a path integral takes no key padding (key_len)");
+}
+
 template <class T>
 void attention_forward(const AttentionDims& dims, const T* q, const T* k, const T* v,
                        const AttentionPositions& pos, const AttentionBias<T>& bias,
                        const AttentionOptions& options, T* out, T* lse) {
   check(dims, bias, options);
+  check_path(bias, pos, options);
   RELPOS_ISA_DISPATCH(attention_forward<T>, dims, q, k, v, pos, bias, options, out, lse);
 }
 
@@ -94,12 +149,17 @@ void attention_backward(const AttentionDims& dims, const T* q, const T* k, const
                         const AttentionOptions& options, const T* dout, const T* out, const T* lse,
                         T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads) {
   check(dims, bias, options);
+  check_path(bias, pos, options);
   if (!dout || !out || !lse) throw InputError("attention backward needs dout, out and lse");
   if (grads.lag_table && !bias.lag_table)
     throw InputError("attention: a lag table gradient needs the lag table");
   if (grads.slopes && !bias.slopes) throw InputError("attention: a slope gradient needs slopes");
   if ((grads.cq || grads.ck) && !bias.cq)
     throw InputError("attention: per-token gradients need the per-token biases");
+  if ((grads.gq && !bias.gq) || (grads.gk && !bias.gk))
+    throw InputError("attention: a gate gradient needs its gates");
+  if ((grads.path_q || grads.path_k || grads.path_beta) && !bias.path_q)
+    throw InputError("attention: probe gradients need the path integral");
   RELPOS_ISA_DISPATCH(attention_backward<T>, dims, q, k, v, pos, bias, options, dout, out, lse, dq,
                       dk, dv, grads);
 }
@@ -174,6 +234,25 @@ void attention_reference_backward(const AttentionDims& d, const double* q, const
           mean += s[j] * dp[j];
         }
         const double pq = pos.query(b, i, d.Tq, d.Tk);
+        if (bias.path_q) {
+          // d e(i, l) = sum_{j<l} dS_ij, straight from the sums; then through logsigmoid and z
+          const int64_t P = bias.path_dim, top = std::min(path_slot(d, i), d.Tk - 1);
+          double below = 0;  // sum_{j<l} dS_ij
+          for (int64_t l = 0; l <= top; ++l) {
+            if (l >= 1) {
+              const double z = path_z(d, bias, b, h, i, l), de = below;
+              if (g.path_beta) g.path_beta[h] += de * log_sigmoid(z);
+              const double dz = de * bias.path_beta[h] / (1.0 + std::exp(z)) * bias.path_scale;
+              const double* a = bias.path_q + row * P;
+              const double* c = bias.path_k + ((b * d.Hq + h) * d.Tk + l) * P;
+              for (int64_t p = 0; p < P; ++p) {
+                if (g.path_q) g.path_q[row * P + p] += dz * c[p];
+                if (g.path_k) g.path_k[((b * d.Hq + h) * d.Tk + l) * P + p] += dz * a[p];
+              }
+            }
+            below += s[l] * (dp[l] - mean);
+          }
+        }
         for (int64_t j = 0; j < d.Tk; ++j) {
           if (s[j] == 0) continue;
           const double ds = s[j] * (dp[j] - mean);
@@ -189,6 +268,8 @@ void attention_reference_backward(const AttentionDims& d, const double* q, const
           if (g.slopes) g.slopes[h] -= ds * lag;
           if (g.cq) g.cq[row] += ds;
           if (g.ck) g.ck[(b * d.Hq + h) * d.Tk + j] -= ds;
+          if (g.gq) g.gq[row] -= ds * lag;
+          if (g.gk) g.gk[(b * d.Hq + h) * d.Tk + j] -= ds * lag;
         }
       }
 }

@@ -73,9 +73,20 @@ struct AttentionOptions {
 //               float64 in both instantiations, and the kernel subtracts in float64 before
 //               rounding to T: a cumulative sum that grows to 1e5 keeps |c_i - c_j| exact to
 //               float64 rounding, where fp32 inputs alone would already lose ~1e-2 of it.
-//   path integrals sum_{l=j+1..i} psi_h(i, l) (GRAPE-AP): not yet; the key-tile loop walks
-//               from the diagonal toward the past so that a later issue can carry a per-row
-//               running suffix sum (see the hook in attention_isa.inc).
+//   gated slopes - (p_q[i] - p_k[j]) (gq[b, h, i] + gk[b, h, j]), [B, Hq, Tq] and [B, Hq, Tk],
+//               either may be null (GRAPE-A: softplus gates times the head's slope, multiplied
+//               in by the caller; ALiBi is gk = slope_h, gq null). The i * gk_j cross term is
+//               why this is not a cq/ck pair.
+//   path integral + sum_{l=j+1..slot(i)} beta[h] logsigmoid(path_scale pq[b,h,i] . pk[b,h,l])
+//               (GRAPE-AP: endpoint-dependent edge potentials summed along the path from key j
+//               to the query), probes pq [B, Hq, Tq, path_dim], pk [B, Hq, Tk, path_dim], beta
+//               [Hq]. Edges live on key slots l = 0..Tk-1 and query i sits at slot
+//               Tk - Tq + i (the decode convention), whatever the positions: pass default
+//               positions with it. The empty sum (j >= slot(i)) is 0. The forward walks key
+//               tiles from the diagonal toward the past carrying a per-row running suffix sum
+//               (float64); the backward takes the edge gradients sum_{j<l} dS_ij from per-row
+//               running sums of dS on the same walk (always the PerHead scheme: its per-row
+//               carries are O(T) per task; memory stays linear in T).
 // All per-head arrays are indexed by the query head.
 template <class T>
 struct AttentionBias {
@@ -84,20 +95,37 @@ struct AttentionBias {
   const T* slopes = nullptr;
   const double* cq = nullptr;
   const double* ck = nullptr;
-  bool any() const { return lag_table || slopes || cq || ck; }
+  const T* gq = nullptr;
+  const T* gk = nullptr;
+  const T* path_q = nullptr;
+  const T* path_k = nullptr;
+  const T* path_beta = nullptr;
+  int64_t path_dim = 0;
+  double path_scale = 1.0;
+  bool path() const { return path_q != nullptr; }
+  bool any() const { return lag_table || slopes || cq || ck || gq || gk || path_q; }
 };
 
 // Gradients of the bias parameters, accumulated (+=) in place, as the transform ParamGrads;
 // null entries are not computed. lag_table[h][d] gets the sum of dL/dlogit over the pairs whose
 // (clamped) lag index is d; slopes[h] gets -sum dL/dlogit (p_q - p_k); cq[b,h,i] the row sums
-// and ck[b,h,j] minus the column sums of dL/dlogit.
+// and ck[b,h,j] minus the column sums of dL/dlogit; gq[b,h,i] gets -sum_j dL/dlogit (p_q - p_k),
+// gk[b,h,j] -sum_i dL/dlogit (p_q - p_k); path_q, path_k, path_beta the probe and beta
+// gradients of the path integral.
 template <class T>
 struct AttentionBiasGrads {
   T* lag_table = nullptr;
   T* slopes = nullptr;
   double* cq = nullptr;
   double* ck = nullptr;
-  bool any() const { return lag_table || slopes || cq || ck; }
+  T* gq = nullptr;
+  T* gk = nullptr;
+  T* path_q = nullptr;
+  T* path_k = nullptr;
+  T* path_beta = nullptr;
+  bool any() const {
+    return lag_table || slopes || cq || ck || gq || gk || path_q || path_k || path_beta;
+  }
 };
 
 // Lag table index of the lag d = p_q - p_k: floor(d + 1/2) clamped to [0, lag_len - 1] (the

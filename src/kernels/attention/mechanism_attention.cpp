@@ -20,6 +20,8 @@ const char* shape_name(BiasShape s) {
       return "separable per-token";
     case BiasShape::PathIntegral:
       return "path-integral";
+    case BiasShape::GatedSlope:
+      return "gated-slope";
   }
   return "?";
 }
@@ -84,7 +86,8 @@ void check_attention_support(const Mechanism& m) {
   for (const auto& b : m.biases)
     if (b.shape != BiasShape::LagTable || (b.slopes.empty() && !b.pj))
       throw InputError(
-          fmt::format("attention: bias '{}' ({} form) is not yet supported by the attention path",
+          fmt::format("attention: bias '{}' ({} form) is computed from the tokens by a model: "
+                      "use nn::GrapeAttention (torch/grape.hpp), not the kernel-level path",
                       b.name, shape_name(b.shape)));
 }
 
@@ -118,10 +121,12 @@ MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq, int64_t max_l
         break;
       case BiasShape::Separable:
       case BiasShape::PathIntegral:
+      case BiasShape::GatedSlope:
         break;
     }
     throw InputError(
-        fmt::format("attention: bias '{}' ({} form) is not yet supported by the attention path",
+        fmt::format("attention: bias '{}' ({} form) is computed from the tokens by a model: use "
+                    "nn::GrapeAttention (torch/grape.hpp), not the kernel-level path",
                     b.name, shape_name(b.shape)));
   }
   MechanismBias<T> out;

@@ -1,0 +1,331 @@
+#include "torch/grape.hpp"
+
+#include <fmt/format.h>
+
+#include <cfloat>
+#include <cmath>
+
+#include "core/charts.hpp"
+#include "core/registry.hpp"
+#include "core/types.hpp"
+#include "torch/grape_generators.hpp"
+#include "torch/journey.hpp"
+#include "torch/scan.hpp"
+
+namespace relpos::nn {
+
+KvShift parse_kv_shift(const std::string& s) {
+  if (s == "none") return KvShift::None;
+  if (s == "k") return KvShift::K;
+  if (s == "v") return KvShift::V;
+  if (s == "kv") return KvShift::KV;
+  throw InputError(fmt::format("kv_shift must be none, k, v or kv, got '{}'", s));
+}
+
+std::string to_string(KvShift s) {
+  switch (s) {
+    case KvShift::None:
+      return "none";
+    case KvShift::K:
+      return "k";
+    case KvShift::V:
+      return "v";
+    case KvShift::KV:
+      return "kv";
+  }
+  return "?";
+}
+
+namespace {
+
+// softplus^{-1}(y) = ln(e^y - 1), for initialising softplus-parameterised scales
+torch::Tensor inverse_softplus(const torch::Tensor& y) {
+  return torch::log(torch::expm1(y));
+}
+
+// x / sqrt(mean(x^2) + eps) over the last axis, computed in float32 at least (the reference's
+// RMSNorm casts to fp32)
+torch::Tensor rms(const torch::Tensor& x, double eps) {
+  const auto xf = x.scalar_type() == torch::kDouble ? x : x.to(torch::kFloat);
+  return (xf * torch::rsqrt(xf.square().mean(-1, true) + eps)).to(x.scalar_type());
+}
+
+// torch's default RMSNorm eps (eps=None): the dtype's machine epsilon
+double machine_eps(torch::ScalarType t) {
+  return t == torch::kDouble ? DBL_EPSILON : FLT_EPSILON;
+}
+
+torch::Tensor cat_time(const torch::Tensor& cached, const torch::Tensor& fresh) {
+  return cached.defined() && cached.size(2) > 0 ? torch::cat({cached, fresh}, 2) : fresh;
+}
+
+}  // namespace
+
+GrapeAttentionImpl::GrapeAttentionImpl(const std::string& spec, int64_t d_model, int64_t heads,
+                                       KvShift shift, std::string attention)
+    : mech_(build_mechanism(spec, static_cast<int>(d_model / heads), static_cast<int>(heads))),
+      heads_(heads),
+      head_dim_(d_model / heads),
+      shift_(shift),
+      attention_(std::move(attention)) {
+  if (attention_ != "fused" && attention_ != "composed")
+    throw InputError(
+        fmt::format("grape: attention must be fused or composed, got '{}'", attention_));
+  for (const auto& t : mech_.transforms) {
+    if (t.learned_frequencies) {
+      learned_ = &t;
+    } else if (t.roles.values || t.roles.outputs || t.time != TimeSource::Position) {
+      throw InputError(fmt::format(
+          "grape: mechanism '{}' has a journey or content-driven term '{}': not a GRAPE block "
+          "rotation",
+          mech_.spec, t.name));
+    }
+  }
+  if (learned_ && mech_.transforms.size() != 1)
+    throw InputError(fmt::format("grape: '{}': grape_m composes with bias terms only", mech_.spec));
+  int content = 0;
+  for (const auto& b : mech_.biases) {
+    if (b.content_dependent()) ++content;
+    if (b.pj)
+      throw InputError(
+          fmt::format("grape: '{}': the PJ lag table is not part of the GRAPE block", mech_.spec));
+  }
+  if (content > 1)
+    throw InputError(fmt::format("grape: '{}' has {} content-dependent biases; a layer takes one",
+                                 mech_.spec, content));
+  content_ = mech_.content_bias();
+  const int64_t D = head_dim_;
+  enc_ = register_module(
+      "enc", PositionEncoding(spec, D, heads, EncodingOptions{Layout::HalfSplit, false}));
+  q_gain_ = register_parameter("q_gain", torch::ones({D}));
+  k_gain_ = register_parameter("k_gain", torch::ones({D}));
+  slopes_ = register_buffer(
+      "slopes",
+      torch::tensor(alibi_slopes(static_cast<int>(heads)), torch::kDouble).to(torch::kFloat));
+  if (learned_) {
+    log_freq_ = register_parameter("log_freq", torch::empty({D / 2}));
+    reset_frequencies();
+    if (learned_->basis != "none")  // E = I at init: GRAPE-M (and RoPE) exactly
+      basis_w_ = register_parameter("basis_w", torch::zeros({D, D}));
+    if (learned_->time == TimeSource::ContentPhase) {
+      // the reference's init: w = 0, b = softplus^{-1}(1e-3), so omega = sigmoid(b / 16) ~ 0.394
+      ctx_w_ = register_parameter("ctx_w", torch::zeros({d_model}));
+      ctx_b_ = register_parameter("ctx_b", torch::full({1}, std::log(std::expm1(1e-3))));
+    }
+  }
+  if (content_) {
+    const auto m = slopes_.to(torch::kDouble);
+    switch (content_->shape) {
+      case BiasShape::GatedSlope:
+        if (content_->gate != "q")
+          gate_u_ = register_parameter("gate_u", torch::randn({heads, D}) / std::sqrt(double(D)));
+        if (content_->gate != "k")
+          gate_v_ = register_parameter("gate_v", torch::randn({heads, D}) / std::sqrt(double(D)));
+        // reference: omega_h = softplus(rho) m_h, rho = softplus^{-1}(1); paper: omega_h =
+        // softplus(rho), rho = softplus^{-1}(m_h) (both start at omega_h = m_h)
+        gate_rho_ = register_parameter(
+            "gate_rho",
+            inverse_softplus(content_->paper_form ? m : torch::ones({heads}, torch::kDouble))
+                .to(torch::kFloat));
+        break;
+      case BiasShape::Separable:
+        fox_ = register_module("fox", torch::nn::Linear(d_model, heads));
+        torch::nn::init::zeros_(fox_->bias);
+        break;
+      case BiasShape::PathIntegral:
+        probe_ = register_module(
+            "probe",
+            torch::nn::Linear(
+                torch::nn::LinearOptions(d_model, heads * content_->probe_dim).bias(false)));
+        if (content_->paper_form)
+          probe_rho_ = register_parameter("probe_rho", inverse_softplus(m).to(torch::kFloat));
+        break;
+      case BiasShape::LagTable:
+        break;
+    }
+  }
+  const auto gate = [&](const char* name) {
+    return register_module(name,
+                           torch::nn::Linear(torch::nn::LinearOptions(d_model, heads).bias(false)));
+  };
+  if (shift_ == KvShift::K || shift_ == KvShift::KV) shift_k_ = gate("shift_k");
+  if (shift_ == KvShift::V || shift_ == KvShift::KV) shift_v_ = gate("shift_v");
+}
+
+void GrapeAttentionImpl::reset_frequencies() {
+  if (!log_freq_.defined()) return;
+  // lambda_m = scale * ln theta_m at the initial spectrum (segments store -theta: frame angle
+  // = -omega p, journey.hpp), rounded once to the parameter's dtype
+  std::vector<double> lam;
+  for (const auto& s : learned_->segments)
+    for (double w : s.omega) lam.push_back(learned_->frequency_scale * std::log(-w));
+  torch::NoGradGuard no_grad;
+  log_freq_.copy_(torch::tensor(lam, torch::kDouble));
+}
+
+torch::Tensor GrapeAttentionImpl::frequencies() const {
+  return log_freq_.defined() ? torch::exp(log_freq_ / learned_->frequency_scale) : torch::Tensor();
+}
+
+double GrapeAttentionImpl::gain_pair_gap() const {
+  const int64_t h = head_dim_ / 2;
+  double gap = 0;
+  for (const auto& g : {q_gain_, k_gain_})
+    gap = std::max(gap, (g.narrow(0, 0, h) - g.narrow(0, h, h)).abs().max().item<double>());
+  return gap;
+}
+
+GrapeAttentionImpl::Parts GrapeAttentionImpl::parts(const torch::Tensor& x, const torch::Tensor& q,
+                                                    const torch::Tensor& k, const torch::Tensor& v,
+                                                    const GrapeDecodeState* state) {
+  const int64_t B = x.size(0), T = x.size(1), H = heads_, D = head_dim_;
+  if (q.dim() != 4 || q.size(0) != B || q.size(1) != H || q.size(2) != T || q.size(3) != D ||
+      k.sizes() != q.sizes() || v.sizes() != q.sizes())
+    throw InputError(fmt::format("grape: q, k, v must be [{}, {}, {}, {}]", B, H, T, D));
+  const auto dt = q.scalar_type();
+  const int64_t offset = state ? state->length : 0;
+  const auto pos = torch::arange(offset, offset + T, torch::kDouble);
+  Parts P;
+  P.last_k = k.narrow(2, T - 1, 1).detach();
+  P.last_v = v.narrow(2, T - 1, 1).detach();
+  // KV-shift: y_t <- a_t y_{t-1} + (1 - a_t) y_t on the raw projections, y_{-1} = 0
+  const auto shift = [&](torch::nn::Linear& gate, const torch::Tensor& y,
+                         const torch::Tensor& prev) {
+    const auto a = torch::sigmoid(gate(x)).transpose(1, 2).unsqueeze(-1).to(dt);  // [B, H, T, 1]
+    const auto first = prev.defined() ? prev : torch::zeros_like(y.narrow(2, 0, 1));
+    const auto before = T > 1 ? torch::cat({first, y.narrow(2, 0, T - 1)}, 2) : first;
+    return a * before + (1 - a) * y;
+  };
+  auto qq = q, kk = shift_k_ ? shift(shift_k_, k, state ? state->prev_k : torch::Tensor()) : k;
+  P.v = shift_v_ ? shift(shift_v_, v, state ? state->prev_v : torch::Tensor()) : v;
+  // rotation, then QK-RMSNorm (this order: the gains act on rotated coordinates)
+  if (learned_) {
+    const auto theta = frequencies().to(dt);
+    torch::Tensor angles;
+    if (learned_->time == TimeSource::ContentPhase) {
+      const auto om = torch::sigmoid(
+          (torch::matmul(x, ctx_w_.to(x.scalar_type())) + ctx_b_.to(x.scalar_type())) /
+          16.0);  // [B, T]
+      const auto phase0 =
+          state && state->phase.defined() ? state->phase : torch::zeros({B, 1}, torch::kDouble);
+      const auto phi = causal_scan(om.unsqueeze(-1), "exclusive");  // [B, T, 1]
+      const auto total = phi.to(torch::kDouble) + phase0.unsqueeze(1);
+      P.phase_end =
+          (phase0 + (phi.select(1, T - 1) + om.narrow(1, T - 1, 1)).to(torch::kDouble)).detach();
+      angles = total.to(dt) * theta;  // [B, T, D/2]
+    } else {
+      angles = pos.to(dt).unsqueeze(-1) * theta;  // [T, D/2]
+    }
+    const Frame f = Frame::of(angles);
+    if (basis_w_.defined()) {
+      // E R E^T with the frame's planes (basis_rotate turns half-split pairs by +angle, as
+      // rotate_pairs does); angles [B, T, D/2] broadcast over heads
+      const auto E = orthogonal_basis(basis_w_.to(dt), learned_->basis == "exp");
+      const auto c = f.cos.dim() == 3 ? f.cos.unsqueeze(1) : f.cos,
+                 s = f.sin.dim() == 3 ? f.sin.unsqueeze(1) : f.sin;
+      qq = basis_rotate(qq, E, c, s);
+      kk = basis_rotate(kk, E, c, s);
+    } else {
+      qq = rotate_pairs(qq, f, false, Layout::HalfSplit);
+      kk = rotate_pairs(kk, f, false, Layout::HalfSplit);
+    }
+  } else if (mech_.has_transform()) {
+    const auto o = enc_->forward(qq, kk, pos);
+    qq = o.q;
+    kk = o.k;
+  }
+  P.q = rms(qq, 1e-5) * q_gain_.to(dt);
+  P.k = rms(kk, 1e-5) * k_gain_.to(dt);
+  AttentionArgs& a = P.args;
+  a.causal = true;
+  if (mech_.alibi()) a.slopes = slopes_.to(dt);
+  if (!content_) return P;
+  const auto slopes = slopes_.to(dt);
+  switch (content_->shape) {
+    case BiasShape::GatedSlope: {
+      // the slope omega_h times softplus gates of the normalised q / k along unit (reference) or
+      // raw (paper) directions; passed pre-multiplied: the kernel adds -(i - j)(gq_i + gk_j)
+      const auto omega = content_->paper_form ? torch::softplus(gate_rho_.to(dt))
+                                              : torch::softplus(gate_rho_.to(dt)) * slopes;
+      const auto gates = [&](const torch::Tensor& dir, const torch::Tensor& y) {
+        auto d = dir.to(dt);
+        if (!content_->paper_form) d = d / d.norm(2, -1, true).clamp_min(1e-6);
+        const auto z = torch::einsum("bhtd,hd->bht", {y, d}) / std::sqrt(double(D));
+        return torch::softplus(z) * omega.view({1, H, 1});
+      };
+      if (gate_u_.defined()) a.gk = gates(gate_u_, P.k);
+      if (gate_v_.defined()) a.gq = gates(gate_v_, P.q);
+      break;
+    }
+    case BiasShape::Separable: {
+      // c_t = c_{t-1} + log f_t in float64: the kernel subtracts c_i - c_j before rounding
+      const auto logf = torch::log_sigmoid(fox_(x)).transpose(1, 2).to(torch::kDouble);
+      const auto c0 = state && state->length > 0 ? state->c.narrow(2, state->length - 1, 1)
+                                                 : torch::zeros({B, H, 1}, torch::kDouble);
+      P.c = c0 + torch::cumsum(logf, 2);
+      a.cq = a.ck = P.c;
+      break;
+    }
+    case BiasShape::PathIntegral: {
+      const int64_t Pd = content_->probe_dim;
+      const auto p = probe_(x).view({B, T, H, Pd}).transpose(1, 2).to(dt);  // [B, H, T, P]
+      const auto angles = pos.to(dt).unsqueeze(-1).expand({T, Pd / 2});     // l rad per plane
+      a.path_k = rotate_pairs(rms(p, machine_eps(dt)), Frame::of(angles), false, Layout::HalfSplit);
+      a.path_q = content_->paper_form ? rms(p, machine_eps(dt)) : p.contiguous();
+      a.path_beta = content_->paper_form ? torch::softplus(probe_rho_.to(dt)) : slopes;
+      a.path_scale = 1.0 / static_cast<double>(Pd);
+      break;
+    }
+    case BiasShape::LagTable:
+      break;
+  }
+  return P;
+}
+
+torch::Tensor GrapeAttentionImpl::attend(const Parts& p) {
+  return attention_ == "fused" ? fused_attention(p.q, p.k, p.v, p.args)[0]
+                               : composed_attention(p.q, p.k, p.v, p.args);
+}
+
+torch::Tensor GrapeAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& q,
+                                          const torch::Tensor& k, const torch::Tensor& v) {
+  return attend(parts(x, q, k, v));
+}
+
+torch::Tensor GrapeAttentionImpl::step(const torch::Tensor& x, const torch::Tensor& q,
+                                       const torch::Tensor& k, const torch::Tensor& v,
+                                       GrapeDecodeState& s) {
+  Parts P = parts(x, q, k, v, &s);
+  // the new tokens' keys and side state join the cache; the queries are the last T rows
+  P.k = cat_time(s.k, P.k);
+  P.v = cat_time(s.v, P.v);
+  AttentionArgs& a = P.args;
+  if (a.gk.defined()) a.gk = cat_time(s.gk, a.gk);
+  if (P.c.defined()) a.ck = cat_time(s.c, P.c);
+  if (a.path_k.defined()) a.path_k = cat_time(s.path_k, a.path_k);
+  s.k = P.k.detach();
+  s.v = P.v.detach();
+  if (a.gk.defined()) s.gk = a.gk.detach();
+  if (P.c.defined()) s.c = a.ck.detach();
+  if (a.path_k.defined()) s.path_k = a.path_k.detach();
+  if (P.phase_end.defined()) s.phase = P.phase_end;
+  s.prev_k = P.last_k;
+  s.prev_v = P.last_v;
+  s.length += x.size(1);
+  return attend(P);
+}
+
+bool grape_keeps_init(const std::string& name) {
+  for (const char* s : {"gate_u", "gate_v", "ctx_w", "ctx_b", "log_freq", "gate_rho", "probe_rho",
+                        "q_gain", "k_gain", "basis_w"})
+    if (name.ends_with(s)) return true;
+  return false;
+}
+
+bool grape_no_decay(const std::string& name) {
+  for (const char* s : {"q_gain", "k_gain", "rms1", "rms2", "rms_f"})
+    if (name.ends_with(s)) return true;
+  return false;
+}
+
+}  // namespace relpos::nn
