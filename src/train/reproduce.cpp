@@ -309,9 +309,12 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
     };
     md += "| method |";
     std::string rule = "|---|";
+    // no reproduce.paper: the paper reports other quantities (GRAPE's 0-shot accuracies), ours only
+    const bool with_paper = paper != nullptr;
     for (size_t c = 0; c < paper_columns.size(); ++c) {
-      md += fmt::format(" paper {} | ours {} |", paper_columns[c], our_columns[c]);
-      rule += "---:|---:|";
+      md += with_paper ? fmt::format(" paper {} | ours {} |", paper_columns[c], our_columns[c])
+                       : fmt::format(" {} |", our_columns[c]);
+      rule += with_paper ? "---:|---:|" : "---:|";
       if (!also.empty()) {
         md += fmt::format(" ours {} |", also[c]);
         rule += "---:|";
@@ -327,7 +330,8 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
         const double pstd =
             prow && prow->size() > 2 * c + 1 ? (*prow)[2 * c + 1].value_or(NAN) : NAN;
         const auto [m, s] = ours_at(i, our_columns[c]);
-        md += fmt::format(" {} | {} |", pm(pmean, pstd), pm(m, s));
+        md += with_paper ? fmt::format(" {} | {} |", pm(pmean, pstd), pm(m, s))
+                         : fmt::format(" {} |", pm(m, s));
         if (!also.empty()) {
           const auto [am, as] = ours_at(i, also[c]);
           md += fmt::format(" {} |", pm(am, as));
@@ -339,11 +343,13 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
       }
       md += "\n";
     }
-    md += "\nOrdering against the paper (Spearman rank correlation of the means over methods):";
-    for (size_t c = 0; c < paper_columns.size(); ++c)
-      md += fmt::format(" {} vs {}: {:.2f};", paper_columns[c], our_columns[c],
-                        pm_paper[c].size() > 2 ? spearman(pm_paper[c], pm_ours[c]) : NAN);
-    md += "\n";
+    if (with_paper) {
+      md += "\nOrdering against the paper (Spearman rank correlation of the means over methods):";
+      for (size_t c = 0; c < paper_columns.size(); ++c)
+        md += fmt::format(" {} vs {}: {:.2f};", paper_columns[c], our_columns[c],
+                          pm_paper[c].size() > 2 ? spearman(pm_paper[c], pm_ours[c]) : NAN);
+      md += "\n";
+    }
   } else if (kind == "best") {
     md +=
         "| column | paper best | paper value | ours | our best | our value "

@@ -121,25 +121,11 @@ bool reference_logits(const AttentionDims& d, const double* q, const double* k,
 
 }  // namespace
 
-// The path integral's edges live on key slots: the kernels walk them with the default positions
-// and every key.
-template <class T>
-void check_path(const AttentionBias<T>& bias, const AttentionPositions& pos,
-                const AttentionOptions& o) {
-  if (!bias.path_q) return;
-  if (pos.q || pos.k)
-    throw InputError(
-        "attention: a path integral runs on the default positions (key slots 0..Tk-1, queries "
-        "the last Tq): pass no positions with it");
-  if (o.key_len) throw InputError("attention: a path integral takes no key padding (key_len)");
-}
-
 template <class T>
 void attention_forward(const AttentionDims& dims, const T* q, const T* k, const T* v,
                        const AttentionPositions& pos, const AttentionBias<T>& bias,
                        const AttentionOptions& options, T* out, T* lse) {
   check(dims, bias, options);
-  check_path(bias, pos, options);
   RELPOS_ISA_DISPATCH(attention_forward<T>, dims, q, k, v, pos, bias, options, out, lse);
 }
 
@@ -149,7 +135,6 @@ void attention_backward(const AttentionDims& dims, const T* q, const T* k, const
                         const AttentionOptions& options, const T* dout, const T* out, const T* lse,
                         T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads) {
   check(dims, bias, options);
-  check_path(bias, pos, options);
   if (!dout || !out || !lse) throw InputError("attention backward needs dout, out and lse");
   if (grads.lag_table && !bias.lag_table)
     throw InputError("attention: a lag table gradient needs the lag table");

@@ -81,8 +81,9 @@ struct AttentionOptions {
 //               (GRAPE-AP: endpoint-dependent edge potentials summed along the path from key j
 //               to the query), probes pq [B, Hq, Tq, path_dim], pk [B, Hq, Tk, path_dim], beta
 //               [Hq]. Edges live on key slots l = 0..Tk-1 and query i sits at slot
-//               Tk - Tq + i (the decode convention), whatever the positions: pass default
-//               positions with it. The empty sum (j >= slot(i)) is 0. The forward walks key
+//               Tk - Tq + i (the decode convention), whatever the positions (the positions
+//               still decide visibility and the other biases; key padding hides keys, not
+//               edges). The empty sum (j >= slot(i)) is 0. The forward walks key
 //               tiles from the diagonal toward the past carrying a per-row running suffix sum
 //               (float64); the backward takes the edge gradients sum_{j<l} dS_ij from per-row
 //               running sums of dS on the same walk (always the PerHead scheme: its per-row
