@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Golden outputs: the CLI's probe and reproduce tables and verify's JSON must stay what they were
 # when tests/golden/ was recorded (before the mechanism-model reorganisation of issue 8). Probes
-# are float64/float32 least squares on fixed bases: compared to 1e-12 relative. Re-record with
+# are float64/float32 least squares on fixed bases whose condition numbers reach 2.3e7: libm's
+# last bits (glibc point releases) move their numbers by up to cond x eps = 7e-9 relative, and
+# rounding-level MSEs (1e-14) by more, so they are compared to 1e-7 relative or 1e-12 absolute
+# (a change of method moves them by far more). Re-record with
 #   tests/golden.sh BUILD/relpos BUILD/json_close --record
 # only when a change of numbers is intended, and say why in the commit.
 set -u
@@ -23,8 +26,8 @@ run() { # name rtol atol loose command...   (loose: KEY=VALUE:RTOL or -)
     echo "FAIL: $name differs from tests/golden/$name.json:"; head -25 "$tmp/$name.diff"; fail=1
   fi
 }
-run probe-all 1e-12 0 - "$relpos" probe --suite all --format json
-run reproduce-jordan-basis 1e-12 0 - "$relpos" reproduce jordan-basis --format json
+run probe-all 1e-7 1e-12 - "$relpos" probe --suite all --format json
+run reproduce-jordan-basis 1e-7 1e-12 - "$relpos" reproduce jordan-basis --format json
 run reproduce-jordan-basis-f32 1e-6 1e-9 - "$relpos" reproduce jordan-basis --dtype f32 --format json
 # verify's residuals are rounding-level numbers (1e-16 .. 1e-7) that depend on the kernel build
 # (ISA, -O2 / -O3 contraction): statuses and strings must match exactly, float64 rows' numbers to
