@@ -11,6 +11,8 @@ check() { # expected-exit description command...
 check 0 "list" "$relpos" list
 check 0 "verify rope json" "$relpos" verify --enc rope --len 4096 --positions 24 --format json
 check 0 "kernel csv" "$relpos" kernel --enc "jordan(m=2, regime=raw)" --lags 0:8
+check 0 "verify --structured" "$relpos" verify --structured
+check 2 "verify --structured bad --dims" "$relpos" verify --structured --dims 1,4
 check 2 "unknown mechanism" "$relpos" verify --enc "bogus(m=2)"
 check 2 "unknown option" "$relpos" verify --enc "jordan(q=1)"
 check 2 "indivisible head dim" "$relpos" kernel --enc "jordan(m=3)" --head-dim 64 --lags 0:2

@@ -30,6 +30,8 @@ torch.ops.load_library(str(_LIB))
 from .attention import attention, fused_attention  # noqa: E402
 from .encoding import InputError, PositionEncoding, rope_scaling_spec  # noqa: E402
 from .journey import frame_angles, journey_attention, rotate_pairs  # noqa: E402
+from .linear import favor_attention, random_projection  # noqa: E402
+from .structured import cayley_basis, structured_attention, structured_rotate  # noqa: E402
 
 __all__ = [
     "InputError",
@@ -39,6 +41,11 @@ __all__ = [
     "frame_angles",
     "journey_attention",
     "rotate_pairs",
+    "cayley_basis",
+    "favor_attention",
+    "random_projection",
+    "structured_attention",
+    "structured_rotate",
     "mechanisms",
     "mechanism",
     "rope_scaling_spec",

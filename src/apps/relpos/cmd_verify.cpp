@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "apps/relpos/commands.hpp"
+#include "apps/relpos/structured_report.hpp"
 #include "apps/relpos/table.hpp"
 #include "core/registry.hpp"
 #include "core/rope_scaling.hpp"
@@ -26,6 +27,10 @@ struct VerifyArgs {
   uint64_t seed = 1;
   std::string rope_scaling;  // a JSON file holding a rope_scaling dictionary
   double max_position_embeddings = 0;
+  bool structured = false;        // Theorem 1 of the structured rotations instead of the specs
+  bool structured_sweep = false;  // their Theorem 2 sweep
+  std::string dims = "1,2,3";
+  std::string out;
 };
 
 // The --enc specs with the rule of a rope_scaling JSON file composed onto each.
@@ -95,7 +100,34 @@ void add_verify_command(CLI::App& app) {
                   "the model config's max_position_embeddings, where the rope_scaling dictionary "
                   "relies on it (dynamic without original_max_position_embeddings, longrope "
                   "without factor)");
-  cmd->callback([a] {
+  cmd->add_flag("--structured", a->structured,
+                "check Theorem 1 of the equivariant structured rotations instead of the specs: "
+                "learned-basis (cayley, exp), axial, mixed and matrices-only (Lemma 1) families, "
+                "fp64, PASS at <= 1e-12");
+  cmd->add_flag("--structured-sweep", a->structured_sweep,
+                "run the structured rotations' Theorem 2 sweep (commutator size x leakage) and fit "
+                "its constant C; with --out DIR also DIR/theorem2.csv and DIR/theorem2.png");
+  cmd->add_option("--dims", a->dims,
+                  "--structured / --structured-sweep: position dimensions d_c, comma-separated "
+                  "(default 1,2,3)");
+  cmd->add_option("--out", a->out, "--structured-sweep: output directory");
+  cmd->callback([a, cmd] {
+    if (a->structured || a->structured_sweep) {
+      for (const char* name : {"--enc", "--rope-scaling", "--len", "--dtype", "--layout",
+                               "--head-dim", "--heads", "--positions"})
+        if (cmd->count(name) > 0)
+          throw InputError(fmt::format("verify: {} does not apply to --structured", name));
+      const auto dims = parse_structured_dims(a->dims);
+      bool ok = true;
+      if (a->structured) ok = report_structured_theorem1(dims, a->seed, a->format) && ok;
+      if (a->structured_sweep) ok = report_structured_sweep(dims, a->seed, a->format, a->out) && ok;
+      if (!ok) throw ExitStatus{1};
+      return;
+    }
+    for (const char* name : {"--dims", "--out"})
+      if (cmd->count(name) > 0)
+        throw InputError(
+            fmt::format("verify: {} applies to --structured / --structured-sweep only", name));
     diag::VerifyOptions o;
     o.max_lag = a->len;
     o.head_dim = a->head_dim;

@@ -37,6 +37,7 @@ void add_verify_command(CLI::App& app);
 void add_kernel_command(CLI::App& app);
 void add_probe_command(CLI::App&);
 void add_reproduce_command(CLI::App&);
+void add_linear_attention_command(CLI::App&);  // FAVOR+ linear vs softmax attention timing
 void add_torch_commands(CLI::App&);  // train, eval, sweep (relpos-train), bench (relpos-bench)
 // Runs `program` from this executable's directory with `args`, output shared; its exit status.
 int run_beside(const std::string& program, const std::vector<std::string>& args);

@@ -12,13 +12,14 @@ int main(int argc, char** argv) {
   // OMP_NUM_THREADS to change), and a call starts in milliseconds.
   CLI::App app{
       "relpos: relative positional encodings for attention - list, verify, kernel, probe, "
-      "reproduce, train, eval, sweep, bench"};
+      "reproduce, linear-attention, train, eval, sweep, bench"};
   app.require_subcommand(1);
   relpos::app::add_list_command(app);
   relpos::app::add_verify_command(app);
   relpos::app::add_kernel_command(app);
   relpos::app::add_probe_command(app);
   relpos::app::add_reproduce_command(app);
+  relpos::app::add_linear_attention_command(app);
   relpos::app::add_torch_commands(app);
   // Exit codes (docs/errors.md): 0 ok, 1 a check failed, 2 bad input, anything else a bug.
   try {
