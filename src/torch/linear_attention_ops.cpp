@@ -50,8 +50,8 @@ FavorOperands favor_operands(const torch::Tensor& q, const torch::Tensor& k, con
     throw InputError(fmt::format("{}: projection must be [m, D = {}] with m >= 1, got {}", op,
                                  q.size(3), fmt::join(projection.sizes(), " x ")));
   if (!(scale >= 0) || !std::isfinite(scale))
-    throw InputError(fmt::format("{}: scale must be finite and >= 0 (0: D^-1/4), got {}", op,
-                                 scale));
+    throw InputError(
+        fmt::format("{}: scale must be finite and >= 0 (0: D^-1/4), got {}", op, scale));
   FavorOperands o;
   o.q = q.contiguous();
   o.k = k.contiguous();
@@ -101,8 +101,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> favor_backward_cpu(
                                                  o.W, o.o, out.data_ptr<scalar_t>(), cache);
       kernels::favor_attention_backward<scalar_t>(
           o.d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(), o.v.data_ptr<scalar_t>(), o.W,
-          o.o, g.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), cache,
-          op_util::mptr<scalar_t>(dq), op_util::mptr<scalar_t>(dk), op_util::mptr<scalar_t>(dv));
+          o.o, g.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), cache, op_util::mptr<scalar_t>(dq),
+          op_util::mptr<scalar_t>(dk), op_util::mptr<scalar_t>(dv));
     });
     return std::make_tuple(dq, dk, dv);
   });
@@ -124,9 +124,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> favor_backward_meta(
 
 class FavorFunction : public torch::autograd::Function<FavorFunction> {
  public:
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q,
-                               const torch::Tensor& k, const torch::Tensor& v,
-                               const torch::Tensor& projection, bool causal, double scale) {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const torch::Tensor& projection, bool causal,
+                               double scale) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ctx->save_for_backward({q, k, v, projection});
     ctx->saved_data["causal"] = causal;
@@ -148,16 +148,14 @@ class FavorFunction : public torch::autograd::Function<FavorFunction> {
                 const torch::Tensor&, const torch::Tensor&, bool, double, std::array<bool, 3>)>();
     const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                    ctx->needs_input_grad(2)};
-    auto [dq, dk, dv] = op.call(grad[0], s[0], s[1], s[2], s[3],
-                                ctx->saved_data["causal"].toBool(),
+    auto [dq, dk, dv] = op.call(grad[0], s[0], s[1], s[2], s[3], ctx->saved_data["causal"].toBool(),
                                 ctx->saved_data["scale"].toDouble(), mask);
     return {dq, dk, dv, {}, {}, {}};
   }
 };
 
-torch::Tensor favor_autograd(const torch::Tensor& q, const torch::Tensor& k,
-                             const torch::Tensor& v, const torch::Tensor& projection, bool causal,
-                             double scale) {
+torch::Tensor favor_autograd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& projection, bool causal, double scale) {
   return FavorFunction::apply(q, k, v, projection, causal, scale);
 }
 

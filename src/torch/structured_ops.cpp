@@ -78,15 +78,13 @@ Operands operands(const torch::Tensor& x, const torch::Tensor& basis, const torc
 }
 
 torch::Tensor rotate_cpu(const torch::Tensor& x, const torch::Tensor& basis,
-                         const torch::Tensor& freqs, const torch::Tensor& positions,
-                         bool inverse) {
+                         const torch::Tensor& freqs, const torch::Tensor& positions, bool inverse) {
   return value_errors([&] {
     const Operands o = operands(x, basis, freqs, positions);
     auto y = op_util::output_like(o.x);
     AT_DISPATCH_FLOATING_TYPES(o.x.scalar_type(), "relpos_structured_rotate", [&] {
       kernels::structured_forward<scalar_t>(o.d, inverse, o.x.data_ptr<scalar_t>(),
-                                            o.U.data_ptr<scalar_t>(),
-                                            o.lambda.data_ptr<scalar_t>(),
+                                            o.U.data_ptr<scalar_t>(), o.lambda.data_ptr<scalar_t>(),
                                             o.pos.data_ptr<double>(), y.data_ptr<scalar_t>());
     });
     return y;
@@ -104,7 +102,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_backward_cpu(
       throw InputError("structured_rotate_backward: grad must have x's shape");
     auto dx = op_util::output_like(g);
     const bool params = mask[1] || mask[2];
-    auto dU = params ? torch::zeros(o.U.sizes(), o.U.options().dtype(torch::kDouble)) : torch::Tensor();
+    auto dU =
+        params ? torch::zeros(o.U.sizes(), o.U.options().dtype(torch::kDouble)) : torch::Tensor();
     auto dl = params ? torch::zeros(o.lambda.sizes(), o.lambda.options().dtype(torch::kDouble))
                      : torch::Tensor();
     AT_DISPATCH_FLOATING_TYPES(o.x.scalar_type(), "relpos_structured_rotate_backward", [&] {
@@ -165,8 +164,8 @@ class StructuredRotateFunction : public torch::autograd::Function<StructuredRota
                 const torch::Tensor&, const torch::Tensor&, bool, std::array<bool, 3>)>();
     const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                    ctx->needs_input_grad(2)};
-    auto [dx, dU, dl] = op.call(grad[0], s[0], s[1], s[2], s[3],
-                                ctx->saved_data["inverse"].toBool(), mask);
+    auto [dx, dU, dl] =
+        op.call(grad[0], s[0], s[1], s[2], s[3], ctx->saved_data["inverse"].toBool(), mask);
     return {dx, dU, dl, {}, {}};
   }
 };
