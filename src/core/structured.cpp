@@ -1,11 +1,16 @@
 // GCC 12 at -O3 reports -Wmaybe-uninitialized inside Eigen's Householder and triangular products
 // as instantiated by RealSchur and the eigen solvers here (false positives; the same code is clean
 // at -O1): silenced for Eigen's headers only, which the first include below brings in.
+// (clang, which builds the fuzzer, has no such warning and would reject the unknown option)
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <Eigen/Dense>
 #include <unsupported/Eigen/MatrixFunctions>
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 
 #include <fmt/format.h>
 
