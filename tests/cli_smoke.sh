@@ -13,6 +13,8 @@ check 0 "verify rope json" "$relpos" verify --enc rope --len 4096 --positions 24
 check 0 "kernel csv" "$relpos" kernel --enc "jordan(m=2, regime=raw)" --lags 0:8
 check 0 "verify --structured" "$relpos" verify --structured
 check 2 "verify --structured bad --dims" "$relpos" verify --structured --dims 1,4
+check 0 "linear-attention small" "$relpos" linear-attention --T 64,128 --m 16 --D 16 --H 1 --repeats 1
+check 2 "linear-attention m = 0" "$relpos" linear-attention --T 64 --m 0
 check 2 "unknown mechanism" "$relpos" verify --enc "bogus(m=2)"
 check 2 "unknown option" "$relpos" verify --enc "jordan(q=1)"
 check 2 "indivisible head dim" "$relpos" kernel --enc "jordan(m=3)" --head-dim 64 --lags 0:2

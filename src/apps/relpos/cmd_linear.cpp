@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <random>
@@ -50,6 +51,11 @@ std::vector<int64_t> parse_T_list(const std::string& s) {
   return out;
 }
 
+double median(std::vector<double> t) {
+  std::sort(t.begin(), t.end());
+  return t.size() % 2 ? t[t.size() / 2] : 0.5 * (t[t.size() / 2 - 1] + t[t.size() / 2]);
+}
+
 template <class F>
 double median_seconds(int64_t repeats, F&& f) {
   f();  // warm-up (first touch of the buffers, thread pool start)
@@ -59,8 +65,7 @@ double median_seconds(int64_t repeats, F&& f) {
     f();
     t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::sort(t.begin(), t.end());
-  return t.size() % 2 ? t[t.size() / 2] : 0.5 * (t[t.size() / 2 - 1] + t[t.size() / 2]);
+  return median(std::move(t));
 }
 
 double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
@@ -88,32 +93,70 @@ std::string opt_sci(const std::optional<double>& x) {
   return x ? sci(*x) : "-";
 }
 
+// The inputs of one length and the linear kernel's two timed calls on them.
+struct LinearProblem {
+  kernels::FavorDims fd;
+  kernels::FavorOptions fo;
+  std::vector<float> q, k, v, dout, out, dq, dk, dv;
+  kernels::FavorCache<float> cache;
+
+  LinearProblem(const LinearArgs& a, int64_t T)
+      : fd{a.B, a.H, T, a.D, a.D}, fo{kernels::FeatureSign::Minus, 0.0, true, a.chunk} {
+    const auto n = static_cast<size_t>(a.B * a.H * T * a.D);
+    std::mt19937_64 rng(a.seed ^ static_cast<uint64_t>(T));
+    std::normal_distribution<float> N(0.f, 1.f);
+    for (auto* buf : {&q, &k, &v, &dout, &out, &dq, &dk, &dv}) buf->resize(n);
+    for (auto* buf : {&q, &k, &v, &dout})
+      for (auto& x : *buf) x = N(rng);
+    for (auto* buf : {&q, &k})
+      for (auto& x : *buf) x *= static_cast<float>(a.qk_std);
+  }
+  void forward(const kernels::Projection& W) {
+    kernels::favor_attention_forward<float>(fd, q.data(), k.data(), v.data(), W, fo, out.data(),
+                                            cache);
+  }
+  void forward_backward(const kernels::Projection& W) {
+    forward(W);
+    kernels::favor_attention_backward<float>(fd, q.data(), k.data(), v.data(), W, fo, dout.data(),
+                                             out.data(), cache, dq.data(), dk.data(), dv.data());
+  }
+};
+
+double seconds_of(const std::function<void()>& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// time(T_hi) / time(T_lo) of the linear kernel, forward and forward+backward: the two lengths
+// timed back to back in each round and the median of the rounds' ratios taken, so that the drift
+// of a shared machine's speed over the run (2-3x between minutes here) cancels.
+std::pair<double, double> interleaved_ratio(const LinearArgs& a, int64_t T_lo, int64_t T_hi,
+                                            const kernels::Projection& W) {
+  LinearProblem lo(a, T_lo), hi(a, T_hi);
+  lo.forward_backward(W), hi.forward_backward(W);  // warm-up
+  std::vector<double> rf, rb;
+  for (int64_t r = 0; r < std::max<int64_t>(a.repeats, 5); ++r) {
+    rf.push_back(seconds_of([&] { hi.forward(W); }) / seconds_of([&] { lo.forward(W); }));
+    rb.push_back(seconds_of([&] { hi.forward_backward(W); }) /
+                 seconds_of([&] { lo.forward_backward(W); }));
+  }
+  return {median(rf), median(rb)};
+}
+
 Row measure(const LinearArgs& a, int64_t T, const kernels::Projection& Wo,
             const kernels::Projection& Wi) {
+  LinearProblem p(a, T);
+  auto &q = p.q, &k = p.k, &v = p.v, &dout = p.dout, &out = p.out, &dq = p.dq, &dk = p.dk,
+       &dv = p.dv;
+  auto& cache = p.cache;
+  const auto& fd = p.fd;
+  const auto& fo = p.fo;
   const int64_t n = a.B * a.H * T * a.D;
-  std::mt19937_64 rng(a.seed ^ static_cast<uint64_t>(T));
-  std::normal_distribution<float> N(0.f, 1.f);
-  std::vector<float> q(n), k(n), v(n), dout(n);
-  for (auto* buf : {&q, &k, &v, &dout})
-    for (auto& x : *buf) x = N(rng);
-  for (auto* buf : {&q, &k})
-    for (auto& x : *buf) x *= static_cast<float>(a.qk_std);
-  const kernels::FavorDims fd{a.B, a.H, T, a.D, a.D};
-  const kernels::FavorOptions fo{kernels::FeatureSign::Minus, 0.0, true, a.chunk};
-  std::vector<float> out(n), dq(n), dk(n), dv(n);
-  kernels::FavorCache<float> cache;
   Row r;
   r.T = T;
-  r.lin_fwd = median_seconds(a.repeats, [&] {
-    kernels::favor_attention_forward<float>(fd, q.data(), k.data(), v.data(), Wo, fo, out.data(),
-                                            cache);
-  });
-  r.lin_fb = median_seconds(a.repeats, [&] {
-    kernels::favor_attention_forward<float>(fd, q.data(), k.data(), v.data(), Wo, fo, out.data(),
-                                            cache);
-    kernels::favor_attention_backward<float>(fd, q.data(), k.data(), v.data(), Wo, fo, dout.data(),
-                                             out.data(), cache, dq.data(), dk.data(), dv.data());
-  });
+  r.lin_fwd = median_seconds(a.repeats, [&] { p.forward(Wo); });
+  r.lin_fb = median_seconds(a.repeats, [&] { p.forward_backward(Wo); });
   if (T > a.softmax_max_T) return r;
   const kernels::AttentionDims ad{a.B, a.H, a.H, T, T, a.D};
   kernels::AttentionOptions ao;
@@ -242,11 +285,10 @@ void add_linear_attention_command(CLI::App& app) {
                            {"rel_err_uniform", num(r.err_uniform)}});
     std::string verdict;
     if (pair) {
-      const double rf = rows[pair->second].lin_fwd / rows[pair->first].lin_fwd;
-      const double rb = rows[pair->second].lin_fb / rows[pair->first].lin_fb;
+      const auto [rf, rb] = interleaved_ratio(*a, rows[pair->first].T, rows[pair->second].T, Wo);
       verdict = fmt::format(
-          "linear attention time({}) / time({}): forward {:.2f}, forward+backward {:.2f} "
-          "(acceptance < 2.3: {})",
+          "linear attention time({}) / time({}), timed back to back (median of the rounds' "
+          "ratios): forward {:.2f}, forward+backward {:.2f} (acceptance < 2.3: {})",
           rows[pair->second].T, rows[pair->first].T, rf, rb,
           rf < 2.3 && rb < 2.3 ? "pass" : "FAIL");
       j["ratio"] = {{"T_hi", rows[pair->second].T},
