@@ -4,13 +4,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <utility>
 #include <vector>
+
+#include "kernels/isa.hpp"
 
 namespace relpos::kernels {
 
 namespace {
 
-constexpr int64_t kTile = 64;    // tokens per forward task
+constexpr int64_t kTile = 128;   // tokens per tile
 constexpr int64_t kChunks = 16;  // backward tasks per head: fixed, so the reduction order is too
 
 template <class T>
@@ -41,13 +45,26 @@ void check(const StructuredDims& d, const T* U, const T* lambda, const double* p
   if (!d.check_basis) return;
   const double tol = sizeof(T) == 4 ? 1e-4 : 1e-10;
   const int64_t A = 2 * d.M;
+  // the Gram matrices of the active columns in float64 (upper triangles), a row of U at a time
+  std::vector<double> gram(static_cast<size_t>(HU * A * A), 0.0);
+#pragma omp parallel for schedule(static) if (HU * A * A * d.D > (1 << 18))
   for (int64_t h = 0; h < HU; ++h) {
     const T* u = U + h * d.D * d.D;
+    double* g = gram.data() + h * A * A;
+    std::vector<double> ui(static_cast<size_t>(A));
+    for (int64_t i = 0; i < d.D; ++i) {
+      for (int64_t a = 0; a < A; ++a) ui[a] = static_cast<double>(u[i * d.D + a]);
+      for (int64_t a = 0; a < A; ++a) {
+        const double ua = ui[a];
+        double* ga = g + a * A;
+        for (int64_t b = a; b < A; ++b) ga[b] += ua * ui[b];
+      }
+    }
+  }
+  for (int64_t h = 0; h < HU; ++h) {
     for (int64_t a = 0; a < A; ++a)
       for (int64_t b = a; b < A; ++b) {
-        double s = 0;
-        for (int64_t i = 0; i < d.D; ++i)
-          s += static_cast<double>(u[i * d.D + a]) * static_cast<double>(u[i * d.D + b]);
+        const double s = gram[static_cast<size_t>((h * A + a) * A + b)];
         if (std::abs(s - (a == b ? 1.0 : 0.0)) > tol)
           throw InputError(fmt::format(
               "structured: basis U{} is not orthogonal: columns {} and {} have inner product "
@@ -61,66 +78,351 @@ bool parallel(const StructuredDims& d) {
   return d.B * d.H * d.T * d.D * d.M > (1 << 15);
 }
 
-// The per-row pointers and angles of token (b, h, t).
+// Tokens of one (batch, head) are processed a tile at a time as matrix products: Z = X U_act
+// [nt, 2M], the planes of Z turned, Y = X + dZ U_act^T. The products run in T on U_act packed
+// once per call (rows padded to kPad elements with zeros) by a register-blocked kernel written
+// with vector extensions and compiled for the baseline, AVX2+FMA and AVX-512 (kernels/isa.hpp
+// picks one at run time).
+constexpr int64_t kPad = 16;  // the widest vector (64 bytes) in floats
+
+int64_t padded(int64_t n) {
+  return (n + kPad - 1) / kPad * kPad;
+}
+
+// The read-only state of one call.
 template <class T>
-struct RowView {
-  const T* U;
-  const T* lambda;
-  const double* r;
+struct Ctx {
+  StructuredDims d;
+  bool inverse = false;
+  int64_t A = 0, Ap = 0, Dp = 0, Mp = 0;
+  const T *x = nullptr, *dy = nullptr;
+  std::vector<double> lambda;  // [HL][dc][M] in float64
+  const double* pos = nullptr;
+  T *y = nullptr, *dx = nullptr;
+  bool gU = false, gL = false;
+  std::vector<T> ua;   // [HU][D][Ap]: U_act
+  std::vector<T> uat;  // [HU][2M][Dp]: U_act^T
 };
 
 template <class T>
-RowView<T> row_view(const StructuredDims& d, const T* U, const T* lambda, const double* pos,
-                    int64_t b, int64_t h, int64_t t) {
-  return {U + (d.basis_per_head ? h : 0) * d.D * d.D,
-          lambda + (d.freqs_per_head ? h : 0) * d.DC * d.M,
-          pos + ((d.positions_per_batch ? b : 0) * d.T + t) * d.DC};
+void pack(Ctx<T>& c, const T* U, const T* lambda) {
+  const auto& d = c.d;
+  const int64_t HU = d.basis_per_head ? d.H : 1;
+  c.A = 2 * d.M;
+  c.Ap = padded(c.A);
+  c.Dp = padded(d.D);
+  c.Mp = padded(d.M);
+  c.ua.assign(static_cast<size_t>(HU * d.D * c.Ap), T(0));
+  c.uat.assign(static_cast<size_t>(HU * c.A * c.Dp), T(0));
+  const int64_t HL = d.freqs_per_head ? d.H : 1;
+  c.lambda.assign(lambda, lambda + HL * d.DC * d.M);
+  for (int64_t h = 0; h < HU; ++h)
+    for (int64_t i = 0; i < d.D; ++i)
+      for (int64_t a = 0; a < c.A; ++a) {
+        const T v = U[(h * d.D + i) * d.D + a];
+        c.ua[static_cast<size_t>((h * d.D + i) * c.Ap + a)] = v;
+        c.uat[static_cast<size_t>((h * c.A + a) * c.Dp + i)] = v;
+      }
 }
 
-// theta_u (times -1 when inverse) into cs[2u] = cos, cs[2u+1] = sin, in float64.
+// Per-thread buffers for one tile of kTile tokens.
 template <class T>
-void angles(const StructuredDims& d, const RowView<T>& v, bool inverse, double* cs) {
-  for (int64_t u = 0; u < d.M; ++u) {
-    double th = 0;
-    for (int64_t k = 0; k < d.DC; ++k) th += static_cast<double>(v.lambda[k * d.M + u]) * v.r[k];
-    if (inverse) th = -th;
-    cs[2 * u] = std::cos(th);
-    cs[2 * u + 1] = std::sin(th);
+struct Work {
+  std::vector<T> zb;        // [2 kTile, Ap]: Z (then dZ, or W - Z), and below it Delta
+  std::vector<T> gb;        // [kTile, Ap]: g' = U_act^T dy
+  std::vector<T> ob;        // [kTile, Dp]: the lifted rows
+  std::vector<T> cu;        // [D, Ap]: the tile's dU_act
+  std::vector<double> th;   // [kTile, M]
+  std::vector<T> cs, sn;    // [kTile, M]
+  std::vector<double> dt;   // [kTile, Mp]: d/dtheta
+  std::vector<double> dlt;  // [dc, Mp]: the tile's dlambda
+  explicit Work(const Ctx<T>& c)
+      : zb(static_cast<size_t>(2 * kTile * c.Ap), T(0)),
+        gb(static_cast<size_t>(kTile * c.Ap), T(0)),
+        ob(static_cast<size_t>(kTile * c.Dp), T(0)),
+        cu(static_cast<size_t>(c.d.D * c.Ap), T(0)),
+        th(static_cast<size_t>(kTile * c.d.M)),
+        cs(th.size()),
+        sn(th.size()),
+        dt(static_cast<size_t>(kTile * c.Mp), 0.0),
+        dlt(static_cast<size_t>(c.d.DC * c.Mp), 0.0) {}
+};
+
+// C[RB rows, CB vectors] = (ACC: Ci +) A[RB, K] B[K, CB vectors] (row-major, strides lda, ldb,
+// ldc, ldi); TA: A is stored transposed ([K, RB], element (r, k) at A[k lda + r]).
+template <class T, int VB, int RB, int CB, bool TA, bool ACC>
+[[gnu::always_inline]] inline void gemm_block(int64_t K, const T* A, int64_t lda, const T* B,
+                                              int64_t ldb, T* C, int64_t ldc, const T* Ci,
+                                              int64_t ldi) {
+  constexpr int L = VB / static_cast<int>(sizeof(T));
+  typedef T V __attribute__((vector_size(VB)));
+  V c[RB][CB];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < CB; ++j) {
+      c[r][j] = V{};
+      if (ACC) __builtin_memcpy(&c[r][j], Ci + r * ldi + j * L, VB);
+    }
+  for (int64_t k = 0; k < K; ++k) {
+    V b[CB];
+#pragma GCC unroll 8
+    for (int j = 0; j < CB; ++j) __builtin_memcpy(&b[j], B + k * ldb + j * L, VB);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const V a = A[TA ? k * lda + r : r * lda + k] - V{};  // a broadcast (x - 0 == x exactly)
+#pragma GCC unroll 8
+      for (int j = 0; j < CB; ++j) c[r][j] += a * b[j];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < CB; ++j) __builtin_memcpy(C + r * ldc + j * L, &c[r][j], VB);
+}
+
+// C[n, N] = (ACC: Ci +) A[n, K] B[K, N], N a multiple of the vector (TA: A stored as [K, n]).
+// C may be Ci.
+template <class T, int VB, int RB, int CB, bool TA = false, bool ACC = false>
+[[gnu::always_inline]] inline void gemm(int64_t n, int64_t N, int64_t K, const T* A, int64_t lda,
+                                        const T* B, int64_t ldb, T* C, int64_t ldc,
+                                        const T* Ci = nullptr, int64_t ldi = 0) {
+  constexpr int L = VB / static_cast<int>(sizeof(T));
+  if (!ACC) {  // (not read)
+    Ci = C;
+    ldi = ldc;
+  }
+  const int64_t nv = N / L;
+  int64_t j = 0;
+  for (; j + CB <= nv; j += CB) {
+    int64_t i = 0;
+    for (; i + RB <= n; i += RB)
+      gemm_block<T, VB, RB, CB, TA, ACC>(K, A + (TA ? i : i * lda), lda, B + j * L, ldb,
+                                         C + i * ldc + j * L, ldc, Ci + i * ldi + j * L, ldi);
+    for (; i < n; ++i)
+      gemm_block<T, VB, 1, CB, TA, ACC>(K, A + (TA ? i : i * lda), lda, B + j * L, ldb,
+                                        C + i * ldc + j * L, ldc, Ci + i * ldi + j * L, ldi);
+  }
+  for (; j < nv; ++j) {
+    int64_t i = 0;
+    for (; i + RB <= n; i += RB)
+      gemm_block<T, VB, RB, 1, TA, ACC>(K, A + (TA ? i : i * lda), lda, B + j * L, ldb,
+                                        C + i * ldc + j * L, ldc, Ci + i * ldi + j * L, ldi);
+    for (; i < n; ++i)
+      gemm_block<T, VB, 1, 1, TA, ACC>(K, A + (TA ? i : i * lda), lda, B + j * L, ldb,
+                                       C + i * ldc + j * L, ldc, Ci + i * ldi + j * L, ldi);
   }
 }
 
-// z = U_act^T x (float64)
+// cos and sin of x in float64 without branches (vectorisable): x = n pi/2 + r by a three-part
+// Cody-Waite reduction, fdlibm's kernels on |r| <= pi/4; exact to an ulp or two for
+// |x| <= kBigAngle (larger angles go to std::cos / std::sin).
+constexpr double kBigAngle = 1e5;
+
+[[gnu::always_inline]] inline void sincos_small(double x, double& c, double& s) {
+  constexpr double magic = 0x1.8p52, two_over_pi = 6.36619772367581382433e-01;
+  constexpr double p1 = 1.57079632673412561417e+00, p2 = 6.07710050630396597660e-11,
+                   p3 = 2.02226624871116645580e-21;
+  const double t = x * two_over_pi + magic;
+  const double n = t - magic;
+  const double r = ((x - n * p1) - n * p2) - n * p3;
+  uint64_t bits;
+  __builtin_memcpy(&bits, &t, sizeof bits);
+  const uint64_t q = bits & 3;
+  constexpr double s1 = -1.66666666666666324348e-01, s2 = 8.33333333332248946124e-03,
+                   s3 = -1.98412698298579493134e-04, s4 = 2.75573137070700676789e-06,
+                   s5 = -2.50507602534068634195e-08, s6 = 1.58969099521155010221e-10;
+  constexpr double c1 = 4.16666666666666019037e-02, c2 = -1.38888888888741095749e-03,
+                   c3 = 2.48015872894767294178e-05, c4 = -2.75573143513906633035e-07,
+                   c5 = 2.08757232129817482790e-09, c6 = -1.13596475577881948265e-11;
+  const double z = r * r;
+  const double sr = r + r * z * (s1 + z * (s2 + z * (s3 + z * (s4 + z * (s5 + z * s6)))));
+  const double cr =
+      1.0 - 0.5 * z + z * z * (c1 + z * (c2 + z * (c3 + z * (c4 + z * (c5 + z * c6)))));
+  const double s0 = (q & 1) ? cr : sr, c0 = (q & 1) ? sr : cr;
+  s = (q & 2) ? -s0 : s0;
+  c = ((q + 1) & 2) ? -c0 : c0;
+}
+
+// theta (times -1 when inverse) of the tile's tokens and planes, and its cos and sin in T.
 template <class T>
-void project(const StructuredDims& d, const T* U, const T* x, double* z) {
-  const int64_t A = 2 * d.M;
-  std::fill(z, z + A, 0.0);
-  for (int64_t i = 0; i < d.D; ++i) {
-    const double xi = static_cast<double>(x[i]);
-    const T* ui = U + i * d.D;
-    for (int64_t a = 0; a < A; ++a) z[a] += static_cast<double>(ui[a]) * xi;
+[[gnu::always_inline]] inline void tile_angles(const Ctx<T>& c, Work<T>& w, int64_t b, int64_t h,
+                                               int64_t t0, int64_t nt) {
+  const auto& d = c.d;
+  const double* lam = c.lambda.data() + (d.freqs_per_head ? h : 0) * d.DC * d.M;
+  const double* r = c.pos + ((d.positions_per_batch ? b : 0) * d.T + t0) * d.DC;
+  double* th = w.th.data();
+  const int64_t M = d.M;
+  for (int64_t i = 0; i < nt; ++i) {
+    double* ti = th + i * M;
+    for (int64_t u = 0; u < M; ++u) ti[u] = 0;
+    for (int64_t k = 0; k < d.DC; ++k) {
+      const double rk = r[i * d.DC + k];
+      const double* lk = lam + k * M;
+      for (int64_t u = 0; u < M; ++u) ti[u] += lk[u] * rk;
+    }
+    if (c.inverse)
+      for (int64_t u = 0; u < M; ++u) ti[u] = -ti[u];
   }
+  T* cs = w.cs.data();
+  T* sn = w.sn.data();
+  const int64_t n = nt * d.M;
+  for (int64_t j = 0; j < n; ++j) {
+    double cj, sj;
+    sincos_small(th[j], cj, sj);
+    cs[j] = static_cast<T>(cj);
+    sn[j] = static_cast<T>(sj);
+  }
+  int64_t big = 0;  // (a sum, not a max, so that it vectorises)
+  for (int64_t j = 0; j < n; ++j) big += !(std::abs(th[j]) <= kBigAngle);
+  if (big)
+    for (int64_t j = 0; j < n; ++j)
+      if (!(std::abs(th[j]) <= kBigAngle)) {
+        cs[j] = static_cast<T>(std::cos(th[j]));
+        sn[j] = static_cast<T>(std::sin(th[j]));
+      }
 }
 
-// y = x + U_act delta
+// Y = X + dZ U_act^T for nt rows (Y may be X): straight into Y when D fills whole vectors.
+template <class T, int VB, int RB, int CB>
+[[gnu::always_inline]] inline void lift(const Ctx<T>& c, int64_t nt, const T* dZ, const T* uat,
+                                        const T* X, T* Y, T* O) {
+  const int64_t D = c.d.D, Dp = c.Dp;
+  if (D == Dp) {
+    gemm<T, VB, RB, CB, false, true>(nt, D, c.A, dZ, c.Ap, uat, Dp, Y, D, X, D);
+    return;
+  }
+  gemm<T, VB, RB, CB>(nt, Dp, c.A, dZ, c.Ap, uat, Dp, O, Dp);
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t j = 0; j < D; ++j) Y[i * D + j] = X[i * D + j] + O[i * Dp + j];
+}
+
+template <class T, int VB, int RB, int CB>
+[[gnu::always_inline]] inline void forward_tile(const Ctx<T>& c, Work<T>& w, int64_t b, int64_t h,
+                                                int64_t t0, int64_t nt) {
+  const auto& d = c.d;
+  const int64_t A = c.A, Ap = c.Ap, Dp = c.Dp, M = d.M;
+  const int64_t hu = d.basis_per_head ? h : 0;
+  const int64_t row = ((b * d.H + h) * d.T + t0) * d.D;
+  const T* X = c.x + row;
+  T* Z = w.zb.data();
+  gemm<T, VB, RB, CB>(nt, Ap, d.D, X, d.D, c.ua.data() + hu * d.D * Ap, Ap, Z, Ap);
+  tile_angles(c, w, b, h, t0, nt);
+  const T* cs = w.cs.data();
+  const T* sn = w.sn.data();
+  for (int64_t i = 0; i < nt; ++i) {
+    T* zi = Z + i * Ap;
+    for (int64_t u = 0; u < M; ++u) {
+      const T co = cs[i * M + u], si = sn[i * M + u], z0 = zi[2 * u], z1 = zi[2 * u + 1];
+      zi[2 * u] = co * z0 - si * z1 - z0;
+      zi[2 * u + 1] = si * z0 + co * z1 - z1;
+    }
+  }
+  lift<T, VB, RB, CB>(c, nt, Z, c.uat.data() + hu * A * Dp, X, c.y + row, w.ob.data());
+}
+
+// dx of the tile, and where asked its dU_act (added to du [D, 2M]) and dlambda (added to dl).
+template <class T, int VB, int RB, int CB>
+[[gnu::always_inline]] inline void backward_tile(const Ctx<T>& c, Work<T>& w, int64_t b, int64_t h,
+                                                 int64_t t0, int64_t nt, double* du, double* dl) {
+  const auto& d = c.d;
+  const int64_t A = c.A, Ap = c.Ap, Dp = c.Dp, M = d.M, D = d.D;
+  const int64_t hu = d.basis_per_head ? h : 0;
+  const int64_t row = ((b * d.H + h) * d.T + t0) * D;
+  const T* G = c.dy + row;
+  const T* X = c.x + row;
+  const T* ua = c.ua.data() + hu * D * Ap;
+  T* Gp = w.gb.data();
+  gemm<T, VB, RB, CB>(nt, Ap, D, G, D, ua, Ap, Gp, Ap);  // g' = U_act^T dy
+  tile_angles(c, w, b, h, t0, nt);
+  const T* cs = w.cs.data();
+  const T* sn = w.sn.data();
+  T* Wz = w.zb.data();   // rows [0, nt): W - Z
+  T* Dl = Wz + nt * Ap;  // rows [nt, 2 nt): Delta = R^T g' - g'
+  for (int64_t i = 0; i < nt; ++i) {
+    const T* gi = Gp + i * Ap;
+    T* di = Dl + i * Ap;
+    for (int64_t u = 0; u < M; ++u) {
+      const T co = cs[i * M + u], si = sn[i * M + u], g0 = gi[2 * u], g1 = gi[2 * u + 1];
+      di[2 * u] = co * g0 + si * g1 - g0;
+      di[2 * u + 1] = co * g1 - si * g0 - g1;
+    }
+  }
+  if (c.gU || c.gL) {
+    gemm<T, VB, RB, CB>(nt, Ap, D, X, D, ua, Ap, Wz, Ap);  // z = U_act^T x
+    const double* r = c.pos + ((d.positions_per_batch ? b : 0) * d.T + t0) * d.DC;
+    double* dth = w.dt.data();
+    const int64_t Mp = c.Mp;
+    for (int64_t i = 0; i < nt; ++i) {
+      const T* gi = Gp + i * Ap;
+      T* zi = Wz + i * Ap;
+      for (int64_t u = 0; u < M; ++u) {
+        const T co = cs[i * M + u], si = sn[i * M + u], z0 = zi[2 * u], z1 = zi[2 * u + 1];
+        const T w0 = co * z0 - si * z1, w1 = si * z0 + co * z1;
+        // d/dtheta of g'^T R(theta) z = g'^T J w
+        dth[i * Mp + u] = static_cast<double>(gi[2 * u + 1]) * static_cast<double>(w0) -
+                          static_cast<double>(gi[2 * u]) * static_cast<double>(w1);
+        zi[2 * u] = w0 - z0;
+        zi[2 * u + 1] = w1 - z1;
+      }
+    }
+    if (c.gL) {  // dlambda_{k,u} = sum_t r_{t,k} d/dtheta_{t,u} (times -1 when inverse)
+      double* lt = w.dlt.data();
+      gemm<double, VB, RB, CB, true, false>(d.DC, Mp, nt, r, d.DC, dth, Mp, lt, Mp);
+      for (int64_t k = 0; k < d.DC; ++k)
+        for (int64_t u = 0; u < M; ++u)
+          dl[k * M + u] += c.inverse ? -lt[k * Mp + u] : lt[k * Mp + u];
+    }
+    if (c.gU) {  // d<dy, y>/dU_act = dy (w - z)^T + x (R^T g' - g')^T
+      T* C = w.cu.data();
+      gemm<T, VB, RB, CB, true, false>(D, Ap, nt, G, D, Wz, Ap, C, Ap);
+      gemm<T, VB, RB, CB, true, true>(D, Ap, nt, X, D, Dl, Ap, C, Ap, C, Ap);
+      for (int64_t i = 0; i < D; ++i)
+        for (int64_t a = 0; a < A; ++a) du[i * A + a] += static_cast<double>(C[i * Ap + a]);
+    }
+  }
+  // dx = dy + U_act Delta, last: dx may be dy
+  lift<T, VB, RB, CB>(c, nt, Dl, c.uat.data() + hu * A * Dp, G, c.dx + row, w.ob.data());
+}
+
 template <class T>
-void lift(const StructuredDims& d, const T* U, const T* x, const double* delta, T* y) {
-  const int64_t A = 2 * d.M;
-  for (int64_t i = 0; i < d.D; ++i) {
-    const T* ui = U + i * d.D;
-    double s = 0;
-    for (int64_t a = 0; a < A; ++a) s += static_cast<double>(ui[a]) * delta[a];
-    y[i] = static_cast<T>(static_cast<double>(x[i]) + s);
-  }
-}
+using ForwardTile = void (*)(const Ctx<T>&, Work<T>&, int64_t, int64_t, int64_t, int64_t);
+template <class T>
+using BackwardTile = void (*)(const Ctx<T>&, Work<T>&, int64_t, int64_t, int64_t, int64_t, double*,
+                              double*);
 
-// w = R(+-theta) z per plane (transpose: R^T)
-void turn(int64_t M, const double* cs, bool transpose, const double* z, double* w) {
-  for (int64_t u = 0; u < M; ++u) {
-    const double c = cs[2 * u], s = transpose ? -cs[2 * u + 1] : cs[2 * u + 1];
-    const double z0 = z[2 * u], z1 = z[2 * u + 1];
-    w[2 * u] = c * z0 - s * z1;
-    w[2 * u + 1] = s * z0 + c * z1;
+// One build of the tile functions per instruction set: vector bytes, rows x vectors per block.
+#define RELPOS_STRUCTURED_ISA(NAME, TARGET, VB, RB, CB)                                           \
+  template <class T>                                                                              \
+  TARGET void forward_tile_##NAME(const Ctx<T>& c, Work<T>& w, int64_t b, int64_t h, int64_t t0,  \
+                                  int64_t nt) {                                                   \
+    forward_tile<T, VB, RB, CB>(c, w, b, h, t0, nt);                                              \
+  }                                                                                               \
+  template <class T>                                                                              \
+  TARGET void backward_tile_##NAME(const Ctx<T>& c, Work<T>& w, int64_t b, int64_t h, int64_t t0, \
+                                   int64_t nt, double* du, double* dl) {                          \
+    backward_tile<T, VB, RB, CB>(c, w, b, h, t0, nt, du, dl);                                     \
   }
+RELPOS_STRUCTURED_ISA(base, , 16, 4, 2)
+#if defined(__x86_64__)
+RELPOS_STRUCTURED_ISA(avx2, __attribute__((target("avx2,fma"))), 32, 6, 2)
+RELPOS_STRUCTURED_ISA(avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"))), 64, 4, 4)
+#endif
+#undef RELPOS_STRUCTURED_ISA
+
+template <class T>
+std::pair<ForwardTile<T>, BackwardTile<T>> tile_functions() {
+#if defined(__x86_64__)
+  switch (selected_isa()) {
+    case Isa::Avx512:
+      return {forward_tile_avx512<T>, backward_tile_avx512<T>};
+    case Isa::Avx2:
+      return {forward_tile_avx2<T>, backward_tile_avx2<T>};
+    case Isa::Baseline:
+      break;
+  }
+#endif
+  return {forward_tile_base<T>, backward_tile_base<T>};
 }
 
 }  // namespace
@@ -129,24 +431,23 @@ template <class T>
 void structured_forward(const StructuredDims& d, bool inverse, const T* x, const T* U,
                         const T* lambda, const double* positions, T* y) {
   check(d, U, lambda, positions);
+  Ctx<T> c;
+  c.d = d;
+  c.inverse = inverse;
+  c.x = x;
+  c.pos = positions;
+  c.y = y;
+  pack(c, U, lambda);
+  const auto tile = tile_functions<T>().first;
   const int64_t tiles = (d.T + kTile - 1) / kTile;
-  const int64_t A = 2 * d.M;
 #pragma omp parallel if (parallel(d))
   {
-    std::vector<double> cs(A), z(A), w(A);
+    Work<T> w(c);
 #pragma omp for collapse(3) schedule(static)
     for (int64_t b = 0; b < d.B; ++b)
       for (int64_t h = 0; h < d.H; ++h)
-        for (int64_t tile = 0; tile < tiles; ++tile)
-          for (int64_t t = tile * kTile; t < std::min(d.T, (tile + 1) * kTile); ++t) {
-            const auto v = row_view(d, U, lambda, positions, b, h, t);
-            const int64_t row = ((b * d.H + h) * d.T + t) * d.D;
-            angles(d, v, inverse, cs.data());
-            project(d, v.U, x + row, z.data());
-            turn(d.M, cs.data(), false, z.data(), w.data());
-            for (int64_t a = 0; a < A; ++a) w[a] -= z[a];
-            lift(d, v.U, x + row, w.data(), y + row);
-          }
+        for (int64_t t = 0; t < tiles; ++t)
+          tile(c, w, b, h, t * kTile, std::min(kTile, d.T - t * kTile));
   }
 }
 
@@ -155,53 +456,39 @@ void structured_backward(const StructuredDims& d, bool inverse, const T* x, cons
                          const T* lambda, const double* positions, const T* dy, T* dx, double* dU,
                          double* dlambda) {
   check(d, U, lambda, positions);
+  Ctx<T> c;
+  c.d = d;
+  c.inverse = inverse;
+  c.x = x;
+  c.pos = positions;
+  c.dy = dy;
+  c.dx = dx;
+  c.gU = dU != nullptr;
+  c.gL = dlambda != nullptr;
+  pack(c, U, lambda);
+  const auto tile = tile_functions<T>().second;
   const int64_t A = 2 * d.M, n = d.B * d.T;
-  const bool gU = dU != nullptr, gL = dlambda != nullptr;
+  const bool gU = c.gU, gL = c.gL;
   const int64_t chunks = std::min<int64_t>(kChunks, std::max<int64_t>(n, 1));
-  // per (head, chunk) partial sums in float64: dU_act [D, 2M] and dlambda [dc, M]
+  // per (head, chunk) partial sums in float64: dU_act [D, 2M] and dlambda [dc, M]; a chunk's
+  // tiles are fixed by the chunk and run in order, so the sums are the same for any thread count
   const int64_t su = gU ? d.D * A : 0, sl = gL ? d.DC * d.M : 0;
   std::vector<double> pu(static_cast<size_t>(d.H * chunks * su), 0.0);
   std::vector<double> pl(static_cast<size_t>(d.H * chunks * sl), 0.0);
 #pragma omp parallel if (parallel(d))
   {
-    std::vector<double> cs(A), z(A), w(A), g(A), rg(A), delta(A);
-    std::vector<T> out(static_cast<size_t>(d.D));
+    Work<T> w(c);
 #pragma omp for collapse(2) schedule(static)
     for (int64_t h = 0; h < d.H; ++h)
-      for (int64_t c = 0; c < chunks; ++c) {
-        double* du = pu.data() + (h * chunks + c) * su;
-        double* dl = pl.data() + (h * chunks + c) * sl;
-        for (int64_t bt = c * n / chunks; bt < (c + 1) * n / chunks; ++bt) {
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        double* du = pu.data() + (h * chunks + ch) * su;
+        double* dl = pl.data() + (h * chunks + ch) * sl;
+        const int64_t hi = (ch + 1) * n / chunks;
+        for (int64_t bt = ch * n / chunks; bt < hi;) {
           const int64_t b = bt / d.T, t = bt % d.T;
-          const auto v = row_view(d, U, lambda, positions, b, h, t);
-          const int64_t row = ((b * d.H + h) * d.T + t) * d.D;
-          const T* gr = dy + row;
-          angles(d, v, inverse, cs.data());
-          project(d, v.U, gr, g.data());  // g' = U_act^T dy
-          turn(d.M, cs.data(), true, g.data(), rg.data());
-          for (int64_t a = 0; a < A; ++a) delta[a] = rg[a] - g[a];
-          lift(d, v.U, gr, delta.data(), out.data());  // dx = dy + U_act (R^T g' - g')
-          if (gU || gL) {
-            const T* xr = x + row;
-            project(d, v.U, xr, z.data());
-            turn(d.M, cs.data(), false, z.data(), w.data());
-            if (gU)  // d<dy, y>/dU_act = dy (w - z)^T + x (R^T g' - g')^T
-              for (int64_t i = 0; i < d.D; ++i) {
-                const double gi = static_cast<double>(gr[i]), xi = static_cast<double>(xr[i]);
-                double* di = du + i * A;
-                for (int64_t a = 0; a < A; ++a) di[a] += gi * (w[a] - z[a]) + xi * delta[a];
-              }
-            if (gL) {
-              const double* r = v.r;
-              for (int64_t u = 0; u < d.M; ++u) {
-                // d/dtheta of g'^T R(theta) z = g'^T J w
-                double dth = g[2 * u + 1] * w[2 * u] - g[2 * u] * w[2 * u + 1];
-                if (inverse) dth = -dth;
-                for (int64_t k = 0; k < d.DC; ++k) dl[k * d.M + u] += dth * r[k];
-              }
-            }
-          }
-          std::copy(out.begin(), out.end(), dx + row);
+          const int64_t nt = std::min({kTile, hi - bt, d.T - t});
+          tile(c, w, b, h, t, nt, du, dl);
+          bt += nt;
         }
       }
   }

@@ -34,8 +34,9 @@ void structured_forward(const StructuredDims& d, bool inverse, const T* x, const
 
 // The adjoint: dx = R(+-r)^T dy (dx and dy may alias), and where dU / dlambda are not null the
 // gradients of <dy, y> with respect to U (shape of U; the null columns get 0) and lambda (shape of
-// lambda), summed over heads / the batch where shared, accumulated in float64 and reduced in a
-// fixed order (the same bits for any thread count). dU and dlambda are overwritten.
+// lambda), summed over heads / the batch where shared: formed per tile of tokens (in T for dU),
+// accumulated across tiles in float64 and reduced in a fixed order (the same bits for any thread
+// count). dU and dlambda are overwritten.
 template <class T>
 void structured_backward(const StructuredDims& d, bool inverse, const T* x, const T* U,
                          const T* lambda, const double* positions, const T* dy, T* dx, double* dU,

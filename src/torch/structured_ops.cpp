@@ -1,6 +1,6 @@
 // The structured-rotation operators of TORCH_LIBRARY(relpos): `structured_rotate` (CPU kernel =
 // kernels/structured, Meta for torch.compile, Autograd) and `structured_rotate_backward` (the
-// adjoint rotation and the basis and frequency gradients, accumulated in float64 by the kernel).
+// adjoint rotation and the basis and frequency gradients, summed in float64 across tiles).
 #include <fmt/format.h>
 
 #include <array>
