@@ -11,6 +11,7 @@
 
 #include "core/types.hpp"
 #include "tasks/pj_query_lm.hpp"
+#include "train/grid2d_train.hpp"
 
 namespace relpos::train {
 
@@ -35,6 +36,19 @@ class Reader {
     fail(key, "a number");
   }
   void get(const char* key, int64_t& out) { read(key, out, "an integer"); }
+  void get(const char* key, std::vector<double>& out) {
+    known_.insert(key);
+    const auto* n = t_.get(key);
+    if (!n) return;
+    const auto* a = n->as_array();
+    if (!a) fail(key, "an array of numbers");
+    out.clear();
+    for (const auto& e : *a) {
+      const auto v = e.value<double>();  // integers are accepted as numbers too
+      if (!v) fail(key, "an array of numbers");
+      out.push_back(*v);
+    }
+  }
   void get(const char* key, bool& out) { read(key, out, "true or false"); }
   void get(const char* key, std::vector<int64_t>& out) {
     known_.insert(key);
@@ -140,6 +154,8 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
     k.get("median_threshold", c.task.median_threshold);
     k.get("train_lengths", c.task.train_lengths);
     k.get("length_sampling", c.task.length_sampling);
+    k.get("eval_offset", c.task.eval_offset);
+    k.get("equivariance_shift", c.task.equivariance_shift);
     k.finish();
   }
   if (const auto* t = r.table("optim")) {
@@ -171,9 +187,11 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
 }
 
 toml::table to_table(const TrainConfig& c) {
-  toml::array lengths, train_lengths;
+  toml::array lengths, train_lengths, eval_offset, equivariance_shift;
   for (auto l : c.eval.lengths) lengths.push_back(l);
   for (auto l : c.task.train_lengths) train_lengths.push_back(l);
+  for (auto x : c.task.eval_offset) eval_offset.push_back(x);
+  for (auto x : c.task.equivariance_shift) equivariance_shift.push_back(x);
   return toml::table{
       {"name", c.name},
       {"seed", c.seed},
@@ -210,7 +228,9 @@ toml::table to_table(const TrainConfig& c) {
                            {"omega_cycles", c.task.omega_cycles},
                            {"median_threshold", c.task.median_threshold},
                            {"train_lengths", train_lengths},
-                           {"length_sampling", c.task.length_sampling}}},
+                           {"length_sampling", c.task.length_sampling},
+                           {"eval_offset", eval_offset},
+                           {"equivariance_shift", equivariance_shift}}},
       {"optim", toml::table{{"steps", c.optim.steps},
                             {"batch", c.optim.batch},
                             {"lr", c.optim.lr},
@@ -250,10 +270,12 @@ void TrainConfig::validate() const {
     throw InputError(fmt::format("config: device must be cpu or cuda, got '{}'", device));
   check_range(checkpoint_every, 0, int64_t{1} << 40, "checkpoint_every");
   check_range(log_every, 1, int64_t{1} << 40, "log_every");
-  static const std::set<std::string> kinds{"query_lm", "pj_query_lm", "bytes", "chars", "midi"};
+  static const std::set<std::string> kinds{"query_lm", "pj_query_lm", "bytes",
+                                           "chars",    "midi",        "grid2d"};
   if (!kinds.count(task.kind))
     throw InputError(fmt::format(
-        "config: task.kind must be one of query_lm, pj_query_lm, bytes, chars, midi, got '{}'",
+        "config: task.kind must be one of query_lm, pj_query_lm, bytes, chars, midi, grid2d, got "
+        "'{}'",
         task.kind));
   check_range(task.train_length, 2, int64_t{1} << 20, "task.train_length");
   check_range(task.validation_fraction, 1e-6, 1 - 1e-6, "task.validation_fraction");
@@ -278,7 +300,8 @@ void TrainConfig::validate() const {
       throw InputError(fmt::format("config: task.target must be one of {}, got '{}'",
                                    fmt::join(targets, ", "), task.target));
   }
-  if (task.kind != "query_lm" && task.kind != "pj_query_lm" && task.path.empty())
+  if (task.kind != "query_lm" && task.kind != "pj_query_lm" && task.kind != "grid2d" &&
+      task.path.empty())
     throw InputError(fmt::format("config: task.kind = {} needs task.path", task.kind));
   check_range(optim.steps, 1, int64_t{1} << 40, "optim.steps");
   check_range(optim.batch, 1, int64_t{1} << 20, "optim.batch");
@@ -297,6 +320,10 @@ void TrainConfig::validate() const {
   check_range(eval.batches, 1, int64_t{1} << 20, "eval.batches");
   check_range(eval.batch_size, 1, int64_t{1} << 20, "eval.batch_size");
   for (auto l : eval.lengths) check_range(l, 2, int64_t{1} << 22, "eval.lengths[]");
+  if (task.kind == "grid2d") {
+    validate_grid2d(*this);  // its model is models/grid2d.hpp, not a registry mechanism
+    return;
+  }
   auto m = model;
   m.vocab = std::max<int64_t>(m.vocab, 2);
   m.validate();

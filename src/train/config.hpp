@@ -14,8 +14,8 @@
 namespace relpos::train {
 
 struct TaskConfig {
-  std::string kind = "query_lm";        // query_lm | pj_query_lm | bytes | chars | midi
-  std::string benchmark = "mixed_raw";  // query_lm: the teacher
+  std::string kind = "query_lm";        // query_lm | pj_query_lm | bytes | chars | midi | grid2d
+  std::string benchmark = "mixed_raw";  // query_lm: the teacher; grid2d: the teacher (oblique)
   int64_t train_length = 1024;          // tokens per training sequence
   std::string path;                     // bytes / chars: a text file; midi: a folder of .mid files
   std::string validation_path;          // optional separate validation file
@@ -33,6 +33,12 @@ struct TaskConfig {
   bool median_threshold = false;     // label = score > batch median (else score > 0)
   std::vector<int64_t> train_lengths;
   std::string length_sampling = "cycle";
+  // grid2d (the 2-D relative-position task, train/grid2d_train.hpp): train_length and eval.lengths
+  // are cell counts of square grids; the final accuracy is also taken with every position moved
+  // by eval_offset, and translation equivariance measured for the shift equivariance_shift
+  // (both [row, col])
+  std::vector<double> eval_offset{29.0, -41.0};
+  std::vector<double> equivariance_shift{3.5, -7.0};
 };
 
 struct OptimConfig {

@@ -98,6 +98,16 @@ std::pair<double, double> stat(const std::vector<std::pair<double, double>>& run
   return {m, v.size() > 1 ? std::sqrt(s / static_cast<double>(v.size() - 1)) : NAN};
 }
 
+// mean ± sample std with 3 significant digits (quantities near 0 such as equivariance errors)
+std::string pm_g(const std::vector<double>& v) {
+  if (v.empty()) return "-";
+  const double m = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+  if (v.size() < 2) return fmt::format("{:.3g}", m);
+  double s = 0;
+  for (double x : v) s += (x - m) * (x - m);
+  return fmt::format("{:.3g} ± {:.3g}", m, std::sqrt(s / static_cast<double>(v.size() - 1)));
+}
+
 std::string pm(double m, double s) {
   if (std::isnan(m)) return "-";
   return std::isnan(s) ? fmt::format("{:.4f}", m) : fmt::format("{:.4f} ± {:.4f}", m, s);
@@ -320,6 +330,11 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
         rule += "---:|";
       }
     }
+    const auto extras = strings(report.get("extras"), "reproduce.extras", source);
+    for (const auto& e : extras) {
+      md += fmt::format(" {} |", e);
+      rule += "---:|";
+    }
     md += fmt::format("\n{}\n", rule);
     std::vector<std::vector<double>> pm_paper(paper_columns.size()), pm_ours(paper_columns.size());
     for (size_t i = 0; i < methods.size(); ++i) {
@@ -340,6 +355,12 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
           pm_paper[c].push_back(pmean);
           pm_ours[c].push_back(m);
         }
+      }
+      for (const auto& e : extras) {
+        const auto it = outcome.extras.find(methods[i]);
+        md += fmt::format(" {} |", it == outcome.extras.end() || !it->second.count(e)
+                                       ? std::string("-")
+                                       : pm_g(it->second.at(e)));
       }
       md += "\n";
     }

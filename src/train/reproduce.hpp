@@ -10,6 +10,9 @@
 //                                     # METRIC@LENGTH:SETTING reads the runs of a sweep setting
 //   paper = [[0.969, 0.031, 0.781, 0.083], ...]   # per row: mean, std for each column
 //   also = ["exp2_loss@20:L1", ...]   # optional: a second view of ours beside each column
+//   extras = ["equivariance_rel_f32", "wall_s"]  # optional: more columns of ours, each the mean
+//                                     # ± std over seeds of a run's summary.json "extra" number
+//                                     # (or wall_s), printed with 3 significant digits
 //   # or kind = "best": the paper reports the best method per column
 //   best = [["accuracy@512", "Exact m=3 c=.1 eta0=.01", 0.9097, 0.0335], ...]
 //   parts = ["other-experiment", ...]  # optional: also run these (into OUT/PART), printed after

@@ -377,6 +377,7 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
            std::map<int64_t, std::vector<std::pair<double, double>>>>
       agg;
   std::vector<std::pair<std::string, std::string>> order;
+  std::map<std::pair<std::string, std::string>, std::map<std::string, std::vector<double>>> extras;
   std::string csv = "method,setting,seed,length,loss,accuracy,perplexity,wall_s\n";
   std::vector<int64_t> lengths;
   for (const auto& j : jobs) {
@@ -386,6 +387,12 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
       throw InputError(fmt::format("sweep: '{}' is corrupt", (j.dir / "summary.json").string()));
     const auto key = std::make_pair(j.method, j.setting);
     if (!agg.count(key)) order.push_back(key);
+    auto& ex = extras[key];
+    if (s.contains("wall_s") && s["wall_s"].is_number())
+      ex["wall_s"].push_back(s["wall_s"].get<double>());
+    if (s.contains("extra") && s["extra"].is_object())
+      for (const auto& [name, v] : s["extra"].items())
+        if (v.is_number()) ex[name].push_back(v.get<double>());
     for (const auto& e : s["final_eval"]) {
       const int64_t L = e["length"];
       agg[key][L].push_back({e["loss"].get<double>(), e["accuracy"].get<double>()});
@@ -438,6 +445,7 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
         key.second.empty() ? key.first : fmt::format("{} ({})", key.first, key.second);
     outcome.methods.push_back(label);
     outcome.results[label] = agg[key];
+    outcome.extras[label] = extras[key];
   }
   return outcome;
 }

@@ -26,6 +26,9 @@ struct SweepOutcome {
   std::filesystem::path folder;
   std::vector<std::string> methods;
   std::map<std::string, std::map<int64_t, std::vector<std::pair<double, double>>>> results;
+  // per method, per name, one value per seed: wall_s and the numbers of a run's summary.json
+  // "extra" object (grid2d runs: accuracy_shifted, equivariance_rel_f32, ...)
+  std::map<std::string, std::map<std::string, std::vector<double>>> extras;
 };
 // parallel > 1: that many runs at a time, each in a child process (train --config ...).
 SweepOutcome run_sweep_text(const std::string& toml_text, const std::string& source,

@@ -15,6 +15,7 @@
 
 #include "core/files.hpp"
 #include "core/types.hpp"
+#include "train/grid2d_train.hpp"
 #include "train/task.hpp"
 
 namespace relpos::train {
@@ -246,6 +247,8 @@ std::string mechanism_stats_json(models::TransformerLMImpl& model) {
 RunResult run_training(const TrainConfig& c, const RunOptions& o) {
   // ---- setup: everything that can fail on bad input fails here, before the first step
   c.validate();
+  // the 2-D grid task has its own model (vector positions) and loop
+  if (c.task.kind == "grid2d") return run_grid2d_training(c, o);
   if (c.device != "cpu")
     throw InputError("device = cuda: the CUDA engine is not built yet (issue 16); use cpu");
   const int threads = c.threads > 0
