@@ -145,12 +145,7 @@ RunResult run_grid2d_training(const TrainConfig& c, const RunOptions& o) {
   c.validate();
   if (o.replicas.world > 1)
     throw InputError("task.kind = grid2d trains in one process (no data parallel)");
-  const int threads = c.threads > 0
-                          ? static_cast<int>(c.threads)
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  at::set_num_threads(threads);
-  omp_set_num_threads(threads);
-  at::globalContext().setFlushDenormal(true);
+  const int threads = configure_threads(c);
   const auto g = grid2d_task_config(c);
   tasks::Grid2dTrainStream stream(g, c.seed);
   torch::manual_seed(static_cast<uint64_t>(c.seed));  // the model's initialisation

@@ -244,13 +244,7 @@ std::string mechanism_stats_json(models::TransformerLMImpl& model) {
   return layers.dump();
 }
 
-RunResult run_training(const TrainConfig& c, const RunOptions& o) {
-  // ---- setup: everything that can fail on bad input fails here, before the first step
-  c.validate();
-  // the 2-D grid task has its own model (vector positions) and loop
-  if (c.task.kind == "grid2d") return run_grid2d_training(c, o);
-  if (c.device != "cpu")
-    throw InputError("device = cuda: the CUDA engine is not built yet (issue 16); use cpu");
+int configure_threads(const TrainConfig& c) {
   const int threads = c.threads > 0
                           ? static_cast<int>(c.threads)
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -259,6 +253,17 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
   // Subnormal floats (gradients of saturated softmaxes over tied N(0, 1) embeddings reach them)
   // make every matrix product that meets them 10-100x slower; flush them to zero, as GPUs do.
   at::globalContext().setFlushDenormal(true);
+  return threads;
+}
+
+RunResult run_training(const TrainConfig& c, const RunOptions& o) {
+  // ---- setup: everything that can fail on bad input fails here, before the first step
+  c.validate();
+  // the 2-D grid task has its own model (vector positions) and loop
+  if (c.task.kind == "grid2d") return run_grid2d_training(c, o);
+  if (c.device != "cpu")
+    throw InputError("device = cuda: the CUDA engine is not built yet (issue 16); use cpu");
+  const int threads = configure_threads(c);
   const bool main_rank = o.replicas.rank == 0;
   const int world = o.replicas.world;
   if (c.optim.batch % world)

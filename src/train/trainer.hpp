@@ -68,6 +68,11 @@ TrainedModel load_trained_model(const std::filesystem::path& run_dir);
 // Learning rate at `step` (0-based): linear warmup, then constant or cosine to min_lr.
 double learning_rate(const OptimConfig& o, int64_t step);
 
+// The run's thread count (c.threads, or every core when 0) set for LibTorch and OpenMP, with
+// subnormal floats flushed to zero (gradients of saturated softmaxes reach them, and every matrix
+// product that meets them runs 10-100x slower). Returns the count.
+int configure_threads(const TrainConfig& c);
+
 // The mean norms of the transformed queries and keys at every position of one evaluation
 // sequence of `length` tokens, per layer, from a run's checkpoint: CSV
 // layer,position,q_norm,k_norm.
