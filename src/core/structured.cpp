@@ -519,7 +519,6 @@ Mat random_positions(int T, int dc, double r_max, std::mt19937_64& rng) {
   return r;
 }
 
-namespace {
 Mat normal_mat(int rows, int cols, std::mt19937_64& rng) {
   std::normal_distribution<double> N(0.0, 1.0);
   Mat A(rows, cols);
@@ -527,7 +526,6 @@ Mat normal_mat(int rows, int cols, std::mt19937_64& rng) {
     for (int j = 0; j < cols; ++j) A(i, j) = N(rng);
   return A;
 }
-}  // namespace
 
 std::vector<Theorem1Row> theorem1_rows(const std::vector<int>& dims, uint64_t seed) {
   constexpr int d = 16, m = 6, T = 9;

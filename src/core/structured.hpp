@@ -107,6 +107,8 @@ Mat rotation_expm(const std::vector<Mat>& L, const Vec& r);
 Mat cayley_post(const Mat& S);
 // A random skew matrix with N(0, scale^2) entries above the diagonal.
 Mat random_skew(int n, std::mt19937_64& rng, double scale = 1.0);
+// A rows x cols matrix of independent N(0, 1) entries.
+Mat normal_mat(int rows, int cols, std::mt19937_64& rng);
 // The structured family: P = U diag(I_2m, Cayley(S_null)) U^T, as the Cayley transform of
 // S = U (0 (+) S_null) U^T with a random S_null.
 Mat structured_post(const Mat& U, int m, std::mt19937_64& rng, double scale = 0.5);

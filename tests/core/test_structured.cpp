@@ -23,14 +23,6 @@ using relpos::kernels::StructuredDims;
 
 namespace {
 
-Mat normal_mat(int rows, int cols, std::mt19937_64& rng) {
-  std::normal_distribution<double> N(0.0, 1.0);
-  Mat A(rows, cols);
-  for (int i = 0; i < rows; ++i)
-    for (int j = 0; j < cols; ++j) A(i, j) = N(rng);
-  return A;
-}
-
 Mat random_orthogonal(int d, std::mt19937_64& rng) {
   return basis_from(BasisMap::Cayley, normal_mat(d, d, rng));
 }
