@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "core/pj_bias.hpp"
 #include "core/registry.hpp"
 #include "kernels/attention/attention.hpp"
 #include "kernels/attention/mechanism_attention.hpp"
@@ -614,6 +615,18 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   if (!k.defined() || k.dim() != 4 || !q.defined() || q.dim() != 4)
     throw InputError("attention: q and k must be [B, H, T, D]");
   PositionEncoding enc(spec, k.size(3), k.size(1), EncodingOptions{layout, true});
+  if (const BiasTerm* b = enc->mechanism().pj_bias()) {
+    // a spec string names fixed parameters: the PJ zetas of the core's draw (the config's seed),
+    // not a fresh torch::randn per call (which made two calls differ)
+    const PjBiasParams p = pj_initial_params(*b->pj, enc->mechanism().heads);
+    const torch::NoGradGuard no_grad;
+    auto params = enc->named_parameters();
+    for (const auto& [name, values] :
+         {std::pair{"pj_fj_zeta_re", &p.fj_zeta_re}, std::pair{"pj_fj_zeta_im", &p.fj_zeta_im},
+          std::pair{"pj_lc_zeta_re", &p.lc_zeta_re}, std::pair{"pj_lc_zeta_im", &p.lc_zeta_im}})
+      if (torch::Tensor* t = params.find(name))
+        t->copy_(torch::tensor(*values, torch::kDouble).view_as(*t));
+  }
   return attention(q, k, v, *enc, args);
 }
 
