@@ -300,5 +300,5 @@ def test_attention_input_errors_are_input_errors():
     with pytest.raises(relpos.InputError, match="mechanism must be"):
         relpos.attention(q, k, v, 3)
     m = [t.to("meta") for t in (q, k, v)]
-    out = relpos.attention(*m, None)  # no values to check: shapes only
+    out = relpos.attention(*m, "rope")  # no values to check: shapes only
     assert out.device.type == "meta" and out.shape == q.shape
