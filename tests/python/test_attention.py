@@ -270,8 +270,16 @@ def test_every_mechanism_is_applied_or_refused():
         except relpos.InputError:
             bare = plain
         assert not torch.allclose(out, bare, atol=1e-9), f"{name}: its bias is dropped"
+        # the C++ nn::attention (the relpos::attention op) applies the same biases
+        try:
+            cpp = torch.ops.relpos.attention(q, k, v, name)
+        except ValueError:
+            continue
+        assert not torch.allclose(cpp, bare, atol=1e-9), f"{name}: the C++ path drops its bias"
     for name in ("fox", "grape_a", "grape_ap"):
         assert name in refused, name
+        with pytest.raises(ValueError, match="content-gated bias"):
+            torch.ops.relpos.attention(q, k, v, name)
     # the refusal names the missing inputs; given the gates, a per-token bias is applied
     with pytest.raises(relpos.InputError, match="cq and ck"):
         relpos.attention(q, k, v, "fox")
