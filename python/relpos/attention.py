@@ -50,8 +50,15 @@ def fused_attention(
     ``- (p_i - p_j) (gq[b,h,i] + gk[b,h,j])`` (``[B, Hq, Tq]``, ``[B, Hq, Tk]``, either optional)
     and path integrals ``sum_{l=j+1..slot(i)} path_beta[h] logsigmoid(path_scale path_q[b,h,i] .
     path_k[b,h,l])`` (probes ``[B, Hq, T, P]``, slot(i) = Tk - Tq + i; default positions). A row
-    with no visible key gives zeros. Differentiable in q, k, v and every bias tensor.
+    with no visible key gives zeros. Differentiable in q, k, v and every bias tensor; ``lse`` is
+    differentiable too (a loss term on it reaches q, k and the biases).
+
+    Values are not checked: NaN in q, in a visible key or value, or in a visible pair's bias makes
+    that row NaN, and a NaN or Inf that the mask hides changes nothing (docs/errors.md).
     """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a tensor, got {type(t).__name__}")
     try:
         return torch.ops.relpos.fused_attention(
             q, k, v, q_positions, k_positions, lag_table, slopes, cq, ck, causal, float(window),
@@ -72,6 +79,19 @@ def _fixed_encoding(spec: str, head_dim: int, heads: int, pair_layout: str, dtyp
 
 
 _SLOPES: dict = {}  # (spec, head_dim, heads) -> ALiBi slopes or None
+_BIASES: dict = {}  # (spec, head_dim, heads) -> ((name, shape, has slopes), ...)
+
+
+def _biases(spec: str, head_dim: int, heads: int) -> tuple:
+    key = (spec, head_dim, heads)
+    if key not in _BIASES:
+        from . import mechanism  # late: the package imports this module
+
+        _BIASES[key] = tuple(
+            (b["name"], b["shape"], bool(b["slopes"]))
+            for b in mechanism(spec, head_dim, heads)["biases"]
+        )
+    return _BIASES[key]
 
 
 @torch.compiler.assume_constant_result  # a function of the spec and head count only
@@ -80,9 +100,54 @@ def _alibi_slopes(spec: str, head_dim: int, heads: int):
     if key not in _SLOPES:
         from . import mechanism  # late: the package imports this module
 
-        biases = [b for b in mechanism(spec, head_dim, heads)["biases"] if b["name"] == "alibi"]
+        # the slope form of a lag bias (ALiBi), as the C++ Mechanism::alibi()
+        biases = [b for b in mechanism(spec, head_dim, heads)["biases"]
+                  if b["shape"] == "lag_table" and b["slopes"]]
         _SLOPES[key] = tuple(biases[0]["slopes"]) if biases else None
     return _SLOPES[key]
+
+
+# what a content-dependent bias needs from the caller, by its shape
+_NEEDS = {
+    "separable": "the per-token gates' cumulative sums cq and ck",
+    "gated_slope": "the per-token gates gq and gk (relpos.fused_attention)",
+    "path_integral": "the probes path_q, path_k and path_beta (relpos.fused_attention)",
+}
+
+
+def _check_biases(spec: str, head_dim: int, heads: int, *, cq, ck, lag_table, learned_ok: bool):
+    """Refuses a mechanism whose bias terms this call cannot apply (InputError naming the missing
+    inputs): attention applies slope-form lag biases (ALiBi) itself, a learned lag table (PJ) only
+    from a spec string, and a per-token (FoX / GRAPE-A) bias only when its cq and ck are given;
+    silently leaving a bias out would be plain attention under the mechanism's name.
+    Returns whether the mechanism has a learned lag table."""
+    learned = False
+    for name, shape, slopes in _biases(spec, head_dim, heads):
+        if shape == "lag_table" and slopes:
+            continue  # ALiBi's slopes: handed to the kernel below
+        if shape == "lag_table":
+            if not learned_ok:
+                raise InputError(
+                    f"{spec!r}: bias {name!r} is a learned lag table, which a PositionEncoding "
+                    "does not hold: pass the table as lag_table= to relpos.fused_attention, or "
+                    "give the spec string (its initial table)"
+                )
+            if lag_table is not None:
+                raise InputError(
+                    f"{spec!r}: an explicit lag_table together with the mechanism's own learned "
+                    f"table ({name!r}) is not supported; add them into one table"
+                )
+            learned = True
+            continue
+        if shape == "separable" and cq is not None and ck is not None:
+            continue  # the caller supplies the gates
+        raise InputError(
+            f"{spec!r}: bias {name!r} ({shape.replace('_', '-')}) is computed from the tokens and "
+            f"needs {_NEEDS.get(shape, 'inputs this call does not take')}; attention() would "
+            "otherwise compute plain attention. Compute them with the model (e.g. the C++ "
+            "nn::GrapeAttention) and call relpos.fused_attention"
+        )
+    return learned
 
 
 def attention(
@@ -113,14 +178,36 @@ def attention(
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise InputError(f"{name} must be a [B, H, T, D] tensor")
+            shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"{name} must be a [B, H, T, D] tensor, got {shape}")
+    # meta and fake tensors (tracing) have no values to check
     if check_finite and not torch.compiler.is_compiling():
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if not torch.isfinite(t).all():
+            if t.device.type != "meta" and not torch.isfinite(t).all():
                 raise InputError(f"{name} contains NaN or Inf")
     B, Hq, Tq, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
+    if mechanism is not None and not isinstance(mechanism, (str, PositionEncoding)):
+        raise InputError("mechanism must be a spec string, a PositionEncoding or None")
     spec = mechanism.spec if isinstance(mechanism, PositionEncoding) else mechanism
+    if isinstance(spec, str):
+        learned = _check_biases(spec, D, Hq, cq=cq, ck=ck, lag_table=lag_table,
+                                learned_ok=isinstance(mechanism, str))
+        if learned:
+            # the learned lag table (PJ) at its initial parameters: the C++ op builds it over the
+            # call's lags, as nn::attention does
+            if return_lse:
+                raise InputError(f"{spec!r}: return_lse is not available with a learned lag table")
+            layout = {"interleaved": 0, "half_split": 1}.get(pair_layout)
+            if layout is None:
+                raise InputError(f"unknown pair layout '{pair_layout}' (valid: interleaved, half_split)")
+            try:
+                return torch.ops.relpos.attention(
+                    q, k, v, spec, q_positions, k_positions, causal, float(window), key_len,
+                    0.0 if scale is None else float(scale), lag_table, slopes, cq, ck, layout,
+                )
+            except ValueError as e:
+                raise InputError(str(e)) from None
     if isinstance(spec, str) and _journey_info(spec, D, Hk) is not None:
         # journey terms rotate v and the output too: one sequence at positions 0..T-1
         if q_positions is not None or k_positions is not None or Tq != Tk or Hq != Hk:

@@ -39,7 +39,7 @@ struct AttentionArgs {
 
 // Fused softmax attention: q [B, Hq, Tq, D], k and v [B, Hk, Tk, D] (Hk divides Hq), float32 or
 // float64 on the CPU. Returns {out [B, Hq, Tq, D], lse [B, Hq, Tq]}; differentiable in q, k, v and
-// every bias tensor (lse is not differentiable). The T x T scores are never stored.
+// every bias tensor, and lse is differentiable too. The T x T scores are never stored.
 std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::Tensor& k,
                                            const torch::Tensor& v, const AttentionArgs& args = {});
 

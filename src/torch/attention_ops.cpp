@@ -7,11 +7,15 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
+#include "core/pj_bias.hpp"
 #include "core/registry.hpp"
 #include "kernels/attention/attention.hpp"
+#include "kernels/attention/mechanism_attention.hpp"
 #include "torch/attention.hpp"
 #include "torch/journey.hpp"
 #include "torch/op_util.hpp"
@@ -249,15 +253,19 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
                                    const OptTensor& cq, const OptTensor& ck, bool causal,
                                    double window, const OptTensor& key_len, double scale,
                                    bool exclude_self, RELPOS_EXTRA_PARAMS,
-                                   std::array<bool, kGrads> mask) {
+                                   std::array<bool, kGrads> mask, const OptTensor& grad_lse) {
   return value_errors([&] {
     const auto o = prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale,
                            RELPOS_EXTRA_ARGS);
     const auto& d = o.dims;
     const auto out = out_in.contiguous(), lse = lse_in.contiguous();
     const auto dout = grad_out.defined() ? grad_out.contiguous() : torch::zeros_like(out);
-    if (dout.sizes() != out.sizes() || lse.sizes() != torch::IntArrayRef({d.B, d.Hq, d.Tq}))
-      throw InputError("attention backward: grad_out, out or lse does not match q");
+    // lse is differentiable: its gradient (when lse was used) enters the kernel's Delta
+    const auto dlse = grad_lse && grad_lse->defined() ? grad_lse->contiguous() : torch::Tensor();
+    if (dout.sizes() != out.sizes() || lse.sizes() != torch::IntArrayRef({d.B, d.Hq, d.Tq}) ||
+        (dlse.defined() &&
+         (dlse.sizes() != lse.sizes() || dlse.scalar_type() != lse.scalar_type())))
+      throw InputError("attention backward: grad_out, out, lse or grad_lse does not match q");
     // every output is a tensor (the schema has no optional outputs): absent or unrequested ones
     // are empty; the bias gradients are accumulated by the kernel, so they start at zero
     const auto grad_for = [&](int i, const torch::Tensor& like) {
@@ -284,7 +292,8 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
             d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(), o.v.data_ptr<scalar_t>(),
             o.positions(), o.bias<scalar_t>(), o.options(causal, window, scale, exclude_self),
             dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-            mptr<scalar_t>(dq), mptr<scalar_t>(dk), mptr<scalar_t>(dv), g);
+            mptr<scalar_t>(dq), mptr<scalar_t>(dk), mptr<scalar_t>(dv), g,
+            dlse.defined() ? dlse.data_ptr<scalar_t>() : nullptr);
       });
     }
     // per-token gradients back in the caller's dtype
@@ -311,7 +320,8 @@ Grads fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q
                                     const OptTensor&, const OptTensor& lag_table,
                                     const OptTensor& slopes, const OptTensor& cq,
                                     const OptTensor& ck, bool, double, const OptTensor&, double,
-                                    bool, RELPOS_EXTRA_PARAMS, std::array<bool, kGrads> mask) {
+                                    bool, RELPOS_EXTRA_PARAMS, std::array<bool, kGrads> mask,
+                                    const OptTensor&) {
   (void)path_scale;
   const auto like = [&](int i, const torch::Tensor& t) {
     return mask[i] && t.defined() ? torch::empty_like(t, torch::MemoryFormat::Contiguous)
@@ -353,12 +363,12 @@ Grads call_fused_attention_backward(const torch::Tensor& grad_out, const torch::
                                     const OptTensor& cq, const OptTensor& ck, bool causal,
                                     double window, const OptTensor& key_len, double scale,
                                     bool exclude_self, RELPOS_EXTRA_PARAMS,
-                                    std::array<bool, kGrads> mask) {
+                                    std::array<bool, kGrads> mask, const OptTensor& grad_lse) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("relpos::fused_attention_backward", "")
                              .typed<decltype(fused_attention_backward_cpu)>();
   return op.call(grad_out, q, k, v, out, lse, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                 window, key_len, scale, exclude_self, RELPOS_EXTRA_ARGS, mask);
+                 window, key_len, scale, exclude_self, RELPOS_EXTRA_ARGS, mask, grad_lse);
 }
 
 class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
@@ -382,7 +392,6 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["exclude_self"] = exclude_self;
     ctx->saved_data["path_scale"] = path_scale;
-    ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
 
@@ -418,7 +427,8 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
         opt(s[9]), opt(s[10]), ctx->saved_data["causal"].toBool(),
         ctx->saved_data["window"].toDouble(), opt(s[11]), ctx->saved_data["scale"].toDouble(),
         ctx->saved_data["exclude_self"].toBool(), opt(s[12]), opt(s[13]), opt(s[14]), opt(s[15]),
-        opt(s[16]), ctx->saved_data["path_scale"].toDouble(), mask);
+        opt(s[16]), ctx->saved_data["path_scale"].toDouble(), mask,
+        grad_out.size() > 1 && grad_out[1].defined() ? OptTensor(grad_out[1]) : OptTensor());
     const auto keep = [&](int i, torch::Tensor t) { return mask[i] ? t : torch::Tensor(); };
     return {keep(0, std::get<0>(g)),
             keep(1, std::get<1>(g)),
@@ -588,8 +598,10 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       throw InputError(
           "attention: an explicit lag_table together with the mechanism's own "
           "learned table is not supported; add them into one table");
+    // bounded as kernels::attention_bias_of: longer lags use the last entry (the kernel's clamp)
     const double span = (qpos.max() - kpos.min()).item<double>();
-    const int64_t len = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(span)) + 1);
+    const int64_t len = static_cast<int64_t>(
+        std::clamp(std::ceil(span), 0.0, static_cast<double>(kernels::kMaxLagTable)) + 1);
     a.lag_table = enc.lag_table(len).to(q.scalar_type());
   }
   auto out = fused_attention(qt, kt, vt, a)[0];
@@ -603,6 +615,18 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   if (!k.defined() || k.dim() != 4 || !q.defined() || q.dim() != 4)
     throw InputError("attention: q and k must be [B, H, T, D]");
   PositionEncoding enc(spec, k.size(3), k.size(1), EncodingOptions{layout, true});
+  if (const BiasTerm* b = enc->mechanism().pj_bias()) {
+    // a spec string names fixed parameters: the PJ zetas of the core's draw (the config's seed),
+    // not a fresh torch::randn per call (which made two calls differ)
+    const PjBiasParams p = pj_initial_params(*b->pj, enc->mechanism().heads);
+    const torch::NoGradGuard no_grad;
+    auto params = enc->named_parameters();
+    for (const auto& [name, values] :
+         {std::pair{"pj_fj_zeta_re", &p.fj_zeta_re}, std::pair{"pj_fj_zeta_im", &p.fj_zeta_im},
+          std::pair{"pj_lc_zeta_re", &p.lc_zeta_re}, std::pair{"pj_lc_zeta_im", &p.lc_zeta_im}})
+      if (torch::Tensor* t = params.find(name))
+        t->copy_(torch::tensor(*values, torch::kDouble).view_as(*t));
+  }
   return attention(q, k, v, *enc, args);
 }
 
@@ -678,7 +702,8 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "Tensor lse, Tensor? q_positions, Tensor? k_positions, Tensor? lag_table, Tensor? slopes, "
       "Tensor? cq, Tensor? ck, bool causal, float window, Tensor? key_len, float scale, "
       "bool exclude_self, Tensor? gq, Tensor? gk, Tensor? path_q, Tensor? path_k, "
-      "Tensor? path_beta, float path_scale, bool[12] output_mask) -> (Tensor, Tensor, Tensor, "
+      "Tensor? path_beta, float path_scale, bool[12] output_mask, Tensor? grad_lse=None) -> "
+      "(Tensor, Tensor, Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, str mechanism, Tensor? q_positions=None, "

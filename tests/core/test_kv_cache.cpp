@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <random>
@@ -589,4 +590,53 @@ TEST(KvCacheMerge, LseMergeOfChunksEqualsOneCallFloat) {
 }
 TEST(KvCacheMerge, LseMergeOfChunksEqualsOneCallDouble) {
   lse_merge_equals_one_call<double>(1e-12);
+}
+
+// Memory follows the tokens cached, never the positions or the chunk size: a learned lag table
+// (pj_bias) with keys at 0 and an append at 10^12 stays bounded (lags beyond kMaxLagTable use the
+// table's last entry, the kernel's clamp) where it used to ask for a 2e12-entry table; a chunk of
+// 2^20 tokens allocates as its tokens arrive (it used to zero-fill the whole chunk on the first
+// append); chunks above the bound are refused by name.
+namespace {
+int64_t resident_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  long pages = 0, resident = 0;
+  if (f) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<int64_t>(resident) * 4096;
+}
+}  // namespace
+
+TEST(KvCacheBounds, HugeLagsAndChunksKeepMemoryBounded) {
+  const int64_t B = 1, H = 2, D = 8;
+  const Mechanism m = build_mechanism("pj_bias", static_cast<int>(D), static_cast<int>(H));
+  const ParamValues p = default_params(m);
+  std::vector<float> k(B * H * D, 0.5f), v(B * H * D, 1.0f), q(B * H * D, 0.25f), out(q.size()),
+      lse(B * H);
+  {
+    KvCache<float> cache(m, p, B, H, H, D);
+    cache.append(k, v, 0.0);
+    cache.append(k, v, 1e12);
+    cache.decode(q, 1e12 + 1, out, lse);
+    for (float x : out) EXPECT_TRUE(std::isfinite(x));
+    // the far key's lag (1) and the near one's (10^12, clamped to the table's last entry)
+    for (float x : lse) EXPECT_TRUE(std::isfinite(x));
+  }
+  {
+    const int64_t Dl = 64, before = resident_bytes();
+    KvCacheOptions o;
+    o.chunk = KvCacheOptions::kMaxChunk;  // 2^20 tokens x 64 x 4 bytes x 2 = 512 MiB if eager
+    const Mechanism rope = build_mechanism("rope", static_cast<int>(Dl), 1);
+    KvCache<float> cache(rope, default_params(rope), 1, 1, 1, Dl, o);
+    std::vector<float> kl(Dl, 0.5f), ql(Dl, 0.25f), ol(Dl);
+    for (int t = 0; t < 100; ++t) cache.append(kl, kl, static_cast<double>(t));
+    cache.decode(ql, 99.0, ol);
+    EXPECT_LT(resident_bytes() - before, int64_t{64} << 20);
+    EXPECT_EQ(cache.chunks(), 1);
+  }
+  KvCacheOptions o;
+  o.chunk = KvCacheOptions::kMaxChunk + 1;
+  expect_input_error([&] { KvCache<float> c(m, p, B, H, H, D, o); }, "chunk must be in [1, 2^20]");
 }

@@ -151,3 +151,162 @@ def test_named_errors():
         relpos.attention(q, k, v, relpos.PositionEncoding("rope", 32, 4))
     with pytest.raises(relpos.InputError, match="v contains NaN"):
         relpos.attention(q, k, v * math.nan, "rope")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nan_in_query_or_key_gives_nan_rows_not_zeros(dtype):
+    """Issue 23 item 5: NaN in one element of q makes that row (and its lse) NaN, NaN in a key the
+    rows that see it; float32 used to give row 0 and lse -inf."""
+    x = torch.randn(1, 1, 6, 4, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    q = x.clone()
+    q[0, 0, 3, 0] = math.nan
+    out, lse = relpos.fused_attention(q, x, x)
+    assert torch.isnan(lse[0, 0]).tolist() == [i == 3 for i in range(6)]
+    assert torch.isnan(out[0, 0]).any(-1).tolist() == [i == 3 for i in range(6)]
+    k = x.clone()
+    k[0, 0, 2, 1] = math.nan
+    out, lse = relpos.fused_attention(x, k, x)
+    assert torch.isnan(lse[0, 0]).tolist() == [i >= 2 for i in range(6)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_nan_changes_nothing_forward_and_backward(dtype):
+    """Issue 23 item 6: a NaN or Inf value the mask hides (causal, window, key padding; T = 300
+    spans several tiles) changes no bit of the rows that cannot see it, nor of dq, dk, dv."""
+    T, D = 300, 16
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, T, D, dtype=dtype, generator=g) for _ in range(3))
+    key_len = torch.tensor([T - 5])
+    for bad, where, kw in ((math.nan, (T - 1,), {}), (math.inf, (T - 1,), {}),
+                           (math.nan, (0,), {"window": 7.0}),
+                           (math.nan, (T - 2,), {"key_len": key_len})):
+        vb = v.clone()
+        vb[0, 1, where[0], 3] = bad
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        leaves_b = [t.clone().requires_grad_() for t in (q, k, vb)]
+        o1, _ = relpos.fused_attention(*leaves, **kw)
+        o2, _ = relpos.fused_attention(*leaves_b, **kw)
+        o1.sum().backward()
+        o2.sum().backward()
+        j = where[0]
+        row = torch.arange(T)
+        sees = row >= j
+        if "window" in kw:
+            sees = sees & (row - j < kw["window"])
+        if "key_len" in kw:
+            sees = sees & (j < kw["key_len"][0])
+        assert torch.equal(o1[0, 0], o2[0, 0])  # the other head
+        assert torch.equal(o1[0, 1, ~sees], o2[0, 1, ~sees])
+        assert not torch.isfinite(o2[0, 1, sees]).all(-1).any()
+        assert torch.equal(leaves[0].grad[0, 1, ~sees], leaves_b[0].grad[0, 1, ~sees])
+        assert torch.equal(leaves[0].grad[0, 0], leaves_b[0].grad[0, 0])
+
+
+def test_lse_is_differentiable():
+    """Issue 23 item 14: a loss on lse reaches q, k, v and the biases; gradients against float64
+    autograd of the materialised scores, and gradcheck."""
+    q, k, v = inputs(2, 2, 1, 7, 9, 16, torch.float64, seed=4)
+    slopes = 0.2 * torch.rand(2, dtype=torch.float64)
+    key_len = torch.tensor([9, 5])
+
+    def reference(q, k, v, slopes):
+        B, Hq, Tq, D = q.shape
+        Tk = k.shape[2]
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        lag = (torch.arange(Tk - Tq, Tk)[:, None] - torch.arange(Tk)[None, :]).double()
+        s = q @ kk.transpose(-1, -2) / math.sqrt(D) - slopes[None, :, None, None] * lag
+        vis = (lag >= 0)[None, None] & (torch.arange(Tk)[None, :] < key_len[:, None])[:, None, None]
+        s = s.masked_fill(~vis, -math.inf)
+        return torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, slopes)]
+    out, lse = relpos.fused_attention(*leaves[:3], slopes=leaves[3], key_len=key_len)
+    (out.sum() + (lse**2).sum()).backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, slopes)]
+    ro, rl = reference(*ref_leaves)
+    torch.testing.assert_close(lse, rl)
+    (ro.sum() + (rl**2).sum()).backward()
+    for a, b in zip(leaves, ref_leaves):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-10, rtol=1e-8)
+
+    def f(q, k, v, slopes):
+        o, l = relpos.fused_attention(q, k, v, slopes=slopes, key_len=key_len, window=4.0)
+        return o, torch.where(torch.isfinite(l), l, 0.0)  # rows that see no key: lse = -inf
+
+    assert torch.autograd.gradcheck(f, [t.clone().requires_grad_() for t in (q, k, v, slopes)],
+                                    eps=1e-6, atol=1e-7)
+    # float32: the lse term changes the gradient (it used to be dropped)
+    q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
+    o, l = relpos.fused_attention(q32, k32, v32)
+    (o.sum() + (l**2).sum()).backward()
+    g_both = q32.grad.clone()
+    q32.grad = None
+    relpos.fused_attention(q32, k32, v32)[0].sum().backward()
+    assert (g_both - q32.grad).abs().max() > 1e-3
+
+
+def test_every_mechanism_is_applied_or_refused():
+    """Issue 23 item 11: for every catalogued mechanism, attention(q, k, v, spec) either differs
+    from plain attention ("nope") or raises InputError; none silently computes plain attention
+    (fox, grape_a, grape_ap and pj_bias used to)."""
+    D, H = 32, 2
+    q, k, v = inputs(1, H, H, 12, 12, D, torch.float64, seed=9)
+    plain = relpos.attention(q, k, v, "nope")
+    refused = []
+    for info in relpos.mechanisms():
+        name = info["name"]
+        try:
+            out = relpos.attention(q, k, v, name)
+        except relpos.InputError as e:
+            refused.append(name)
+            assert name in str(e) or "'" in str(e)
+            continue
+        if not relpos.mechanism(name, D, H)["biases"]:
+            continue  # transforms only (an orthogonal mix legitimately scores as plain attention)
+        # a bias must change the result of the transforms alone
+        try:
+            tq, tk = relpos.PositionEncoding(name, D, H).double()(q, k)
+            bare = composed(tq, tk, v)
+        except relpos.InputError:
+            bare = plain
+        assert not torch.allclose(out, bare, atol=1e-9), f"{name}: its bias is dropped"
+        # the C++ nn::attention (the relpos::attention op) applies the same biases
+        try:
+            cpp = torch.ops.relpos.attention(q, k, v, name)
+        except ValueError:
+            continue
+        assert not torch.allclose(cpp, bare, atol=1e-9), f"{name}: the C++ path drops its bias"
+    for name in ("fox", "grape_a", "grape_ap"):
+        assert name in refused, name
+        with pytest.raises(ValueError, match="content-gated bias"):
+            torch.ops.relpos.attention(q, k, v, name)
+    # the refusal names the missing inputs; given the gates, a per-token bias is applied
+    with pytest.raises(relpos.InputError, match="cq and ck"):
+        relpos.attention(q, k, v, "fox")
+    with pytest.raises(relpos.InputError, match="path_q, path_k and path_beta"):
+        relpos.attention(q, k, v, "grape_ap")
+    c = torch.cumsum(-torch.rand(1, H, 12, dtype=torch.float64), -1)
+    gated = relpos.attention(q, k, v, "fox", cq=c, ck=c)
+    torch.testing.assert_close(gated, composed(q, k, v, cq=c, ck=c))
+    # pj_bias from its spec: the initial learned table, as the C++ nn::attention
+    pj = relpos.attention(q, k, v, "pj_bias")
+    assert not torch.allclose(pj, plain)
+    torch.testing.assert_close(pj, torch.ops.relpos.attention(q, k, v, "pj_bias"))
+    with pytest.raises(relpos.InputError, match="learned lag table"):
+        relpos.attention(q, k, v, relpos.PositionEncoding("pj_bias", D, H))
+
+
+def test_attention_input_errors_are_input_errors():
+    """Issue 23 item 17 (attention.py): a 3-D q, meta tensors with check_finite, non-tensors."""
+    q, k, v = inputs(1, 2, 2, 8, 8, 32)
+    with pytest.raises(relpos.InputError, match=r"\[B, H, T, D\]"):
+        relpos.attention(q[0], k, v, "rope")
+    with pytest.raises(relpos.InputError):
+        relpos.fused_attention(q[0], k, v)
+    with pytest.raises(relpos.InputError, match="must be a tensor"):
+        relpos.fused_attention([1.0], k, v)
+    with pytest.raises(relpos.InputError, match="mechanism must be"):
+        relpos.attention(q, k, v, 3)
+    m = [t.to("meta") for t in (q, k, v)]
+    out = relpos.attention(*m, "rope")  # no values to check: shapes only
+    assert out.device.type == "meta" and out.shape == q.shape

@@ -24,7 +24,7 @@ namespace relpos::kernels {
   void attention_backward(const AttentionDims&, const T*, const T*, const T*,                \
                           const AttentionPositions&, const AttentionBias<T>&,                \
                           const AttentionOptions&, const T*, const T*, const T*, T*, T*, T*, \
-                          const AttentionBiasGrads<T>&);                                     \
+                          const AttentionBiasGrads<T>&, const T*);                           \
   }
 RELPOS_ISA_FOR_EACH(RELPOS_DECLARE_ISA)
 #undef RELPOS_DECLARE_ISA
@@ -133,7 +133,7 @@ template <class T>
 void attention_backward(const AttentionDims& dims, const T* q, const T* k, const T* v,
                         const AttentionPositions& pos, const AttentionBias<T>& bias,
                         const AttentionOptions& options, const T* dout, const T* out, const T* lse,
-                        T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads) {
+                        T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads, const T* dlse) {
   check(dims, bias, options);
   if (!dout || !out || !lse) throw InputError("attention backward needs dout, out and lse");
   if (grads.lag_table && !bias.lag_table)
@@ -146,7 +146,7 @@ void attention_backward(const AttentionDims& dims, const T* q, const T* k, const
   if ((grads.path_q || grads.path_k || grads.path_beta) && !bias.path_q)
     throw InputError("attention: probe gradients need the path integral");
   RELPOS_ISA_DISPATCH(attention_backward<T>, dims, q, k, v, pos, bias, options, dout, out, lse, dq,
-                      dk, dv, grads);
+                      dk, dv, grads, dlse);
 }
 
 #define RELPOS_INSTANTIATE(T)                                                                    \
@@ -156,7 +156,7 @@ void attention_backward(const AttentionDims& dims, const T* q, const T* k, const
   template void attention_backward<T>(const AttentionDims&, const T*, const T*, const T*,        \
                                       const AttentionPositions&, const AttentionBias<T>&,        \
                                       const AttentionOptions&, const T*, const T*, const T*, T*, \
-                                      T*, T*, const AttentionBiasGrads<T>&);
+                                      T*, T*, const AttentionBiasGrads<T>&, const T*);
 RELPOS_INSTANTIATE(float)
 RELPOS_INSTANTIATE(double)
 #undef RELPOS_INSTANTIATE

@@ -15,6 +15,12 @@
 //   and p_q[i] - p_k[j] < window            (window > 0 only; also applies when non-causal)
 // logit(i, j) = scale * q_i . k_j + bias(i, j). A query row with no visible key gets a zero
 // output, lse = -inf, and zero gradients (never NaN).
+//
+// Non-finite values (docs/errors.md): a NaN logit of a visible pair (NaN in q_i, k_j or a bias,
+// 0 * Inf) makes row i's output and lse NaN; +Inf logits give NaN too (Inf - Inf), and a -Inf
+// logit weighs 0 as in softmax. Non-finite values of v reach exactly the rows that see them.
+// Masked pairs (causality, window, key_len) are selected out, never multiplied by 0: a
+// non-finite value that no row sees changes no output bit, forward or backward.
 #pragma once
 
 #include <algorithm>
@@ -143,13 +149,15 @@ void attention_forward(const AttentionDims& dims, const T* q, const T* k, const 
                        const AttentionPositions& pos, const AttentionBias<T>& bias,
                        const AttentionOptions& options, T* out, T* lse);
 
-// Gradients from dout = dL/dout, given the forward's out and lse: dq, dk, dv are written
-// (overwritten; any may be null), the bias gradients accumulated (see AttentionBiasGrads).
+// Gradients from dout = dL/dout (and dlse = dL/dlse [B, Hq, Tq] when lse is used too; null: 0),
+// given the forward's out and lse: dq, dk, dv are written (overwritten; any may be null), the bias
+// gradients accumulated (see AttentionBiasGrads).
 template <class T>
 void attention_backward(const AttentionDims& dims, const T* q, const T* k, const T* v,
                         const AttentionPositions& pos, const AttentionBias<T>& bias,
                         const AttentionOptions& options, const T* dout, const T* out, const T* lse,
-                        T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads);
+                        T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads,
+                        const T* dlse = nullptr);
 
 // Plain float64 references straight from the definition (materialised logits per row, one
 // thread): for the tests. Same arguments and conventions as the kernels; lse may be null.

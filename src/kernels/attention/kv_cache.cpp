@@ -16,6 +16,12 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
+// A lag table length request, as an integer: lags of 10^12 (or more) saturate at the table bound
+// instead of overflowing the conversion.
+int64_t lag_request(double lag) {
+  return static_cast<int64_t>(std::min(lag, static_cast<double>(kMaxLagTable)));
+}
+
 template <class T>
 void check_size(const char* what, std::span<const T> x, int64_t want, const char* shape) {
   if (static_cast<int64_t>(x.size()) != want)
@@ -58,8 +64,9 @@ void LseMerge<T>::finish(T* out, T* lse) const {
   for (int64_t r = 0; r < rows_; ++r) {
     const double s = sum_[r];
     const double* acc = acc_.data() + r * D_;
-    for (int64_t e = 0; e < D_; ++e) out[r * D_ + e] = s > 0 ? static_cast<T>(acc[e] / s) : T(0);
-    if (lse) lse[r] = static_cast<T>(s > 0 ? max_[r] + std::log(s) : kNegInf);
+    // s is 0 (no partial saw the row), > 0, or NaN (a NaN partial), which out and lse keep
+    for (int64_t e = 0; e < D_; ++e) out[r * D_ + e] = s != 0 ? static_cast<T>(acc[e] / s) : T(0);
+    if (lse) lse[r] = static_cast<T>(s != 0 ? max_[r] + std::log(s) : kNegInf);
   }
 }
 
@@ -68,8 +75,8 @@ template <class T>
 HeadParams KvCache<T>::checked(const Mechanism& m, const ParamValues& p, int64_t B, int64_t Hq,
                                int64_t Hk, int64_t D, const KvCacheOptions& o) {
   check_mechanism_attention(m, {B, Hq, Hk, 1, 1, D});
-  if (o.chunk < 1 || o.chunk > (int64_t{1} << 30))
-    throw InputError(fmt::format("kv cache: chunk must be in [1, 2^30], got {}", o.chunk));
+  if (o.chunk < 1 || o.chunk > KvCacheOptions::kMaxChunk)
+    throw InputError(fmt::format("kv cache: chunk must be in [1, 2^20], got {}", o.chunk));
   if (!(o.window >= 0)) throw InputError("kv cache: window must be >= 0 (0: none)");
   if (!(o.scale >= 0) || std::isinf(o.scale))
     throw InputError("kv cache: scale must be finite and >= 0 (0: 1/sqrt(D))");
@@ -99,7 +106,7 @@ KvCache<T>::KvCache(HeadParams hp, Mechanism&& m, int64_t B, int64_t Hq, int64_t
       plan_(MechanismPlan::from(mech_, options.layout)),
       qpar_(hp.q),
       kpar_(hp.k),
-      bias_(attention_bias_of<T>(mech_, Hq, options.chunk)),
+      bias_(attention_bias_of<T>(mech_, Hq, std::min<int64_t>(options.chunk, 1024))),
       B_(B),
       Hq_(Hq),
       Hk_(Hk),
@@ -122,12 +129,25 @@ typename KvCache<T>::Chunk& KvCache<T>::chunk_for(double position) {
       (recenter_ && position - chunks_.back().center >= static_cast<double>(C))) {
     Chunk c;
     c.center = recenter_ ? position : fixed_center_;
-    c.k.assign(static_cast<size_t>(B_ * Hk_ * C * D_), T(0));
-    c.v.assign(c.k.size(), T(0));
-    c.pos.assign(static_cast<size_t>(C), 0.0);
     chunks_.push_back(std::move(c));
   }
   return chunks_.back();
+}
+
+template <class T>
+void KvCache<T>::reserve(Chunk& c, int64_t need) const {
+  if (need <= c.cap) return;
+  const int64_t cap = std::min(opt_.chunk, std::max({need, 2 * c.cap, int64_t{16}}));
+  const auto grow = [&](std::vector<T>& x) {
+    std::vector<T> y(static_cast<size_t>(B_ * Hk_ * cap * D_), T(0));
+    for (int64_t bh = 0; bh < B_ * Hk_; ++bh)
+      std::copy_n(x.data() + bh * c.cap * D_, c.len * D_, y.data() + bh * cap * D_);
+    x = std::move(y);
+  };
+  grow(c.k);
+  grow(c.v);
+  c.pos.resize(static_cast<size_t>(cap), 0.0);
+  c.cap = cap;
 }
 
 template <class T>
@@ -171,9 +191,10 @@ void KvCache<T>::append(std::span<const T> k, std::span<const T> v,
     const auto trig = build_trig_table<T>(plan_.position, dims, P);
     mechanism_forward<T>(plan_, dims, P, kpar_.view(), trig.view(), nullptr, buf.data(), nullptr,
                          buf.data());
+    reserve(c, c.len + m);
     for (int64_t bh = 0; bh < B_ * Hk_; ++bh) {
-      std::copy_n(buf.data() + bh * m * D_, m * D_, c.k.data() + (bh * C + c.len) * D_);
-      std::copy_n(v.data() + (bh * n + s) * D_, m * D_, c.v.data() + (bh * C + c.len) * D_);
+      std::copy_n(buf.data() + bh * m * D_, m * D_, c.k.data() + (bh * c.cap + c.len) * D_);
+      std::copy_n(v.data() + (bh * n + s) * D_, m * D_, c.v.data() + (bh * c.cap + c.len) * D_);
     }
     std::copy_n(positions.data() + s, m, c.pos.data() + c.len);
     c.len += m;
@@ -184,8 +205,10 @@ void KvCache<T>::append(std::span<const T> k, std::span<const T> v,
   if (n > 0) first_position_ = std::min(first_position_, positions[0]);
   // grow a learned lag table (doubling) to the cache's span plus the next token
   if (bias_.lag_len > 0 && n > 0) {
-    const auto span = static_cast<int64_t>(std::ceil(last - first_position_)) + 1;
-    if (span >= bias_.lag_len) bias_ = attention_bias_of<T>(mech_, Hq_, 2 * span);
+    // (bounded: attention_bias_of stops at kMaxLagTable, longer lags use the last entry)
+    const double span = std::ceil(last - first_position_) + 1;
+    if (span >= static_cast<double>(bias_.lag_len) && bias_.lag_len <= kMaxLagTable)
+      bias_ = attention_bias_of<T>(mech_, Hq_, lag_request(2 * span));
   }
 }
 
@@ -201,7 +224,7 @@ void KvCache<T>::decode(std::span<const T> q, double position, std::span<T> out,
   LseMerge<T> merge(rows, D_);
   std::vector<T> qt(static_cast<size_t>(rows * D_)), ow(qt.size()), lw(static_cast<size_t>(rows));
   std::vector<int64_t> key_len(static_cast<size_t>(B_));
-  const AttentionDims dims{B_, Hq_, Hk_, 1, opt_.chunk, D_};
+
   // a context-extension rule's attention factor multiplies q and k: logits by its square
   const double af = attention_factor(mech_, 0.0);
   const AttentionOptions ao{true, opt_.window, key_len.data(),
@@ -211,8 +234,9 @@ void KvCache<T>::decode(std::span<const T> q, double position, std::span<T> out,
   // cache's own table is too short (tables grow with the context; slopes need nothing)
   std::optional<MechanismBias<T>> longer;
   if (bias_.lag_len > 0 && !chunks_.empty()) {
-    const int64_t need = static_cast<int64_t>(std::ceil(position - first_position_));
-    if (need >= bias_.lag_len) longer = attention_bias_of<T>(mech_, Hq_, 2 * need);
+    const double need = std::ceil(position - first_position_);
+    if (need >= static_cast<double>(bias_.lag_len) && bias_.lag_len <= kMaxLagTable)
+      longer = attention_bias_of<T>(mech_, Hq_, lag_request(2 * need));
   }
   const AttentionBias<T> bias = longer ? longer->view() : bias_.view();
   double q_center = std::numeric_limits<double>::quiet_NaN();  // centre qt was made with
@@ -227,6 +251,7 @@ void KvCache<T>::decode(std::span<const T> q, double position, std::span<T> out,
       q_center = c.center;
     }
     std::fill(key_len.begin(), key_len.end(), c.len);
+    const AttentionDims dims{B_, Hq_, Hk_, 1, c.cap, D_};
     const AttentionPositions ap{&position, c.pos.data(), false};
     attention_forward<T>(dims, qt.data(), c.k.data(), c.v.data(), ap, bias, ao, ow.data(),
                          lw.data());

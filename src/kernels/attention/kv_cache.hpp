@@ -49,10 +49,12 @@ struct KvCacheOptions {
   Layout layout = Layout::Interleaved;
   double window = 0.0;  // > 0: a query at p sees keys with p - window < p_k <= p
   double scale = 0.0;   // softmax scale; 0 means 1 / sqrt(D)
-  // Tokens per chunk: the unit of memory growth and of re-centring. A chunk also closes when a
+  // Tokens per chunk: the unit of re-centring, in [1, kMaxChunk]. A chunk also closes when a
   // position is `chunk` or more past its centre (gappy positions), so keys within a chunk grow at
-  // most like e^{gamma chunk}.
+  // most like e^{gamma chunk}. A chunk's storage grows with its tokens (doubling), so memory
+  // follows the tokens cached, never the chunk size.
   int64_t chunk = 256;
+  static constexpr int64_t kMaxChunk = int64_t{1} << 20;
 };
 
 template <class T>
@@ -90,8 +92,9 @@ class KvCache {
   struct Chunk {
     double center = 0.0;
     int64_t len = 0;
-    std::vector<T> k, v;      // [B, Hk, chunk, D], zero past len
-    std::vector<double> pos;  // [chunk]
+    int64_t cap = 0;          // token slots allocated (<= chunk)
+    std::vector<T> k, v;      // [B, Hk, cap, D], zero past len
+    std::vector<double> pos;  // [cap]
   };
 
   KvCache(HeadParams hp, Mechanism&& m, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
@@ -103,6 +106,8 @@ class KvCache {
   bool visible(const Chunk& c, double p) const;
   // The chunk the token at `position` goes into (a new one when the last is full or spans too far).
   Chunk& chunk_for(double position);
+  // Grows c's storage to hold at least `need` tokens (at most the chunk size).
+  void reserve(Chunk& c, int64_t need) const;
 
   Mechanism mech_;
   MechanismPlan plan_;

@@ -94,7 +94,7 @@ void check_attention_support(const Mechanism& m) {
 template <class T>
 MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq, int64_t max_lag) {
   std::vector<double> slopes, table;
-  const int64_t len = std::max<int64_t>(max_lag, 0) + 1;
+  const int64_t len = std::clamp<int64_t>(max_lag, 0, kMaxLagTable) + 1;
   for (const auto& b : m.biases) {
     switch (b.shape) {
       case BiasShape::LagTable:

@@ -26,7 +26,9 @@ void check_attention_support(const Mechanism& m);
 
 // The mechanism's bias terms as the fused kernel's descriptors, in T, for Hq query heads. One case
 // per BiasShape: ALiBi's slope form, and learned lag tables (the PJ bias, built from its initial
-// parameters for lags 0..max_lag; the torch modules pass their trained table instead).
+// parameters for lags 0..min(max_lag, kMaxLagTable); the torch modules pass their trained table
+// instead). Lags beyond the table use its last entry (the kernel's clamp), so memory stays bounded
+// whatever the positions span.
 template <class T>
 struct MechanismBias {
   std::vector<T> slopes;     // per query head; empty: none
@@ -40,6 +42,7 @@ struct MechanismBias {
     return b;
   }
 };
+inline constexpr int64_t kMaxLagTable = int64_t{1} << 20;
 template <class T>
 MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq, int64_t max_lag = 0);
 
