@@ -122,9 +122,9 @@ TEST(Files, ChildProcessesGetTheirEnvironmentAndAreNeverLeftRunning) {
   o.quiet = true;
   o.env = {{"RELPOS_CHILD_TEST", "1; rm -rf /"}};
   EXPECT_EQ(ChildProcess({"/usr/bin/printenv", "RELPOS_CHILD_TEST"}, o).wait(), 0);
-  EXPECT_EQ(
-      ChildProcess({"/usr/bin/printenv", "RELPOS_CHILD_TEST"}, SpawnOptions{{}, {}, true}).wait(),
-      1);
+  EXPECT_EQ(ChildProcess({"/usr/bin/printenv", "RELPOS_CHILD_TEST"}, SpawnOptions{{}, {}, true, {}})
+                .wait(),
+            1);
   EXPECT_THROW(ChildProcess({"/nonexistent/program"}), InputError);
 
   ChildProcess sleeper({"/bin/sleep", "30"});
