@@ -166,8 +166,20 @@ bool folder_is_empty(const fs::path& dir) {
   return fs::directory_iterator(dir, ec) == fs::directory_iterator();
 }
 
+// An output of ours that holds no file but the lock and the marker (a run that failed on bad
+// input before writing anything) counts as new: there is nothing to lose.
+bool holds_nothing(const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n != OutputDir::kLockFile && n != OutputDir::kMarker && temp_owner(n) < 0) return false;
+  }
+  return true;
+}
+
 // The kind/policy verdict on an output of ours found in `dir` (lock file text `text`).
 void check_existing(const fs::path& dir, const std::string& text, const OutputDirOptions& o) {
+  if (holds_nothing(dir)) return;
   const std::string kind = lock_kind(text);
   const std::string shown = brief(dir.string(), 120);
   if (kind != o.kind)
@@ -227,7 +239,7 @@ OutputDir::OutputDir(fs::path dir, const OutputDirOptions& o) : dir_(std::move(d
                                  brief(dir_.string(), 120), holder_of(read_fd(fd.fd))));
   // under the lock, again: another process may have made an output here since check()
   const std::string text = read_fd(fd.fd);
-  if (!text.empty()) {
+  if (!text.empty() && !holds_nothing(dir_)) {
     check_existing(dir_, text, o);
     existed_ = true;
   }
