@@ -243,6 +243,7 @@ OutputDir::OutputDir(fs::path dir, const OutputDirOptions& o) : dir_(std::move(d
     check_existing(dir_, text, o);
     existed_ = true;
   }
+  if (o.before_write) o.before_write();
   const std::string holder = fmt::format("relpos {}\npid {}\ncommand: {}\n", o.kind,
                                          static_cast<long>(::getpid()), brief(o.command, 2000));
   if (::ftruncate(fd.fd, 0) != 0 ||

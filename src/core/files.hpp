@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -41,6 +42,9 @@ struct OutputDirOptions {
   Existing existing = Existing::Replace;
   // what the Refuse message tells the user to do
   std::string refuse_hint = "--resume continues it, --overwrite replaces it";
+  // the caller's own refusals (train --resume: a changed configuration), run under the lock
+  // before anything is written; an InputError from it leaves the folder byte-identical
+  std::function<void()> before_write;
 };
 
 // The run-folder discipline, one place for every command that writes a folder (train, sweep,

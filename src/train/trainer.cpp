@@ -333,6 +333,7 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
     d.kind = "run";
     d.command = o.command;
     d.existing = o.resume ? Existing::Continue : o.overwrite ? Existing::Replace : Existing::Refuse;
+    if (o.resume) d.before_write = [&] { check_resume(c, o.out); };
     dir.emplace(o.out, d);
     if (o.overwrite && dir->existed()) {  // the old run's results must not outlive it
       std::error_code ec;
@@ -340,7 +341,7 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
         fs::remove_all(o.out / f, ec);
     }
   }
-  if (o.resume) check_resume(c, o.out);
+  if (o.resume && o.replicas.rank != 0) check_resume(c, o.out);  // rank 0's ran under the lock
   // the 2-D grid task has its own model (vector positions) and loop
   auto result = c.task.kind == "grid2d" ? run_grid2d_training(c, o) : train_lm(c, o);
   if (dir) dir->finish();

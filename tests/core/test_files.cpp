@@ -89,11 +89,13 @@ TEST(Files, OutputDirMarksAnUnfinishedRun) {
     o.finish();
   }
   EXPECT_FALSE(fs::exists(out / OutputDir::kMarker));
-  EXPECT_EQ(names(out), std::vector<std::string>{"table.md"});
+  // the lock file stays: it marks the folder as ours (a later run may continue in it)
+  EXPECT_EQ(names(out), (std::vector<std::string>{OutputDir::kLockFile, "table.md"}));
 }
 
 TEST(Files, OutputDirSweepsTempFilesOfDeadRunsOnly) {
   TempDir d;
+  OutputDir(d.path, "relpos test").finish();  // an output folder of ours, then killed writers
   // pid 2^30 is above Linux's pid_max: no such process
   const fs::path stale = d.path / ".table.md.tmp.1073741824.0";
   const fs::path alive = d.path / (".table.md.tmp." + std::to_string(::getppid()) + ".0");
