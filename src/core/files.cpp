@@ -220,7 +220,7 @@ void OutputDir::check(const fs::path& dir, const OutputDirOptions& o) {
 }
 
 OutputDir::OutputDir(fs::path dir, const std::string& command)
-    : OutputDir(std::move(dir), OutputDirOptions{"output", command, Existing::Replace, ""}) {}
+    : OutputDir(std::move(dir), OutputDirOptions{"output", command, Existing::Replace, "", {}}) {}
 
 OutputDir::OutputDir(fs::path dir, const OutputDirOptions& o) : dir_(std::move(dir)) {
   check(dir_, o);  // refusals before any write
