@@ -134,6 +134,13 @@ expect 2 "sweep name ../../x" "name" bash -c 'cd "$1" && shift && exec "$@"' _ "
   "$relpos" sweep --config "$tmp/sweep.toml" --quiet
 [ -e "$tmp/escaped" ] && { echo "FAIL: a sweep name wrote outside runs/"; fail=1; }
 
+# --- a run whose weights or loss become NaN stops with exit 1 naming the step (Adam with beta2 = 0
+# and an eps below float's range divides 0 by 0 for a weight without gradient)
+expect 1 "a diverging run stops" "training stopped: the .* at step [0-9]+; the last good checkpoint" \
+  "$relpos" train "${common[@]}" --set optim.steps=100 --set checkpoint_every=1 --set optim.lr=10 \
+  --set optim.clip=0 --set optim.beta2=0 --set optim.eps=1e-300 --out "$tmp/nan"
+[ -e "$tmp/nan/summary.json" ] && { echo "FAIL: a diverged run wrote a summary"; fail=1; }
+
 # --- eval: a patched checkpoint, a profile onto a folder
 expect 2 "eval --profiles /tmp" "is a folder" \
   "$relpos" eval --checkpoint "$tmp/run" --lengths 16 --profiles /tmp

@@ -380,9 +380,9 @@ RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
   if (main_rank) write_file_atomic(o.out / "config.toml", c.to_toml());
   // the step of the checkpoint on disk (-1: none yet), named when the run diverges
   int64_t saved_step = o.resume && fs::exists(ckpt_path) ? ck.step : -1;
-  const auto diverged = [&](int64_t step, const char* what, double value) {
+  const auto diverged = [&](int64_t step, const std::string& what) {
     return TrainingDiverged(fmt::format(
-        "training stopped: the {} at step {} is {}; {}", what, step, value,
+        "training stopped: the {} at step {}; {}", what, step,
         saved_step >= 0 ? fmt::format("the last good checkpoint (step {}) is kept in '{}'",
                                       saved_step, ckpt_path.string())
                         : std::string("no checkpoint was written before")));
@@ -417,12 +417,13 @@ RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
     // a non-finite loss or gradient stops the run before the optimiser step spreads it into
     // every weight (and into the next checkpoint)
     const double loss_value = loss.item<double>();
-    if (!std::isfinite(loss_value)) throw diverged(step + 1, "loss", loss_value);
+    if (!std::isfinite(loss_value)) throw diverged(step + 1, fmt::format("loss is {}", loss_value));
     opt.zero_grad();
     loss.backward();
     if (world > 1) o.replicas.average_gradients(params);
     grad_norm = c.optim.clip > 0 ? torch::nn::utils::clip_grad_norm_(params, c.optim.clip) : 0.0;
-    if (!std::isfinite(grad_norm)) throw diverged(step + 1, "gradient norm", grad_norm);
+    if (!std::isfinite(grad_norm))
+      throw diverged(step + 1, fmt::format("gradient norm is {}", grad_norm));
     opt.step();
 
     loss_sum += loss_value;
@@ -446,8 +447,15 @@ RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
       for (const auto& e : ev) metrics.add_eval(e, elapsed());
       if (last) result.final_eval = ev;
     }
+    const bool checkpoint = (c.checkpoint_every > 0 && ck.step % c.checkpoint_every == 0) || last;
+    // an optimiser step can make weights non-finite with a finite loss and gradient (Adam's
+    // 0 / (0 + eps) when eps underflows): never checkpoint such a model
+    if (checkpoint)
+      for (const auto& p : params)
+        if (!torch::isfinite(p).all().item<bool>())
+          throw diverged(ck.step, "weights are not finite after the update");
     if (main_rank) {
-      if ((c.checkpoint_every > 0 && ck.step % c.checkpoint_every == 0) || last) {
+      if (checkpoint) {
         // metrics first: a checkpoint never points past the rows on disk
         write_file_atomic(o.out / "metrics.csv", metrics.csv());
         Checkpoint now = ck;
