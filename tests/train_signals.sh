@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # No orphan trainer (issue 23, item 4): SIGTERM, SIGHUP or SIGKILL sent to a launcher - `relpos
 # train` (which runs relpos-train), the `relpos-train train --nproc 2` launcher (which runs two
-# workers), or `relpos train --nproc 2` (both) - leaves none of its descendants running: the
+# workers), `relpos train --nproc 2` (both) or `relpos sweep --jobs 2` (runs in processes) - leaves none of its descendants running: the
 # launchers forward the signals they can catch, and every child dies with its parent
 # (PR_SET_PDEATHSIG) when the launcher is killed outright.
 # Usage: tests/train_signals.sh RELPOS_BINARY (relpos-train beside it)
@@ -74,5 +74,30 @@ for sig in TERM HUP KILL; do
     "$trainer" train "${common[@]}" --nproc 2 --out "$tmp/two-$sig"
 done
 case_ "relpos train --nproc 2" KILL 3 "$relpos" train "${common[@]}" --nproc 2 --out "$tmp/three"
+# a sweep running its runs in processes (relpos -> relpos-train sweep -> two runs)
+cat >"$tmp/sweep.toml" <<EOF
+name = "signals"
+threads = 1
+checkpoint_every = 0
+[model]
+d_model = 16
+heads = 2
+layers = 1
+[task]
+train_length = 16
+[optim]
+steps = 100000000
+batch = 2
+[eval]
+every = 0
+lengths = [16]
+batches = 1
+[sweep]
+methods = ["nope", "rope"]
+EOF
+for sig in TERM KILL; do
+  case_ "relpos sweep --jobs 2" "$sig" 3 "$relpos" sweep --config "$tmp/sweep.toml" --jobs 2 --quiet \
+    --out "$tmp/sweep-$sig"
+done
 echo "train_signals: $([ $fail = 0 ] && echo 'all ok' || echo 'some FAILED')"
 exit $fail
