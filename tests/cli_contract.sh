@@ -159,5 +159,22 @@ for i in "${!outs[@]}"; do
   fi
 done
 
+# --out into a folder of someone else's files (docs/errors.md "Output directories"): refused with
+# exit 2 before any write, every file byte-identical; into its own earlier output: rewritten.
+mkdir -p "$tmp/theirs"
+printf 'their notes\n' >"$tmp/theirs/probe-jordan-t3.md"
+before=$(cd "$tmp/theirs" && ls -A && cat probe-jordan-t3.md)
+check_bad "probe --out a folder of other files" "$relpos" probe --suite jordan-t3 --out "$tmp/theirs"
+nchecks=$((nchecks + 1))
+if [ "$before" != "$(cd "$tmp/theirs" && ls -A && cat probe-jordan-t3.md)" ]; then
+  echo "FAIL: probe --out changed a folder it refused"; fail=1
+else
+  echo "ok: the refused folder is byte-identical"
+fi
+check "probe --out a new folder" "$relpos" probe --suite jordan-t3 --out "$tmp/ours"
+check "probe --out its own folder again" "$relpos" probe --suite jordan-t3 --out "$tmp/ours"
+touch "$tmp/plainfile"
+check_bad "probe --out naming a file" "$relpos" probe --suite jordan-t3 --out "$tmp/plainfile"
+
 echo "cli_contract: $nchecks checks, $([ $fail = 0 ] && echo 'all ok' || echo 'some FAILED')"
 exit $fail

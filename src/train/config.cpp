@@ -6,9 +6,12 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
+#include "core/files.hpp"
+#include "core/parse.hpp"
 #include "core/types.hpp"
 #include "tasks/pj_query_lm.hpp"
 #include "train/grid2d_train.hpp"
@@ -262,8 +265,7 @@ void check_range(double v, double lo, double hi, const char* key) {
 }  // namespace
 
 void TrainConfig::validate() const {
-  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
-    throw InputError(fmt::format("config: name '{}' must be a plain folder name", name));
+  check_name("config: name", name);
   check_range(seed, 0, int64_t{1} << 40, "seed");
   check_range(threads, 0, 1024, "threads");
   if (device != "cpu" && device != "cuda")
@@ -360,6 +362,11 @@ TrainConfig load_config(const std::filesystem::path& path) {
 }
 
 void apply_override(TrainConfig& c, const std::string& assignment) {
+  // one key per --set: TOML would read a second line as another key, which would be dropped
+  if (assignment.find_first_of(std::string("\n\r\0", 3)) != std::string::npos)
+    throw InputError(fmt::format(
+        "--set '{}': a newline, carriage return or NUL in an override (one key=value per --set)",
+        brief(assignment, 80)));
   const auto eq = assignment.find('=');
   if (eq == std::string::npos || eq == 0)
     throw InputError(fmt::format("--set '{}': expected section.key=value", assignment));
@@ -394,6 +401,45 @@ void apply_override(TrainConfig& c, const std::string& assignment) {
   if (!node) throw InputError(fmt::format("--set '{}': expected section.key=value", assignment));
   node->visit([&](const auto& v) { target->insert_or_assign(leaf, v); });
   c = from_table(root, "--set " + assignment);
+}
+
+namespace {
+// "section.key" -> the value as TOML text, for every key of a configuration
+void flatten(const toml::table& t, const std::string& prefix,
+             std::map<std::string, std::string>& out) {
+  for (const auto& [k, v] : t) {
+    const std::string key = prefix + std::string(k.str());
+    if (const auto* sub = v.as_table()) {
+      flatten(*sub, key + ".", out);
+    } else {
+      std::ostringstream s;
+      v.visit([&](const auto& x) { s << x; });
+      out[key] = s.str();
+    }
+  }
+}
+}  // namespace
+
+const std::vector<std::string>& resume_mutable_keys() {
+  static const std::vector<std::string> keys{
+      "name",       "threads",      "optim.steps",  "checkpoint_every", "log_every",
+      "eval.every", "eval.lengths", "eval.batches", "eval.batch_size",  "eval.full_split"};
+  return keys;
+}
+
+std::vector<std::string> resume_changes(const TrainConfig& saved, const TrainConfig& now) {
+  std::map<std::string, std::string> a, b;
+  flatten(to_table(saved), "", a);
+  flatten(to_table(now), "", b);
+  const auto& free = resume_mutable_keys();
+  std::vector<std::string> changed;
+  for (const auto& [k, v] : b) {
+    if (std::find(free.begin(), free.end(), k) != free.end()) continue;
+    const auto it = a.find(k);
+    const std::string was = it == a.end() ? std::string("(unset)") : it->second;
+    if (was != v) changed.push_back(fmt::format("{} ({} -> {})", k, brief(was, 40), brief(v, 40)));
+  }
+  return changed;
 }
 
 }  // namespace relpos::train

@@ -84,6 +84,12 @@ struct TrainConfig {
 // Parses TOML text (`source` names it in messages). Keys absent keep the defaults above.
 TrainConfig parse_config(const std::string& text, const std::string& source);
 TrainConfig load_config(const std::filesystem::path& path);
+// What --resume may change: the keys of resume_mutable_keys() (the total steps, the thread count,
+// the evaluation and checkpoint cadence, the name); resume_changes lists every other key whose
+// value differs between the run's saved configuration and the new one ("key (old -> new)").
+const std::vector<std::string>& resume_mutable_keys();
+std::vector<std::string> resume_changes(const TrainConfig& saved, const TrainConfig& now);
+
 // Applies "section.key=value" (or "key=value" for top-level keys), value in TOML syntax.
 void apply_override(TrainConfig& c, const std::string& assignment);
 

@@ -409,6 +409,10 @@ int launch_local(const LaunchOptions& o) {
   std::vector<std::string> argv = {program.string()};
   for (auto& a : without_nproc(o.args)) argv.push_back(std::move(a));
 
+  // SIGTERM, SIGHUP and SIGINT are passed on to the workers (blocked here before the first one
+  // starts, so none is lost); the workers also die with this process (ChildProcess)
+  ForwardedSignals signals;
+  int received = 0;
   std::vector<ChildProcess> workers;
   for (int r = 0; r < o.nproc; ++r) {
     SpawnOptions so;
@@ -430,7 +434,7 @@ int launch_local(const LaunchOptions& o) {
       const auto s = workers[static_cast<size_t>(r)].poll();
       if (!s) {
         running = true;
-      } else if (*s != 0 && !failure) {
+      } else if (*s != 0 && !failure && !received) {
         failure = *s;
         std::cerr << fmt::format(
             "relpos: worker {} of {} failed (exit status {}); stopping the others\n", r, o.nproc,
@@ -438,7 +442,11 @@ int launch_local(const LaunchOptions& o) {
       }
     }
     if (failure || !running) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (const int sig = signals.wait(20); sig && !received) {
+      received = sig;
+      for (auto& w : workers) w.signal(sig);
+      failure = 128 + sig;  // then as a failure: a grace period, SIGKILL for what is left
+    }
   }
   if (failure) {
     for (auto& w : workers) w.signal(SIGTERM);

@@ -115,6 +115,9 @@ struct LaunchOptions {
 // LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set, stdout and stderr shared with
 // this process, and waits for them. Returns 0 when all succeed, else the exit status of the first
 // worker that failed, after terminating the others (so that none hangs waiting for a dead peer).
+// SIGTERM, SIGHUP and SIGINT sent to the launcher are passed on to every worker (the launcher then
+// returns 128 + the signal), and a launcher killed outright takes its workers with it
+// (PR_SET_PDEATHSIG, core/files.hpp ChildProcess): no worker outlives it.
 int launch_local(const LaunchOptions& options);
 int launch_local(int nproc, const std::vector<std::string>& args, int port = 0);
 

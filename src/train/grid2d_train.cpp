@@ -223,7 +223,7 @@ RunResult run_grid2d_training(const TrainConfig& c, const RunOptions& o) {
     std::ostringstream bytes;
     archive.save_to(bytes);
     fs::create_directories(o.out / "checkpoints");
-    write_file_atomic(o.out / "checkpoints" / "last.pt", bytes.str());
+    write_checked_file(o.out / "checkpoints" / "last.pt", bytes.str());
   }
   // how far the learned bases moved from U = I (structured; 0 for the others)
   double basis_dev = 0;

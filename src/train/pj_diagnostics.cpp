@@ -215,8 +215,8 @@ std::string pj_lag_kernels_csv(models::TransformerLMImpl& model, int64_t len) {
 
 bool write_pj_lag_kernel_plot(models::TransformerLMImpl& model, int64_t len, const fs::path& dir) {
   const std::string csv = pj_lag_kernels_csv(model, len);
-  fs::create_directories(dir);
-  write_file_atomic(dir / "pj_lag_kernels.csv", csv);
+  OutputDir out(dir, "relpos diagnose --out");  // the run-folder discipline (core/files.hpp)
+  out.write("pj_lag_kernels.csv", csv);
   const size_t layers = model.blocks().size();
   const std::string data = quote_gp("pj_lag_kernels.csv");
   std::string gp = fmt::format(
@@ -235,7 +235,10 @@ bool write_pj_lag_kernel_plot(models::TransformerLMImpl& model, int64_t len, con
   }
   gp += "unset multiplot\n";
   const int height = static_cast<int>(std::min<size_t>(400 * layers, 4000));
-  return gnuplot_png(dir, "pj_lag_kernels", gp, 1400, std::max(height, 500)) == PlotStatus::Drawn;
+  const bool drawn =
+      gnuplot_png(dir, "pj_lag_kernels", gp, 1400, std::max(height, 500)) == PlotStatus::Drawn;
+  out.finish();
+  return drawn;
 }
 
 }  // namespace relpos::train

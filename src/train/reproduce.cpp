@@ -160,8 +160,10 @@ Experiment load_experiment(const std::string& name, const std::string& scale,
                            const std::vector<std::string>& sets,
                            const std::vector<std::string>& only = {},
                            const std::vector<std::string>& only_settings = {}) {
+  check_name("experiment", name);
   const fs::path file = experiments_dir() / fmt::format("{}.toml", name);
-  if (name.empty() || name.find('/') != std::string::npos || !fs::exists(file)) {
+  std::error_code ec_exists;
+  if (!fs::exists(file, ec_exists)) {
     std::string known;
     std::error_code ec;
     for (const auto& e : fs::directory_iterator(experiments_dir(), ec))
@@ -196,7 +198,8 @@ Experiment load_experiment(const std::string& name, const std::string& scale,
     const auto* sc = scales.get_as<toml::table>(scale);
     if (!sc) {
       std::string known = "paper";
-      for (const auto& [k, v] : scales) known += fmt::format(", {}", k.str());
+      for (const auto& [k, v] : scales)
+        if (k.str() != "paper") known += fmt::format(", {}", k.str());  // listed once
       throw InputError(fmt::format("{}: no scale '{}' (known: {})", source, scale, known));
     }
     all_sets = strings(sc->get("set"), "scale.set", source);
@@ -263,6 +266,7 @@ Experiment load_experiment(const std::string& name, const std::string& scale,
 }  // namespace
 
 std::string resolve_scale(const std::string& name, const std::string& scale) {
+  check_name("experiment", name);
   if (!scale.empty()) return scale;
   const fs::path file = experiments_dir() / fmt::format("{}.toml", name);
   std::error_code ec;
@@ -294,8 +298,10 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
                               ? fs::path("runs") / "reproduce" / fmt::format("{}-{}", name, scale)
                               : fs::path(out);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto outcome =
-      run_sweep_text(sweep_text_str, source, all_sets, folder.string(), progress, parallel);
+  // the folder is a sweep's (kind "sweep": continued by the next call) with the report beside it
+  OutputDir dir(folder,
+                sweep_dir_options(fmt::format("relpos reproduce {} --scale {}", name, scale)));
+  const auto outcome = run_sweep_text(sweep_text_str, source, all_sets, dir, progress, parallel);
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   const auto label_of = [&](size_t i) { return labels.empty() ? methods[i] : labels[i]; };
@@ -418,6 +424,7 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
   for (const auto& part : strings(report.get("parts"), "reproduce.parts", source))
     md += fmt::format(
         "\n{}", reproduce(part, scale, sets, (folder / part).string(), progress, {}, {}, parallel));
+  dir.finish();
   return md;
 }
 

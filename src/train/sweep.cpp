@@ -1,15 +1,11 @@
 #include "train/sweep.hpp"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <toml++/toml.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -103,6 +99,7 @@ Sweep parse_sweep(const std::string& text, const std::string& source) {
                 fmt::format("{}: sweep.settings.{} must hold strings", source, name.str()));
           sets.push_back(*str);
         }
+        check_name(fmt::format("{}: sweep.settings name", source), std::string(name.str()));
         s.settings.push_back({std::string(name.str()), sets});
       }
     } else if (key == "only") {
@@ -169,6 +166,7 @@ std::vector<Job> build_jobs(const Sweep& sw, const TrainConfig& base,
         const std::string folder = setting.empty()
                                        ? method_folder(method)
                                        : fmt::format("{}-{}", method_folder(method), setting);
+        check_name("sweep: the folder of a method and setting", folder);
         c.name = fmt::format("{}-s{}", folder, seed);
         c.validate();
         jobs.push_back({method, setting, seed, c, root / folder / fmt::format("s{}", seed)});
@@ -286,51 +284,60 @@ void run_jobs_in_processes(std::vector<const Job*> todo, int64_t jobs, bool prog
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (ec) throw InputError("sweep: --jobs needs /proc/self/exe (Linux) to start the runs");
   const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  std::map<pid_t, const Job*> running;
+  // SIGTERM, SIGHUP and SIGINT go on to the runs (which also die with this process)
+  ForwardedSignals signals;
+  int received = 0;
+  std::vector<std::pair<ChildProcess, const Job*>> running;
   std::vector<std::string> failed;
   size_t next = 0;
   while (next < todo.size() || !running.empty()) {
-    while (static_cast<int64_t>(running.size()) < jobs && next < todo.size()) {
+    while (!received && static_cast<int64_t>(running.size()) < jobs && next < todo.size()) {
       const Job& j = *todo[next++];
       TrainConfig c = j.config;
       if (c.threads == 0) c.threads = std::max<int64_t>(1, cores / jobs);
-      fs::create_directories(j.dir);
-      write_file_atomic(j.dir / "job.toml", c.to_toml());
-      const std::string config = (j.dir / "job.toml").string(), dir = j.dir.string(),
-                        log = (j.dir / "train.log").string(), prog = exe.string();
-      std::vector<std::string> args{prog,    "train", "--config", config,
-                                    "--out", dir,     "--resume", "--quiet"};
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      posix_spawn_file_actions_t fa;
-      posix_spawn_file_actions_init(&fa);
-      posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      posix_spawn_file_actions_adddup2(&fa, 1, 2);
-      pid_t pid = 0;
-      const int rc = posix_spawn(&pid, prog.c_str(), &fa, nullptr, argv.data(), environ);
-      posix_spawn_file_actions_destroy(&fa);
-      if (rc != 0)
-        throw InputError(fmt::format("sweep: cannot start '{}': {}", prog, std::strerror(rc)));
-      running[pid] = &j;
+      {  // the run's folder, made ours (the child locks it again) to hold job.toml
+        OutputDirOptions d;
+        d.kind = "run";
+        d.command = "relpos sweep";
+        d.existing = Existing::Continue;
+        OutputDir dir(j.dir, d);
+        dir.write("job.toml", c.to_toml());
+      }
+      SpawnOptions so;
+      so.log = j.dir / "train.log";
+      ChildProcess child({exe.string(), "train", "--config", (j.dir / "job.toml").string(), "--out",
+                          j.dir.string(), "--resume", "--quiet"},
+                         so);
       if (progress)
         fmt::print(stderr, "sweep: started {} seed {}{} (pid {}, log {})\n", j.method, j.seed,
-                   j.setting.empty() ? std::string() : fmt::format(" ({})", j.setting), pid, log);
+                   j.setting.empty() ? std::string() : fmt::format(" ({})", j.setting), child.pid(),
+                   so.log.string());
+      running.emplace_back(std::move(child), &j);
     }
-    int status = 0;
-    const pid_t pid = waitpid(-1, &status, 0);
-    if (pid < 0) break;
-    const auto it = running.find(pid);
-    if (it == running.end()) continue;
-    const Job& j = *it->second;
-    running.erase(it);
-    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (!ok)
-      failed.push_back(fmt::format("{} (see {})", j.dir.string(), (j.dir / "train.log").string()));
-    if (progress)
-      fmt::print(stderr, "sweep: {} {} seed {}{}\n", ok ? "finished" : "FAILED", j.method, j.seed,
-                 j.setting.empty() ? std::string() : fmt::format(" ({})", j.setting));
+    if (const int sig = signals.wait(50)) {
+      received = sig;
+      for (auto& [child, job] : running) child.signal(sig);
+    }
+    for (auto it = running.begin(); it != running.end();) {
+      const auto status = it->first.poll();
+      if (!status) {
+        ++it;
+        continue;
+      }
+      const Job& j = *it->second;
+      const bool ok = *status == 0;
+      if (!ok)
+        failed.push_back(fmt::format("{} (exit status {}, see {})", j.dir.string(), *status,
+                                     (j.dir / "train.log").string()));
+      if (progress)
+        fmt::print(stderr, "sweep: {} {} seed {}{}\n", ok ? "finished" : "FAILED", j.method, j.seed,
+                   j.setting.empty() ? std::string() : fmt::format(" ({})", j.setting));
+      it = running.erase(it);
+    }
   }
+  if (received)
+    throw InputError(fmt::format(
+        "sweep: stopped by signal {}; the runs it stopped resume on the next call", received));
   if (!failed.empty())
     throw InputError(
         fmt::format("sweep: {} run(s) failed: {}", failed.size(), fmt::join(failed, "; ")));
@@ -347,12 +354,37 @@ std::vector<TrainConfig> sweep_configs(const std::string& text, const std::strin
   return out;
 }
 
+fs::path sweep_folder(const std::string& text, const std::string& source, const std::string& out) {
+  const TrainConfig base = parse_config(parse_sweep(text, source).base_toml, source);
+  check_name(fmt::format("{}: name", source), base.name);
+  return out.empty() ? fs::path("runs") / base.name : fs::path(out);
+}
+
+OutputDirOptions sweep_dir_options(const std::string& command) {
+  OutputDirOptions d;
+  d.kind = "sweep";
+  d.command = command;
+  d.existing = Existing::Continue;  // a sweep continues where it stopped
+  return d;
+}
+
 SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
                             const std::vector<std::string>& sets, const std::string& out,
                             bool progress, int64_t parallel) {
+  OutputDir dir(sweep_folder(text, source, out),
+                sweep_dir_options(fmt::format("relpos sweep --config {}", source)));
+  auto outcome = run_sweep_text(text, source, sets, dir, progress, parallel);
+  dir.finish();
+  return outcome;
+}
+
+SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
+                            const std::vector<std::string>& sets, const OutputDir& dir,
+                            bool progress, int64_t parallel) {
   const Sweep sw = parse_sweep(text, source);
   const TrainConfig base = parse_config(sw.base_toml, source);
-  const fs::path root = out.empty() ? fs::path("runs") / base.name : fs::path(out);
+  check_name(fmt::format("{}: name", source), base.name);
+  const fs::path root = dir.path();
   const std::vector<Job> jobs = build_jobs(sw, base, sets, root);
   if (parallel > 1) {
     std::vector<const Job*> todo;
@@ -370,6 +402,7 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
     o.out = j.dir;
     o.resume = true;
     o.progress = progress;
+    o.command = "relpos sweep";
     run_training(j.config, o);
   }
   // the table: mean and sample std over seeds of the final loss and accuracy at each length
@@ -433,7 +466,6 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
     for (auto x : sw.seeds) s += fmt::format("{}{}", s.empty() ? "" : ", ", x);
     return s;
   }());
-  fs::create_directories(root);
   write_file_atomic(root / "summary.md", md);
   write_file_atomic(root / "results.csv", csv);
   write_plots(root, jobs, order, agg, lengths);

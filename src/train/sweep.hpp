@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/files.hpp"
 #include "train/trainer.hpp"
 
 namespace relpos::train {
@@ -34,6 +35,16 @@ struct SweepOutcome {
 SweepOutcome run_sweep_text(const std::string& toml_text, const std::string& source,
                             const std::vector<std::string>& sets, const std::string& out,
                             bool progress, int64_t parallel = 1);
+
+// The same in a folder the caller holds (reproduce: the report goes beside the sweep); `out` above
+// is opened as an OutputDir of kind "sweep" that continues an earlier sweep of the same folder.
+SweepOutcome run_sweep_text(const std::string& toml_text, const std::string& source,
+                            const std::vector<std::string>& sets, const OutputDir& dir,
+                            bool progress, int64_t parallel = 1);
+// The folder a sweep writes (`out`, or runs/NAME with its name checked) and its OutputDir options.
+std::filesystem::path sweep_folder(const std::string& toml_text, const std::string& source,
+                                   const std::string& out);
+OutputDirOptions sweep_dir_options(const std::string& command);
 
 // The configuration of every run of a sweep (checked), without running any.
 std::vector<TrainConfig> sweep_configs(const std::string& toml_text, const std::string& source,

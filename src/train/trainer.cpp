@@ -1,6 +1,7 @@
 #include "train/trainer.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "core/files.hpp"
+#include "core/parse.hpp"
 #include "core/types.hpp"
 #include "train/grid2d_train.hpp"
 #include "train/task.hpp"
@@ -109,19 +111,29 @@ struct Metrics {
     for (const auto& r : rows) s += r + "\n";
     return s;
   }
-  // Rows of an earlier attempt up to `step` (a resumed run continues after them).
+  // Rows of an earlier attempt up to `step` (a resumed run continues after them). A missing or
+  // garbled file is refused: resuming would silently drop the history before the checkpoint.
   static Metrics read(const fs::path& path, int64_t step) {
+    const auto refuse = [&](const std::string& why) {
+      return InputError(fmt::format(
+          "--resume: '{}' {}; the history up to the checkpoint (step {}) would be lost: restore "
+          "the file, or start the run again with --overwrite",
+          path.string(), why, step));
+    };
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) throw refuse("is missing");
     Metrics m;
     std::ifstream in(path);
     std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
+    if (!std::getline(in, line) || line != kCsvHeader)
+      throw refuse("does not start with the metrics header");
+    for (int no = 2; std::getline(in, line); ++no) {
       const auto comma = line.find(',');
-      if (comma == std::string::npos) continue;
-      try {
-        if (std::stoll(line.substr(0, comma)) <= step) m.rows.push_back(line);
-      } catch (const std::exception&) {
-      }
+      const auto row_step = comma == std::string::npos
+                                ? std::nullopt
+                                : parse_int64(line.substr(0, comma), 0, int64_t{1} << 62);
+      if (!row_step) throw refuse(fmt::format("line {} is not a metrics row", no));
+      if (*row_step <= step) m.rows.push_back(line);
     }
     return m;
   }
@@ -146,17 +158,46 @@ void save_checkpoint(const fs::path& path, models::TransformerLMImpl& model,
   std::ostringstream bytes;
   archive.save_to(bytes);
   fs::create_directories(path.parent_path());
-  write_file_atomic(path, bytes.str());
+  write_checked_file(path, bytes.str());
+}
+
+// The checkpoint's bytes, checksum verified (a file from before checksums: a warning).
+std::string checkpoint_bytes(const fs::path& path) {
+  auto f = read_checked_file(path);
+  if (!f.verified)
+    fmt::print(stderr,
+               "relpos: warning: checkpoint '{}' has no checksum (written by an older relpos); "
+               "it is loaded unverified\n",
+               path.string());
+  return std::move(f.bytes);
 }
 
 Checkpoint load_checkpoint(const fs::path& path, models::TransformerLMImpl& model,
                            torch::optim::AdamW& opt) {
+  const std::string bytes = checkpoint_bytes(path);
+  // a checkpoint's tensors replace the model's whatever their shapes: compare them after loading
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& p : model.named_parameters())
+    shapes.emplace_back(p.key(), p.value().sizes().vec());
+  for (const auto& b : model.named_buffers()) shapes.emplace_back(b.key(), b.value().sizes().vec());
   torch::serialize::InputArchive archive, model_archive, opt_archive;
   try {
-    archive.load_from(path.string());
+    archive.load_from(bytes.data(), bytes.size());
     archive.read("model", model_archive);
-    archive.read("optimizer", opt_archive);
     model.load(model_archive);
+    size_t i = 0;
+    const auto check = [&](const std::string& name, const torch::Tensor& t) {
+      const auto& [want_name, want] = shapes[i++];
+      if (name != want_name || t.sizes().vec() != want)
+        throw InputError(fmt::format(
+            "checkpoint '{}' holds another model than the run's config.toml: '{}' has shape {} "
+            "there, {} here",
+            path.string(), name, fmt::format("[{}]", fmt::join(t.sizes().vec(), ", ")),
+            fmt::format("[{}]", fmt::join(want, ", "))));
+    };
+    for (const auto& p : model.named_parameters()) check(p.key(), p.value());
+    for (const auto& b : model.named_buffers()) check(b.key(), b.value());
+    archive.read("optimizer", opt_archive);
     opt.load(opt_archive);
     torch::Tensor step, elapsed, tokens;
     archive.read("step", step);
@@ -165,7 +206,7 @@ Checkpoint load_checkpoint(const fs::path& path, models::TransformerLMImpl& mode
     return {step.item<int64_t>(), elapsed.item<double>(), tokens.item<int64_t>()};
   } catch (const c10::Error& e) {
     throw InputError(fmt::format("checkpoint '{}' is corrupt or from another model: {}",
-                                 path.string(), e.what_without_backtrace()));
+                                 path.string(), brief(e.what_without_backtrace(), 300)));
   }
 }
 
@@ -256,11 +297,60 @@ int configure_threads(const TrainConfig& c) {
   return threads;
 }
 
+namespace {
+
+// --resume continues a run only with the configuration it was trained with (but for
+// resume_mutable_keys()): anything else would train the rest of it as another model.
+void check_resume(const TrainConfig& c, const fs::path& out) {
+  std::error_code ec;
+  if (!fs::exists(out / "checkpoints" / "last.pt", ec)) return;  // nothing trained: start
+  const fs::path saved = out / "config.toml";
+  if (!fs::is_regular_file(saved, ec))
+    throw InputError(fmt::format(
+        "--resume: '{}' has a checkpoint but no config.toml, so its configuration cannot be "
+        "checked; --overwrite starts the run again",
+        out.string()));
+  const auto changed = resume_changes(load_config(saved), c);
+  if (!changed.empty())
+    throw InputError(fmt::format(
+        "--resume: the run in '{}' was trained with another configuration: {}; a resume may "
+        "change only {} (--overwrite starts a new run there)",
+        out.string(), fmt::join(changed, ", "), fmt::join(resume_mutable_keys(), ", ")));
+}
+
+RunResult train_lm(const TrainConfig& c, const RunOptions& o);
+
+}  // namespace
+
 RunResult run_training(const TrainConfig& c, const RunOptions& o) {
   // ---- setup: everything that can fail on bad input fails here, before the first step
   c.validate();
+  if (o.resume && o.overwrite) throw InputError("--resume and --overwrite exclude each other");
+  // the folder: refused, locked and marked INCOMPLETE by rank 0, the only writer
+  std::optional<OutputDir> dir;
+  if (o.replicas.rank == 0) {
+    OutputDirOptions d;
+    d.kind = "run";
+    d.command = o.command;
+    d.existing = o.resume ? Existing::Continue : o.overwrite ? Existing::Replace : Existing::Refuse;
+    if (o.resume) d.before_write = [&] { check_resume(c, o.out); };
+    dir.emplace(o.out, d);
+    if (o.overwrite && dir->existed()) {  // the old run's results must not outlive it
+      std::error_code ec;
+      for (const char* f : {"summary.json", "metrics.csv", "checkpoints"})
+        fs::remove_all(o.out / f, ec);
+    }
+  }
+  if (o.resume && o.replicas.rank != 0) check_resume(c, o.out);  // rank 0's ran under the lock
   // the 2-D grid task has its own model (vector positions) and loop
-  if (c.task.kind == "grid2d") return run_grid2d_training(c, o);
+  auto result = c.task.kind == "grid2d" ? run_grid2d_training(c, o) : train_lm(c, o);
+  if (dir) dir->finish();
+  return result;
+}
+
+namespace {
+
+RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
   if (c.device != "cpu")
     throw InputError("device = cuda: the CUDA engine is not built yet (issue 16); use cpu");
   const int threads = configure_threads(c);
@@ -287,10 +377,16 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
   } else if (o.replicas.broadcast_parameters) {
     o.replicas.broadcast_parameters(model->parameters());
   }
-  if (main_rank) {
-    fs::create_directories(o.out);
-    write_file_atomic(o.out / "config.toml", c.to_toml());
-  }
+  if (main_rank) write_file_atomic(o.out / "config.toml", c.to_toml());
+  // the step of the checkpoint on disk (-1: none yet), named when the run diverges
+  int64_t saved_step = o.resume && fs::exists(ckpt_path) ? ck.step : -1;
+  const auto diverged = [&](int64_t step, const std::string& what) {
+    return TrainingDiverged(fmt::format(
+        "training stopped: the {} at step {}; {}", what, step,
+        saved_step >= 0 ? fmt::format("the last good checkpoint (step {}) is kept in '{}'",
+                                      saved_step, ckpt_path.string())
+                        : std::string("no checkpoint was written before")));
+  };
 
   // ---- the loop
   const auto params = model->parameters();
@@ -318,13 +414,19 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
 
     const auto logits = model->forward(batch.tokens);
     const auto loss = loss_of(logits, batch, task->classes());
+    // a non-finite loss or gradient stops the run before the optimiser step spreads it into
+    // every weight (and into the next checkpoint)
+    const double loss_value = loss.item<double>();
+    if (!std::isfinite(loss_value)) throw diverged(step + 1, fmt::format("loss is {}", loss_value));
     opt.zero_grad();
     loss.backward();
     if (world > 1) o.replicas.average_gradients(params);
     grad_norm = c.optim.clip > 0 ? torch::nn::utils::clip_grad_norm_(params, c.optim.clip) : 0.0;
+    if (!std::isfinite(grad_norm))
+      throw diverged(step + 1, fmt::format("gradient norm is {}", grad_norm));
     opt.step();
 
-    loss_sum += loss.item<double>();
+    loss_sum += loss_value;
     ++loss_count;
     ck.step = step + 1;
     ck.tokens += c.optim.batch * batch.tokens.size(1);  // multi-length tasks vary T per step
@@ -345,13 +447,21 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
       for (const auto& e : ev) metrics.add_eval(e, elapsed());
       if (last) result.final_eval = ev;
     }
+    const bool checkpoint = (c.checkpoint_every > 0 && ck.step % c.checkpoint_every == 0) || last;
+    // an optimiser step can make weights non-finite with a finite loss and gradient (Adam's
+    // 0 / (0 + eps) when eps underflows): never checkpoint such a model
+    if (checkpoint)
+      for (const auto& p : params)
+        if (!torch::isfinite(p).all().item<bool>())
+          throw diverged(ck.step, "weights are not finite after the update");
     if (main_rank) {
-      if ((c.checkpoint_every > 0 && ck.step % c.checkpoint_every == 0) || last) {
+      if (checkpoint) {
         // metrics first: a checkpoint never points past the rows on disk
         write_file_atomic(o.out / "metrics.csv", metrics.csv());
         Checkpoint now = ck;
         now.elapsed = elapsed();
         save_checkpoint(ckpt_path, *model, opt, now);
+        saved_step = now.step;
       } else if (ck.step % c.log_every == 0) {
         write_file_atomic(o.out / "metrics.csv", metrics.csv());
       }
@@ -395,6 +505,8 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
   }
   return result;
 }
+
+}  // namespace
 
 namespace {
 // A finished (or interrupted) run loaded back: its configuration, task and model.

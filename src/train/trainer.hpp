@@ -3,14 +3,17 @@
 // constant/cosine schedule, evaluation at several lengths, atomic checkpoints, resume.
 //
 // A run writes OUT/{config.toml, metrics.csv, summary.json, checkpoints/last.pt} (only rank 0 of
-// a data-parallel run writes). `resume` continues from checkpoints/last.pt: the model, the
-// optimiser state and the step are restored and the data stream is replayed to that step, so a
-// killed run ends with the same metrics as an uninterrupted one.
+// a data-parallel run writes, holding the folder's lock). A checkpoint carries a checksum that
+// --resume, eval and diagnose verify; one whose tensors do not fit the run's model is refused.
+// `resume` continues from checkpoints/last.pt: the model, the optimiser state and the step are
+// restored and the data stream is replayed to that step, so a killed run ends with the same metrics
+// as an uninterrupted one.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -29,8 +32,12 @@ struct Replicas {
 };
 
 struct RunOptions {
-  std::filesystem::path out;  // the run's folder
+  std::filesystem::path out;  // the run's folder (core/files.hpp OutputDir, kind "run")
+  // An existing run in `out` is refused unless resume (continue it from checkpoints/last.pt; the
+  // configuration may differ only in resume_mutable_keys()) or overwrite (start it again).
   bool resume = false;
+  bool overwrite = false;
+  std::string command = "relpos train";  // named in the folder's lock file and INCOMPLETE marker
   bool progress = true;  // progress on stderr (a bar on a terminal, plain lines otherwise)
   Replicas replicas;
 };
@@ -47,6 +54,13 @@ struct RunResult {
   double wall_s = 0;
   double tokens_per_s = 0;  // training tokens per second (all workers)
   int64_t parameters = 0;
+};
+
+// A run whose loss (or gradient norm) became NaN or infinite: it stops at once, leaving the last
+// checkpoint written before (never one of the diverged model); the message names the step. The
+// CLI exits 1.
+struct TrainingDiverged : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 RunResult run_training(const TrainConfig& c, const RunOptions& o);

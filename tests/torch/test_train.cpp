@@ -4,9 +4,12 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
+#include "core/files.hpp"
 #include "core/types.hpp"
 #include "train/config.hpp"
 #include "train/reproduce.hpp"
@@ -302,7 +305,7 @@ TEST(TrainExperiments, PaperScaleConfigsBuildThePapersModelsAndTrainAFewSteps) {
       c.eval.lengths = {32};
       c.eval.batches = 1;
       train::RunOptions o;
-      o.out = dir / c.name;
+      o.out = dir / name / c.name;
       o.progress = false;
       const auto r = train::run_training(c, o);
       EXPECT_TRUE(std::isfinite(r.final_eval[0].loss));
@@ -348,4 +351,248 @@ TEST(TrainExperiments, PaperScaleConfigsBuildThePapersModelsAndTrainAFewSteps) {
   EXPECT_NE(
       error_of([] { train::experiment_configs("jordan-t5", "tpu", {}); }).find("no scale 'tpu'"),
       std::string::npos);
+}
+
+// ---- run folders, resume and checkpoints (issue 23)
+
+namespace {
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// every file below `dir` with its bytes
+std::map<std::string, std::string> snapshot(const fs::path& dir) {
+  std::map<std::string, std::string> m;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) m[e.path().string()] = slurp(e.path());
+  return m;
+}
+
+// tiny(), 4 steps, one evaluation at the end
+train::TrainConfig short_run() {
+  auto c = tiny();
+  c.optim.steps = 4;
+  c.eval.every = 0;
+  c.eval.lengths = {24};
+  c.eval.batches = 1;
+  return c;
+}
+
+std::string train_error(const train::TrainConfig& c, const train::RunOptions& o) {
+  return error_of([&] { train::run_training(c, o); });
+}
+
+}  // namespace
+
+TEST(TrainRunFolder, ANewRunNeverWritesIntoAForeignFolderOrAnotherRun) {
+  const auto dir = temp_dir("refuse");
+  train::RunOptions o;
+  o.progress = false;
+  // the user's own folder (`--out .` in a project): refused, every file byte-identical
+  o.out = dir / "mine";
+  fs::create_directories(o.out);
+  std::ofstream(o.out / "config.toml") << "# my comments\nseed = 7\n";
+  std::ofstream(o.out / "metrics.csv") << "step\n1\n";
+  auto before = snapshot(o.out);
+  for (const bool resume : {false, true}) {
+    o.resume = resume;
+    const auto why = train_error(short_run(), o);
+    EXPECT_NE(why.find("not empty and holds no relpos output"), std::string::npos) << why;
+  }
+  EXPECT_EQ(snapshot(o.out), before);
+  EXPECT_FALSE(fs::exists(o.out / "checkpoints"));
+  // another run's folder: a new run (another model, no --resume) is refused
+  o.resume = false;
+  o.out = dir / "run";
+  train::run_training(short_run(), o);
+  before = snapshot(o.out);
+  auto other = short_run();
+  other.model.mechanism = "rope";
+  other.seed = 3;
+  const auto why = train_error(other, o);
+  EXPECT_NE(why.find("holds a relpos run already"), std::string::npos) << why;
+  EXPECT_NE(why.find("--overwrite"), std::string::npos) << why;
+  EXPECT_EQ(snapshot(o.out), before);
+  // --overwrite replaces it, old results first
+  o.overwrite = true;
+  train::run_training(other, o);
+  EXPECT_EQ(train::load_config(o.out / "config.toml").model.mechanism, "rope");
+  EXPECT_FALSE(fs::exists(o.out / OutputDir::kMarker));  // finished
+}
+
+TEST(TrainResume, RefusesAChangedConfigurationNamingTheKeys) {
+  const auto dir = temp_dir("resume-changed");
+  train::RunOptions o;
+  o.progress = false;
+  o.out = dir / "r";
+  train::run_training(short_run(), o);
+  const auto before = snapshot(o.out);
+  o.resume = true;
+  const std::vector<std::pair<std::string, std::function<void(train::TrainConfig&)>>> changes = {
+      {"model.mechanism", [](auto& c) { c.model.mechanism = "alibi"; }},
+      {"model.d_model", [](auto& c) { c.model.d_model = 64; }},
+      {"seed", [](auto& c) { c.seed = 1; }},
+      {"optim.lr", [](auto& c) { c.optim.lr = 1e-3; }},
+      {"optim.batch", [](auto& c) { c.optim.batch = 2; }},
+      {"task.path", [](auto& c) { c.task.path = "other.txt"; }},
+      {"task.train_length", [](auto& c) { c.task.train_length = 32; }}};
+  for (const auto& [key, change] : changes) {
+    auto c = short_run();
+    change(c);
+    c.optim.steps = 6;
+    const auto why = train_error(c, o);
+    EXPECT_NE(why.find("--resume"), std::string::npos) << key << ": " << why;
+    EXPECT_NE(why.find(key + " ("), std::string::npos) << key << ": " << why;
+    EXPECT_EQ(snapshot(o.out), before) << key;
+  }
+  // what may change: the total steps, the evaluation and checkpoint cadence, threads, the name
+  auto more = short_run();
+  more.optim.steps = 6;
+  more.eval.lengths = {24, 48};
+  more.eval.every = 3;
+  more.checkpoint_every = 3;
+  more.log_every = 1;
+  more.name = "renamed";
+  EXPECT_EQ(train::run_training(more, o).steps, 6);
+}
+
+TEST(TrainResume, RefusesMissingOrGarbledMetrics) {
+  const auto dir = temp_dir("resume-metrics");
+  train::RunOptions o;
+  o.progress = false;
+  o.out = dir / "r";
+  train::run_training(short_run(), o);
+  o.resume = true;
+  auto c = short_run();
+  c.optim.steps = 6;
+  const std::string good = slurp(o.out / "metrics.csv");
+  fs::remove(o.out / "metrics.csv");
+  EXPECT_NE(train_error(c, o).find("metrics.csv' is missing"), std::string::npos);
+  std::ofstream(o.out / "metrics.csv") << "garbage\n";
+  EXPECT_NE(train_error(c, o).find("does not start with the metrics header"), std::string::npos);
+  std::ofstream(o.out / "metrics.csv") << good << "x,train,,\n";
+  const auto why = train_error(c, o);
+  EXPECT_NE(why.find("is not a metrics row"), std::string::npos) << why;
+  EXPECT_NE(why.find("would be lost"), std::string::npos) << why;
+  std::ofstream(o.out / "metrics.csv") << good;
+  EXPECT_EQ(train::run_training(c, o).steps, 6);
+}
+
+TEST(TrainCheckpoint, APatchedWeightIsRefusedByResumeAndEval) {
+  const auto dir = temp_dir("ckpt-patched");
+  train::RunOptions o;
+  o.progress = false;
+  o.out = dir / "r";
+  train::run_training(short_run(), o);
+  const fs::path ckpt = o.out / "checkpoints" / "last.pt";
+  std::string bytes = slurp(ckpt);
+  ASSERT_EQ(bytes.rfind("relpos-checksum", 0), 0u);
+  bytes[bytes.size() / 2] ^= 0x10;  // inside the archive: a weight, or what holds them
+  std::ofstream(ckpt, std::ios::binary | std::ios::trunc) << bytes;
+  for (const auto& why : {error_of([&] { train::evaluate_run(o.out, {24}); }), error_of([&] {
+                            o.resume = true;
+                            auto c = short_run();
+                            c.optim.steps = 6;
+                            train::run_training(c, o);
+                          })}) {
+    EXPECT_NE(why.find("fails its integrity check"), std::string::npos) << why;
+    EXPECT_NE(why.find("last.pt"), std::string::npos) << why;
+  }
+}
+
+TEST(TrainCheckpoint, ACheckpointOfAnotherModelIsANamedError) {
+  const auto dir = temp_dir("ckpt-other");
+  train::RunOptions o;
+  o.progress = false;
+  o.out = dir / "wide";
+  auto wide = short_run();
+  wide.model.d_model = 64;
+  train::run_training(wide, o);
+  o.out = dir / "narrow";
+  train::run_training(short_run(), o);
+  fs::copy_file(dir / "wide" / "checkpoints" / "last.pt", o.out / "checkpoints" / "last.pt",
+                fs::copy_options::overwrite_existing);
+  const auto why = error_of([&] { train::evaluate_run(o.out, {24}); });
+  EXPECT_NE(why.find("holds another model"), std::string::npos) << why;
+  o.resume = true;
+  EXPECT_NE(train_error(short_run(), o).find("holds another model"), std::string::npos);
+}
+
+TEST(TrainRun, ANonFiniteLossStopsTheRunKeepingTheLastGoodCheckpoint) {
+  // beta2 = 0 and an eps below float's range: a weight whose gradient is 0 (an embedding row of
+  // a token absent from the batch) takes the Adam step 0 / (0 + 0) = NaN, with a finite loss and
+  // gradient at that step; the next loss is NaN
+  auto c = short_run();
+  c.optim.steps = 200;
+  c.optim.lr = 10;
+  c.optim.beta2 = 0;
+  c.optim.eps = 1e-300;
+  c.optim.clip = 0;
+  c.checkpoint_every = 1;
+  const auto dir = temp_dir("diverged");
+  train::RunOptions o;
+  o.progress = false;
+  o.out = dir / "r";
+  std::string why;
+  try {
+    train::run_training(c, o);
+  } catch (const train::TrainingDiverged& e) {
+    why = e.what();
+  }
+  ASSERT_NE(why.find("training stopped: the "), std::string::npos) << why;
+  EXPECT_NE(why.find("last good checkpoint"), std::string::npos) << why;
+  EXPECT_FALSE(fs::exists(o.out / "summary.json"));
+  EXPECT_TRUE(fs::exists(o.out / OutputDir::kMarker));  // not finished
+  auto run = train::load_trained_model(o.out);
+  for (const auto& p : run.model->parameters())
+    EXPECT_TRUE(torch::isfinite(p).all().item<bool>()) << "the kept checkpoint holds NaN";
+}
+
+TEST(TrainNames, OneRuleForRunSweepSettingAndExperimentNames) {
+  auto c = tiny();
+  for (const std::string& bad :
+       std::vector<std::string>{std::string("a\nb"), std::string("a\0b", 3), std::string("../x"),
+                                std::string(200, 'n')}) {
+    c.name = bad;
+    EXPECT_THROW(c.validate(), InputError);
+  }
+  EXPECT_THROW(train::parse_config("name = \"x\\u0000y\"\n", "a.toml").validate(), InputError);
+  // one key per --set: the rest after a newline is not dropped silently
+  c = tiny();
+  const auto why = error_of([&] { train::apply_override(c, "optim.steps=5\noptim.batch=0"); });
+  EXPECT_NE(why.find("newline"), std::string::npos) << why;
+  EXPECT_EQ(c.optim.steps, tiny().optim.steps);
+  // sweeps: the name and the settings' names
+  const auto dir = temp_dir("names");
+  const fs::path escape = fs::temp_directory_path() / ("relpos-escape-" + std::to_string(getpid()));
+  auto s = short_run();
+  s.name = "../../../../../../../.." + escape.string();
+  std::string text = s.to_toml() + "\n[sweep]\nmethods = [\"nope\"]\n";
+  const auto cwd = fs::current_path();
+  fs::current_path(dir);
+  EXPECT_NE(error_of([&] { train::run_sweep_text(text, "s.toml", {}, "", false); }).find("name"),
+            std::string::npos);
+  fs::current_path(cwd);
+  EXPECT_FALSE(fs::exists(escape));
+  s.name = "fine";
+  text = s.to_toml() + "\n[sweep]\nmethods = [\"nope\"]\nsettings = { \"../up\" = [] }\n";
+  EXPECT_THROW(train::run_sweep_text(text, "s.toml", {}, (dir / "out").string(), false),
+               InputError);
+  EXPECT_FALSE(fs::exists(dir / "up"));
+  // experiments: a 100,000-character name is a named error, not a filesystem exception
+  EXPECT_THROW(train::experiment_configs(std::string(100000, 'x'), "cpu", {}), InputError);
+  EXPECT_THROW(train::experiment_configs("../experiments/jordan-t5", "cpu", {}), InputError);
+}
+
+TEST(TrainExperiments, AnUnknownScaleListsEachKnownScaleOnce) {
+  const auto why = error_of([] { train::experiment_configs("grape-small", "bogus", {}); });
+  const auto known = why.substr(why.find("known:"));
+  size_t n = 0;
+  for (auto at = known.find("paper"); at != std::string::npos; at = known.find("paper", at + 1))
+    ++n;
+  EXPECT_EQ(n, 1u) << why;
 }

@@ -2,7 +2,7 @@
 // LibTorch runs in relpos-train (or relpos-bench), programs of the LibTorch build that sit beside
 // this one (this CLI links no
 // LibTorch so that it also builds with -DRELPOS_CORE_ONLY=ON). The arguments go through verbatim
-// (no shell); relpos exits with the program's status.
+// (no shell); relpos passes SIGTERM, SIGHUP and SIGINT on and exits with the program's status.
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -27,8 +27,14 @@ int run_beside(const std::string& program, const std::vector<std::string>& args)
         program, path.empty() ? std::string("/proc/self/exe unreadable") : path.string()));
   std::vector<std::string> argv = {path.string()};
   argv.insert(argv.end(), args.begin(), args.end());
+  // SIGTERM, SIGHUP and SIGINT sent to relpos go on to the program (which also dies with relpos,
+  // ChildProcess): a killed `relpos train` never leaves a trainer writing its run folder
+  ForwardedSignals signals;
   ChildProcess child(argv);
-  return child.wait();
+  for (;;) {
+    if (const auto status = child.poll()) return *status;
+    if (const int sig = signals.wait(50)) child.signal(sig);
+  }
 }
 
 void add_torch_commands(CLI::App& app) {

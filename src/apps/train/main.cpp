@@ -5,8 +5,10 @@
 //   diagnose --checkpoint RUN_DIR [--format md|json] [--length T] [--target NAME] [--out DIR]
 //   sweep  --config SWEEP.toml: methods x seeds x settings, finished runs skipped
 //   reproduce NAME --scale paper|cpu: a paper table from experiments/NAME.toml
-// Exit codes as the CLI (docs/errors.md): 0 ok, 2 bad input, 3 a bug.
+// Exit codes as the CLI (docs/errors.md): 0 ok, 1 a run stopped on a non-finite loss, 2 bad
+// input, 3 a bug.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -36,6 +38,7 @@ struct TrainArgs {
   std::vector<std::string> sets;
   std::string out;
   bool resume = false;
+  bool overwrite = false;
   bool quiet = false;
   int nproc = 1;
 };
@@ -57,11 +60,20 @@ void print_eval(const std::vector<train::EvalResult>& ev) {
 // or a program started by another launcher, finds RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
 int run_train(const TrainArgs& a, const std::vector<std::string>& argv) {
   const auto c = resolve(a);  // a bad configuration fails before any worker starts
-  if (a.nproc > 1) return train::launch_local(a.nproc, train::without_nproc(argv));
-  const train::DataParallel dp(train::DistConfig::from_environment());
   train::RunOptions o;
   o.out = a.out.empty() ? fs::path("runs") / c.name : fs::path(a.out);
   o.resume = a.resume;
+  o.overwrite = a.overwrite;
+  o.command = fmt::format("relpos-train {}", brief(fmt::format("{}", fmt::join(argv, " ")), 400));
+  if (a.nproc > 1) {
+    // the folder's refusals before any worker starts (rank 0 then locks it)
+    OutputDirOptions d;
+    d.kind = "run";
+    d.existing = a.resume ? Existing::Continue : a.overwrite ? Existing::Replace : Existing::Refuse;
+    OutputDir::check(o.out, d);
+    return train::launch_local(a.nproc, train::without_nproc(argv));
+  }
+  const train::DataParallel dp(train::DistConfig::from_environment());
   o.progress = !a.quiet;
   o.replicas.rank = dp.rank();
   o.replicas.world = dp.world_size();
@@ -97,7 +109,14 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--config", ta.config, "TOML configuration (train/config.hpp lists keys)");
   train_cmd->add_option("--set", ta.sets, "Override: section.key=value (repeatable)");
   train_cmd->add_option("--out", ta.out, "Run folder (default runs/NAME)");
-  train_cmd->add_flag("--resume", ta.resume, "Continue from OUT/checkpoints/last.pt");
+  auto* resume_flag = train_cmd->add_flag(
+      "--resume", ta.resume,
+      "Continue the run in OUT from checkpoints/last.pt (its configuration may change only in "
+      "optim.steps, eval.*, checkpoint_every, log_every, threads, name)");
+  train_cmd
+      ->add_flag("--overwrite", ta.overwrite,
+                 "Start again in OUT, replacing the relpos run there (never other files)")
+      ->excludes(resume_flag);
   train_cmd->add_flag("--quiet", ta.quiet, "No progress on stderr");
   train_cmd->add_option("--nproc", ta.nproc, "Data-parallel local workers (c10d, Gloo)")
       ->check(CLI::Range(1, 256));
@@ -118,11 +137,14 @@ int main(int argc, char** argv) {
       "--profiles", profiles,
       "Also write the q/k norm profile over positions (CSV) at the longest length");
   eval_cmd->callback([&] {
+    if (!profiles.empty()) check_output_file(profiles, "layer,position,q_norm,k_norm\n");
     const auto r = train::evaluate_run(ckpt, lengths);
     print_eval(r);
     fmt::print("\nmechanism per layer (mean gamma, |eta|, |gates|): {}\n",
                train::run_mechanism_stats(ckpt));
     if (!profiles.empty()) {
+      // refused before the work: a folder, or a file that is not an earlier profile
+      check_output_file(profiles, "layer,position,q_norm,k_norm\n");
       write_file_atomic(profiles, train::qk_profile_csv(ckpt, r.back().length));
       fmt::print("q/k norm profile at {} tokens -> {}\n", r.back().length, profiles);
     }
@@ -236,6 +258,9 @@ int main(int argc, char** argv) {
   } catch (const InputError& e) {
     std::cerr << "relpos: error: " << brief(e.what(), 1000) << "\n";
     return 2;
+  } catch (const train::TrainingDiverged& e) {  // a check failed: the run's loss is not finite
+    std::cerr << "relpos: error: " << brief(e.what(), 1000) << "\n";
+    return 1;
   } catch (const train::DistributedError& e) {  // a peer that never joined, a lost connection
     std::cerr << "relpos: error: " << brief(e.what(), 1000) << "\n";
     return 2;
