@@ -32,6 +32,11 @@ def structured_rotate(x: torch.Tensor, basis: torch.Tensor, freqs: torch.Tensor,
 
 def cayley_basis(W: torch.Tensor) -> torch.Tensor:
     """``U = (I - A)^{-1} (I + A)`` with ``A = W - W^T`` (last two dims): orthogonal, det +1."""
+    if not isinstance(W, torch.Tensor) or W.dim() < 2 or W.shape[-1] != W.shape[-2]:
+        shape = list(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
+        raise InputError(f"cayley_basis: W must be square matrices [..., D, D], got {shape}")
+    if not W.is_floating_point():
+        raise InputError(f"cayley_basis: W must be floating point, got {W.dtype}")
     A = W - W.transpose(-1, -2)
     eye = torch.eye(W.shape[-1], dtype=W.dtype, device=W.device).expand_as(A)
     return torch.linalg.solve(eye - A, eye + A)
