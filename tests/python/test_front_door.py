@@ -106,8 +106,8 @@ def test_rope_stays_a_rotation_and_relative_at_huge_positions(positions):
 
 @pytest.mark.parametrize(
     "positions",
-    [torch.tensor([0, 2**53 + 1]), torch.tensor([-(2**53) - 1, 0]), torch.tensor([0.0, 1e20]),
-     torch.tensor([0.0, -3.8e55])],
+    [torch.tensor([0, 2**53 + 1]), torch.tensor([-(2**53) - 1, 0]), torch.tensor([0.0, 1e20], dtype=F64),
+     torch.tensor([0.0, -3.8e55], dtype=F64)],
 )
 def test_positions_beyond_2_to_53_are_refused_by_name(positions):
     enc = relpos.PositionEncoding("rope", 8, 1).double()
