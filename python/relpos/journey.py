@@ -25,9 +25,9 @@ _INFO: dict = {}
 @torch.compiler.assume_constant_result  # a function of the spec and head shape only
 def _journey_info(spec: str, head_dim: int, heads: int):
     """(frame frequencies, per_token, values, outputs, scan) of the spec's journey term, or None."""
+    spec, head_dim, heads = _spec_text(spec), _integer(head_dim, "head_dim"), _integer(heads, "heads")
     key = (spec, head_dim, heads)
     if key not in _INFO:
-        spec, head_dim, heads = _spec_text(spec), _integer(head_dim, "head_dim"), _integer(heads, "heads")
         from . import mechanism  # late: the package imports this module
 
         info = None

@@ -23,6 +23,9 @@ def structured_rotate(x: torch.Tensor, basis: torch.Tensor, freqs: torch.Tensor,
     """``R(+-r_t) x_t``. x ``[B, H, T, D]``; basis ``[D, D]`` or ``[H, D, D]`` orthogonal (its
     first 2M columns span the rotation planes); freqs ``[dc, M]`` or ``[H, dc, M]``; positions
     ``[T, dc]`` or ``[B, T, dc]``."""
+    for name, t in (("x", x), ("basis", basis), ("freqs", freqs), ("positions", positions)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"structured_rotate: {name} must be a tensor, got {type(t).__name__}")
     try:
         return torch.ops.relpos.structured_rotate(x, basis.to(x.dtype), freqs.to(x.dtype),
                                                   positions, inverse)

@@ -235,3 +235,9 @@ def test_cayley_basis_still_orthogonal():
     eye = torch.eye(6, dtype=F64)
     assert (U @ U.transpose(-1, -2) - eye).abs().max() < 1e-12
     assert math.isclose(torch.linalg.det(U[0]).item(), 1.0, rel_tol=1e-9)
+
+
+def test_structured_rotate_needs_tensors():
+    x = torch.randn(1, 1, 4, 8)
+    with pytest.raises(relpos.InputError, match="basis must be a tensor"):
+        relpos.structured_rotate(x, [[1.0]], torch.ones(2, 4), torch.zeros(4, 2))
