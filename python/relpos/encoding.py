@@ -214,6 +214,15 @@ class PositionEncoding(nn.Module):
         self._trig_cache = (key, None if default_pos else pos.clone(), cos, sin)
         return cos, sin
 
+    def _may_warn(self, positions, gamma) -> bool:
+        """Whether a warning not yet issued could apply to this call (skips the op otherwise:
+        plain RoPE at default positions never pays for it)."""
+        if not any(kind == "position" for kind, _ in self._terms):
+            return False
+        narrow = positions is not None and positions.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        return ((gamma.numel() > 0 and not self._warned & 1) or (narrow and not self._warned & 2)
+                or (self._center_mode == "mid" and not self._warned & 4))
+
     def _check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         for name, t in (("q", q), ("k", k)):
             if not isinstance(t, torch.Tensor):
@@ -266,7 +275,7 @@ class PositionEncoding(nn.Module):
         else:
             kp = self.kernel_params()
             center = self.center_for(pos)
-            if eager and pos.device.type != "meta" and any(k == "position" for k, _ in self._terms):
+            if eager and pos.device.type != "meta" and self._may_warn(positions, kp["gamma"]):
                 self._warned = torch.ops.relpos.encoding_warnings(
                     positions, pos, center, kp["gamma"].detach(), self.spec, self.head_dim,
                     self.num_heads, self._last_center, self._warned,
