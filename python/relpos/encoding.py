@@ -78,7 +78,8 @@ class PositionEncoding(nn.Module):
         max_position_embeddings: the config's value, where the dictionary relies on it.
 
     ``forward(q, k, positions=None)`` returns ``(q~, k~)``; positions are ``[T]`` or ``[B, T]``
-    (any real values; float64 keeps them exact), default ``0..T-1``.
+    (real values within +-2^53; float64 and int64 keep them exact), default ``0..T-1``. Warns
+    (``UserWarning``, once per module) as the C++ module does: docs/errors.md, "Warnings".
     """
 
     def __init__(

@@ -39,8 +39,8 @@ class PositionEncodingImpl : public torch::nn::Module {
   struct Output {
     torch::Tensor q, k;
   };
-  // q, k: [B, H, T, D]; positions: [T] or [B, T] (any real values; float64 or int64 keep every
-  // position exact), default 0..T-1. Warns once per module when the exponent clamp binds, when
+  // q, k: [B, H, T, D]; positions: [T] or [B, T] (real values within +-2^53; float64 or int64
+  // keep every position exact), default 0..T-1. Warns once per module when the exponent clamp binds, when
   // float32 positions have lost resolution, or when center=mid moves between calls.
   Output forward(const torch::Tensor& q, const torch::Tensor& k,
                  const torch::Tensor& positions = {});
