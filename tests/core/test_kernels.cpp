@@ -227,7 +227,7 @@ TEST(KernelForward, TrigTableStaysARotationAtHugePositions) {
           const double s = tab.sin[i0] * rel.cos[i] + tab.cos[i0] * rel.sin[i];
           law_err = std::max({law_err, std::abs(c - tab.cos[i]), std::abs(s - tab.sin[i])});
         }
-      EXPECT_LT(norm_err, 1e-15);
+      EXPECT_LT(norm_err, 1e-14);  // the recurrences between anchors add a few ulp
       EXPECT_LT(law_err, 1e-13);
     }
   }

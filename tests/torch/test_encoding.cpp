@@ -8,6 +8,7 @@
 #include "core/registry.hpp"
 #include "torch/composed.hpp"
 #include "torch/encoding.hpp"
+#include "torch/transform_function.hpp"
 
 using namespace relpos;
 
