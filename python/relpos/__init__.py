@@ -28,7 +28,7 @@ if not _LIB.exists():  # pragma: no cover - a broken install
 torch.ops.load_library(str(_LIB))
 
 from .attention import attention, fused_attention  # noqa: E402
-from .encoding import InputError, PositionEncoding, rope_scaling_spec  # noqa: E402
+from .encoding import InputError, PositionEncoding, _integer, _spec_text, rope_scaling_spec  # noqa: E402
 from .journey import frame_angles, journey_attention, rotate_pairs  # noqa: E402
 from .linear import favor_attention, random_projection  # noqa: E402
 from .structured import cayley_basis, structured_attention, structured_rotate  # noqa: E402
@@ -63,8 +63,9 @@ def mechanism(spec: str, head_dim: int, num_heads: int) -> dict:
     """The mechanism a spec builds for this head shape: canonical spec, transform terms, bias
     terms, parameter schema with initial values, centre rule. Raises InputError (a ValueError)
     naming the problem for a bad spec."""
+    spec, head_dim, num_heads = _spec_text(spec), _integer(head_dim, "head_dim"), _integer(num_heads, "num_heads")
     try:
-        return json.loads(torch.ops.relpos.mechanism(spec, int(head_dim), int(num_heads)))
+        return json.loads(torch.ops.relpos.mechanism(spec, head_dim, num_heads))
     except ValueError as e:
         raise InputError(str(e)) from None
 
@@ -83,9 +84,14 @@ def verify(
     """``relpos verify`` from Python: one dict per (spec, parameters, dtype) row with the
     residuals, growth, clamp flags, status (PASS, FAIL, CLAMPED, APPROX, INFO) and reason."""
     specs = [] if spec is None else [spec] if isinstance(spec, str) else list(spec)
+    specs = [_spec_text(s) for s in specs]
+    ints = {n: _integer(v, n) for n, v in (("max_lag", max_lag), ("head_dim", head_dim),
+                                             ("num_heads", num_heads), ("positions", positions),
+                                             ("seed", seed))}
     try:
         out = torch.ops.relpos.verify(
-            specs, max_lag, dtype, head_dim, num_heads, positions, seed, _layout_code(layout)
+            specs, ints["max_lag"], _spec_text(dtype), ints["head_dim"], ints["num_heads"],
+            ints["positions"], ints["seed"], _layout_code(layout)
         )
     except ValueError as e:
         raise InputError(str(e)) from None

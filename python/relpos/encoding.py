@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 
 import torch
 from torch import nn
@@ -21,6 +22,31 @@ class InputError(ValueError):
 
 
 _LAYOUTS = {"interleaved": 0, "half_split": 1, "neox": 1, "rotate_half": 1}
+
+
+def _spec_text(spec) -> str:
+    """The spec as the operators take it (UTF-8 text), or InputError naming what it is instead."""
+    if not isinstance(spec, str):
+        raise InputError(f"spec must be a string, got {type(spec).__name__}")
+    try:
+        spec.encode("utf-8")
+    except UnicodeEncodeError as e:  # an unpaired surrogate has no UTF-8 form
+        raise InputError(f"spec {spec!r} is not valid text ({e.reason} at character {e.start})") from None
+    return spec
+
+
+def _integer(value, name: str) -> int:
+    """A whole-number argument as a Python int: no float (64.7 is not silently 64), no bool, and
+    within int64, where the operators check its range."""
+    if isinstance(value, bool):
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise InputError(f"{name} must be an integer, got {value!r}") from None
+    if not -(2**63) <= v < 2**63:
+        raise InputError(f"{name}={v} is out of range")
+    return v
 
 
 def rope_scaling_spec(rope_scaling: dict | None, max_position_embeddings: float | None = None) -> str:
@@ -52,7 +78,8 @@ class PositionEncoding(nn.Module):
         max_position_embeddings: the config's value, where the dictionary relies on it.
 
     ``forward(q, k, positions=None)`` returns ``(q~, k~)``; positions are ``[T]`` or ``[B, T]``
-    (any real values; float64 keeps them exact), default ``0..T-1``.
+    (real values within +-2^53; float64 and int64 keep them exact), default ``0..T-1``. Warns
+    (``UserWarning``, once per module) as the C++ module does: docs/errors.md, "Warnings".
     """
 
     def __init__(
@@ -72,23 +99,28 @@ class PositionEncoding(nn.Module):
             raise InputError(f"unknown pair layout '{pair_layout}' (valid: interleaved, half_split)")
         if tensor_layout not in ("BHTD", "BTHD"):
             raise InputError(f"unknown tensor layout '{tensor_layout}' (valid: BHTD, BTHD)")
+        spec = _spec_text(spec)
+        head_dim, num_heads = _integer(head_dim, "head_dim"), _integer(num_heads, "num_heads")
         if rope_scaling is not None:
             term = rope_scaling_spec(rope_scaling, max_position_embeddings)
             if term:
                 spec = f"{spec} + {term}"
         try:
-            info = json.loads(torch.ops.relpos.mechanism(spec, int(head_dim), int(num_heads)))
+            info = json.loads(torch.ops.relpos.mechanism(spec, head_dim, num_heads))
         except ValueError as e:
             raise InputError(str(e)) from None
         self.spec = info["spec"]
-        self.head_dim = int(head_dim)
-        self.num_heads = int(num_heads)
+        self.head_dim = head_dim
+        self.num_heads = num_heads
         self.layout = _LAYOUTS[pair_layout]
         self.tensor_layout = tensor_layout
         self.check_finite = check_finite
         self._info = info
         self._scaled = bool(info.get("rope_scaling"))  # a context-extension rule
-        self._trig_cache: tuple | None = None  # (key, cos, sin) of the last eager call
+        self._trig_cache: tuple | None = None  # (key, positions, cos, sin) of the last eager call
+        # the once-per-module warnings (docs/errors.md), issued by the op the C++ module shares
+        self._warned = 0  # bits of torch.ops.relpos.encoding_warnings
+        self._last_center: float | None = None
         self._terms = []  # ("position", None) or ("fixed", index)
         for i, t in enumerate(info["transforms"]):
             if t["kind"] == "fixed_linear":
@@ -170,17 +202,27 @@ class PositionEncoding(nn.Module):
             return torch.ops.relpos.trig_table(
                 pos, center, rows, self.spec, self.head_dim, self.num_heads, self.layout, dtype
             )
-        # the cache holds the positions tensor itself: identity plus its version counter say that
-        # the values are unchanged (a freed tensor's address cannot be reused while it is held)
-        key = (("arange", pos.shape[-1]) if default_pos else None, center, dtype, rows)
+        # keyed on the values (a copy is kept): a tensor's identity and version counter miss
+        # writes through NumPy or .data, which would leave stale angles
+        shape = ("arange", pos.shape[-1]) if default_pos else tuple(pos.shape)
+        key = (shape, pos.device, center, dtype, rows)
         c = self._trig_cache
-        if c is not None and c[0] == key and (default_pos or (c[1] is pos and c[2] == pos._version)):
-            return c[3], c[4]
+        if c is not None and c[0] == key and (default_pos or torch.equal(c[1], pos)):
+            return c[2], c[3]
         cos, sin = torch.ops.relpos.trig_table(
             pos, center, rows, self.spec, self.head_dim, self.num_heads, self.layout, dtype
         )
-        self._trig_cache = (key, None if default_pos else pos, pos._version, cos, sin)
+        self._trig_cache = (key, None if default_pos else pos.clone(), cos, sin)
         return cos, sin
+
+    def _may_warn(self, positions, gamma) -> bool:
+        """Whether a warning not yet issued could apply to this call (skips the op otherwise:
+        plain RoPE at default positions never pays for it)."""
+        if not any(kind == "position" for kind, _ in self._terms):
+            return False
+        narrow = positions is not None and positions.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        return ((gamma.numel() > 0 and not self._warned & 1) or (narrow and not self._warned & 2)
+                or (self._center_mode == "mid" and not self._warned & 4))
 
     def _check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         for name, t in (("q", q), ("k", k)):
@@ -190,10 +232,16 @@ class PositionEncoding(nn.Module):
                 raise InputError(f"{name} must be [B, H, T, D] (or [B, T, H, D]), got {list(t.shape)}")
             if t.dtype not in (torch.float32, torch.float64):
                 raise InputError(f"{name} must be float32 or float64, got {t.dtype}")
-            if t.shape[-1] != self.head_dim:
-                raise InputError(f"{name} has head dim {t.shape[-1]}, the encoding was built for {self.head_dim}")
-            if t.shape[1] != self.num_heads:
-                raise InputError(f"{name} has {t.shape[1]} heads, the encoding was built for {self.num_heads}")
+            if t.device.type not in ("cpu", "meta"):
+                raise InputError(f"{name} is on {t.device}; the kernels run on the CPU")
+            if self.check_finite and t.device.type == "meta":
+                raise InputError(f"{name} is a meta tensor: check_finite has no values to check "
+                                 "(pass check_finite=False for shapes only)")
+            heads, dim = (t.shape[2], t.shape[3]) if self.tensor_layout == "BTHD" else t.shape[1::2]
+            if dim != self.head_dim:
+                raise InputError(f"{name} has head dim {dim}, the encoding was built for {self.head_dim}")
+            if heads != self.num_heads:
+                raise InputError(f"{name} has {heads} heads, the encoding was built for {self.num_heads}")
         if q.shape != k.shape:
             raise InputError(f"q {list(q.shape)} and k {list(k.shape)} differ in shape")
         if q.dtype != k.dtype:
@@ -202,30 +250,39 @@ class PositionEncoding(nn.Module):
             raise InputError(f"max_exp={self._max_exp:g} overflows float32 (at most 88); use float64")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None):
+        eager = not torch.compiler.is_compiling()
+        if eager:
+            self._check(q, k)  # before the layout transpose, which needs 4 dims
         if self.tensor_layout == "BTHD":
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-        if not torch.compiler.is_compiling():
-            self._check(q, k)
-            if self.check_finite:
-                for name, t in (("q", q), ("k", k)):
-                    if not torch.isfinite(t).all():
-                        raise InputError(f"{name} contains NaN or Inf")
+        if eager and self.check_finite:
+            for name, t in (("q", q), ("k", k)):
+                if not torch.isfinite(t).all():
+                    raise InputError(f"{name} contains NaN or Inf")
         B, H, T, D = q.shape
         if positions is None:
             pos = torch.arange(T, dtype=torch.float64, device=q.device)
+        elif eager:
+            if not isinstance(positions, torch.Tensor):
+                raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
+            try:  # shape, real dtype, finite, within +-2^53: the C++ module's checks
+                pos = torch.ops.relpos.encoding_positions(positions, B, T)
+            except ValueError as e:
+                raise InputError(str(e)) from None
         else:
             pos = positions.to(torch.float64)
-            if not torch.compiler.is_compiling():
-                ok = (pos.dim() == 1 and pos.shape[0] == T) or (pos.dim() == 2 and tuple(pos.shape) == (B, T))
-                if not ok:
-                    raise InputError(f"positions must be [T] or [B, T] = [{B}, {T}], got {list(pos.shape)}")
-                if not torch.isfinite(pos).all():
-                    raise InputError("positions contain NaN or Inf")
         if T == 0 or not self._terms:
             out = (q, k)
         else:
             kp = self.kernel_params()
             center = self.center_for(pos)
+            if eager and pos.device.type != "meta" and self._may_warn(positions, kp["gamma"]):
+                self._warned = torch.ops.relpos.encoding_warnings(
+                    positions, pos, center, kp["gamma"].detach(), self.spec, self.head_dim,
+                    self.num_heads, self._last_center, self._warned,
+                )
+                if self._center_mode == "mid":
+                    self._last_center = center
             cos, sin = self._trig(pos, positions is None, center, B, q.dtype)
             for kind, i in self._terms:
                 if kind == "fixed":

@@ -12,11 +12,12 @@ each token). :func:`relpos.attention` routes journey mechanisms here.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 
-from .encoding import InputError
+from .encoding import InputError, _integer, _spec_text
 
 _INFO: dict = {}
 
@@ -24,6 +25,7 @@ _INFO: dict = {}
 @torch.compiler.assume_constant_result  # a function of the spec and head shape only
 def _journey_info(spec: str, head_dim: int, heads: int):
     """(frame frequencies, per_token, values, outputs, scan) of the spec's journey term, or None."""
+    spec, head_dim, heads = _spec_text(spec), _integer(head_dim, "head_dim"), _integer(heads, "heads")
     key = (spec, head_dim, heads)
     if key not in _INFO:
         from . import mechanism  # late: the package imports this module
@@ -59,13 +61,34 @@ def frame_angles(spec: str, head_dim: int, heads: int, *, positions: torch.Tenso
         raise InputError(f"{spec!r} has no journey term")
     freqs, per_token, _, _, scan = info
     if per_token:
+        P = len(freqs)
         if increments is None:
-            raise InputError(f"{spec!r} has per-token angles: pass increments [B, T, {len(freqs)}]")
-        return torch.ops.relpos.causal_scan(increments, scan)
+            raise InputError(f"{spec!r} has per-token angles: pass increments [B, T, {P}]")
+        # one increment per rotated pair: a narrower table would leave pairs unrotated
+        if not isinstance(increments, torch.Tensor) or increments.dim() != 3 or increments.shape[-1] != P:
+            got = list(increments.shape) if isinstance(increments, torch.Tensor) else type(increments).__name__
+            raise InputError(f"journey: angle increments must be [B, T, {P}], got {got}")
+        try:
+            return torch.ops.relpos.causal_scan(increments, scan)
+        except ValueError as e:
+            raise InputError(str(e)) from None
+    if increments is not None:
+        raise InputError(f"{spec!r} has fixed frames (angle = position x frequency): increments "
+                         "are for journey(angles=token)")
     if positions is None:
-        positions = torch.arange(length, dtype=torch.float64)
+        if length is None:
+            raise InputError("frame_angles: pass positions or length")
+        positions = torch.arange(_integer(length, "length"), dtype=torch.float64)
+    elif not isinstance(positions, torch.Tensor):
+        raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
+    else:
+        try:  # real, finite, within +-2^53 (the PositionEncoding checks)
+            rows = positions.shape[0] if positions.dim() == 2 else 1
+            positions = torch.ops.relpos.encoding_positions(positions, rows, positions.shape[-1])
+        except (ValueError, IndexError) as e:
+            raise InputError(str(e)) from None
     f = torch.tensor(freqs, dtype=torch.float64)
-    return torch.remainder(positions.to(torch.float64).unsqueeze(-1) * f, 2 * math.pi)
+    return torch.remainder(positions.unsqueeze(-1) * f, 2 * math.pi)
 
 
 def journey_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mechanism: str, *,
@@ -76,10 +99,25 @@ def journey_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mechani
     to :func:`relpos.fused_attention` (biases, scale)."""
     from .attention import fused_attention
 
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"journey_attention: {name} must be [B, H, T, D], got {got}")
+    # the frames are built at 0..T-1: positions given for the mask alone would disagree with them
+    positional = sorted({"q_positions", "k_positions"} & kwargs.keys())
+    if positional:
+        raise InputError(f"journey_attention scores one sequence at positions 0..T-1 and cannot "
+                         f"honour {', '.join(positional)}")
+    unknown = sorted(kwargs.keys() - inspect.signature(fused_attention).parameters.keys())
+    if unknown:
+        raise InputError(f"journey_attention: unknown keyword arguments {', '.join(unknown)}")
     B, H, T, D = q.shape
     if k.shape[2] != T:
         raise InputError("journey_attention scores one sequence: q and k need the same length")
-    _, _, values, outputs, _ = _journey_info(mechanism, D, k.shape[1])
+    info = _journey_info(mechanism, D, k.shape[1])
+    if info is None:
+        raise InputError(f"{mechanism!r} has no journey term: call relpos.attention for it")
+    _, _, values, outputs, _ = info
     theta = frame_angles(mechanism, D, k.shape[1], increments=increments, length=T)
     qt = rotate_pairs(q, theta, pair_layout=pair_layout)
     kt = rotate_pairs(k, theta, pair_layout=pair_layout)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from .encoding import InputError
+from .encoding import InputError, _integer
 
 
 def random_projection(m: int, head_dim: int, *, orthogonal: bool = True, seed: int = 0) -> torch.Tensor:
     """``W [m, head_dim]`` float64: rows N(0, I), or orthogonal blocks with chi-distributed norms."""
     try:
-        return torch.ops.relpos.random_projection(int(m), int(head_dim), bool(orthogonal), int(seed))
+        return torch.ops.relpos.random_projection(_integer(m, "m"), _integer(head_dim, "head_dim"),
+                                                  bool(orthogonal), _integer(seed, "seed"))
     except (ValueError, RuntimeError) as e:
         raise InputError(str(e)) from None
 

@@ -23,6 +23,9 @@ def structured_rotate(x: torch.Tensor, basis: torch.Tensor, freqs: torch.Tensor,
     """``R(+-r_t) x_t``. x ``[B, H, T, D]``; basis ``[D, D]`` or ``[H, D, D]`` orthogonal (its
     first 2M columns span the rotation planes); freqs ``[dc, M]`` or ``[H, dc, M]``; positions
     ``[T, dc]`` or ``[B, T, dc]``."""
+    for name, t in (("x", x), ("basis", basis), ("freqs", freqs), ("positions", positions)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"structured_rotate: {name} must be a tensor, got {type(t).__name__}")
     try:
         return torch.ops.relpos.structured_rotate(x, basis.to(x.dtype), freqs.to(x.dtype),
                                                   positions, inverse)
@@ -32,6 +35,11 @@ def structured_rotate(x: torch.Tensor, basis: torch.Tensor, freqs: torch.Tensor,
 
 def cayley_basis(W: torch.Tensor) -> torch.Tensor:
     """``U = (I - A)^{-1} (I + A)`` with ``A = W - W^T`` (last two dims): orthogonal, det +1."""
+    if not isinstance(W, torch.Tensor) or W.dim() < 2 or W.shape[-1] != W.shape[-2]:
+        shape = list(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
+        raise InputError(f"cayley_basis: W must be square matrices [..., D, D], got {shape}")
+    if not W.is_floating_point():
+        raise InputError(f"cayley_basis: W must be floating point, got {W.dtype}")
     A = W - W.transpose(-1, -2)
     eye = torch.eye(W.shape[-1], dtype=W.dtype, device=W.device).expand_as(A)
     return torch.linalg.solve(eye - A, eye + A)

@@ -36,13 +36,22 @@ inline double lightcone_beta(double d, double L) {
 }
 
 // sin and cos of the angle w * p without the rounding error of the product: the error e of
-// a = fl(w p) is exact by fma, and sin/cos(a + e) is taken to first order in e. At p ~ 3e4 and
-// w ~ 1 the plain product is off by ~4e-12 rad, more than the 1e-12 verify demands.
+// a = fl(w p) is exact by fma, and the result is the rotation by a composed with the rotation by
+// e. At p ~ 3e4 and w ~ 1 the plain product is off by ~4e-12 rad, more than the 1e-12 verify
+// demands. For small e, sin e = e and cos e = 1 to double precision; a large e (|w p| beyond
+// ~1e8, where ulp(a) is no longer small) takes its own sin and cos, so (s, c) stays a unit
+// vector at any position (a first-order e there grew norms x1000 at p = 1e20).
 inline void accurate_sincos(double w, double p, double* s, double* c) {
   const double a = w * p, e = std::fma(w, p, -a);
   const double sa = std::sin(a), ca = std::cos(a);
-  *s = sa + e * ca;
-  *c = ca - e * sa;
+  if (std::abs(e) < 0x1p-27) {
+    *s = sa + e * ca;
+    *c = ca - e * sa;
+    return;
+  }
+  const double se = std::sin(e), ce = std::cos(e);
+  *s = sa * ce + ca * se;
+  *c = ca * ce - sa * se;
 }
 
 // RoPE frequency grid: omega_k = theta^(-2 k / dim) for k = 0..count-1. An order-m Jordan module

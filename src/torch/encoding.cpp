@@ -184,13 +184,14 @@ double PositionEncodingImpl::center_for(const torch::Tensor& positions) const {
   return mech_.resolve_center(positions.min().item<double>(), positions.max().item<double>());
 }
 
-void PositionEncodingImpl::warn_once(const torch::Tensor& user_positions, const torch::Tensor& pos,
-                                     double center, const KernelParams& kp) {
+void warn_about_positions(const Mechanism& m, const torch::Tensor& user_positions,
+                          const torch::Tensor& pos, double center, const torch::Tensor& gamma,
+                          std::optional<double>& last_center, EncodingWarnings& issued) {
   if (pos.numel() == 0) return;
   const double lo = pos.min().item<double>(), hi = pos.max().item<double>();
   // float32 (or narrower) positions: resolution ulp(|p|) >= 1/16 from |p| = 2^19 on, so
   // fractional positions have already collapsed before they reach us
-  if (!warned_.resolution && user_positions.defined() && user_positions.is_floating_point() &&
+  if (!issued.resolution && user_positions.defined() && user_positions.is_floating_point() &&
       user_positions.scalar_type() != torch::kDouble) {
     const double far = std::max(std::abs(lo), std::abs(hi));
     const int mant = user_positions.scalar_type() == torch::kFloat      ? 24
@@ -198,41 +199,73 @@ void PositionEncodingImpl::warn_once(const torch::Tensor& user_positions, const 
                                                                         : 11;
     const double ulp = std::ldexp(1.0, std::ilogb(std::max(far, 1.0)) - (mant - 1));
     if (ulp >= 1.0 / 16) {
-      warned_.resolution = true;
+      issued.resolution = true;
       TORCH_WARN(fmt::format(
           "relpos {}: positions reach {} in {}, where that type resolves only steps of {}; pass "
           "float64 (or int64) positions to keep fractional positions distinct",
-          mech_.name, far, dtype_name(user_positions.scalar_type()), ulp));
+          m.name, far, dtype_name(user_positions.scalar_type()), ulp));
     }
   }
   // the exponent clamp |gamma (p - c0)| <= max_exp changes the scores where it binds
-  if (!warned_.clamp && kp.gamma.defined() && kp.gamma.numel() > 0) {
-    ParamValues pv = default_params(mech_);
-    const auto g = kp.gamma.detach().to(torch::kDouble).contiguous();
+  if (!issued.clamp && gamma.defined() && gamma.numel() > 0) {
+    ParamValues pv = default_params(m);
+    const auto g = gamma.detach().to(torch::kDouble).contiguous();
     pv.gamma.assign(g.data_ptr<double>(), g.data_ptr<double>() + g.numel());
     const double far = std::max(std::abs(lo - center), std::abs(hi - center));
-    if (clamp_ratio(mech_, pv, far) > 1) {
-      warned_.clamp = true;
+    if (clamp_ratio(m, pv, far) > 1) {
+      issued.clamp = true;
       TORCH_WARN(fmt::format(
           "relpos {}: the exponent clamp |gamma (p - c0)| <= max_exp binds for positions in [{}, "
           "{}] (centre c0 = {}); scores there are no longer a function of the lag. Set center= "
           "nearer the positions, or raise max_exp (float64 up to 709)",
-          mech_.name, lo, hi, center));
+          m.name, lo, hi, center));
     }
   }
   // center=mid resolves per call: transformed keys of one call and queries of another do not
   // compose (prefill + decode); say so the first time the centre moves
-  if (!warned_.center && mech_.center == CenterMode::Mid) {
-    if (last_center_ && *last_center_ != center) {
-      warned_.center = true;
+  if (m.center == CenterMode::Mid) {
+    if (!issued.center && last_center && *last_center != center) {
+      issued.center = true;
       TORCH_WARN(fmt::format(
           "relpos {}: center=mid moved from {} to {} between calls; keys and queries transformed "
           "in different calls must not be scored together. Use center=auto or a number for "
           "streaming",
-          mech_.name, *last_center_, center));
+          m.name, *last_center, center));
     }
-    last_center_ = center;
+    last_center = center;
   }
+}
+
+torch::Tensor checked_position_values(const torch::Tensor& positions, int64_t B, int64_t T) {
+  if (!positions.defined()) return torch::arange(T, torch::kDouble);
+  const bool ok = (positions.dim() == 1 && positions.size(0) == T) ||
+                  (positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T);
+  if (!ok)
+    throw InputError(fmt::format("positions must be [T] or [B, T] = [{}, {}], got [{}]", B, T,
+                                 shape_str(positions)));
+  if (positions.is_complex() || positions.scalar_type() == torch::kBool)
+    throw InputError(
+        fmt::format("positions must be real numbers, got {}", dtype_name(positions.scalar_type())));
+  if (positions.device().is_meta())
+    throw InputError("positions are meta tensors, which hold no values to check");
+  if (!positions.device().is_cpu()) throw InputError("positions must be on the CPU");
+  const auto limit = static_cast<int64_t>(kMaxPosition);
+  const auto beyond = [&](auto lo, auto hi) {
+    return fmt::format(
+        "positions span [{}, {}], beyond +-2^53 = {}, where float64 no longer holds every "
+        "integer: shift them (only differences matter to an exact mechanism)",
+        lo, hi, limit);
+  };
+  if (!positions.is_floating_point() && positions.numel() > 0) {
+    // integers are range-checked before the conversion, which would round them
+    const int64_t lo = positions.min().item<int64_t>(), hi = positions.max().item<int64_t>();
+    if (lo < -limit || hi > limit) throw InputError(beyond(lo, hi));
+  }
+  auto p = positions.to(torch::kDouble).contiguous();
+  if (!torch::isfinite(p).all().item<bool>()) throw InputError("positions contain NaN or Inf");
+  if (p.numel() > 0 && p.abs().max().item<double>() > kMaxPosition)
+    throw InputError(beyond(p.min().item<double>(), p.max().item<double>()));
+  return p;
 }
 
 torch::Tensor checked_positions(const Mechanism& m, const torch::Tensor& q, const torch::Tensor& k,
@@ -259,16 +292,7 @@ torch::Tensor checked_positions(const Mechanism& m, const torch::Tensor& q, cons
   }
   if (q.sizes() != k.sizes())
     throw InputError(fmt::format("q [{}] and k [{}] differ in shape", shape_str(q), shape_str(k)));
-  const int64_t B = q.size(0), T = q.size(2);
-  if (!positions.defined()) return torch::arange(T, torch::kDouble);
-  const bool ok = (positions.dim() == 1 && positions.size(0) == T) ||
-                  (positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T);
-  if (!ok)
-    throw InputError(fmt::format("positions must be [T] or [B, T] = [{}, {}], got [{}]", B, T,
-                                 shape_str(positions)));
-  auto p = positions.to(torch::kDouble).contiguous();
-  if (!torch::isfinite(p).all().item<bool>()) throw InputError("positions contain NaN or Inf");
-  return p;
+  return checked_position_values(positions, q.size(0), q.size(2));
 }
 
 PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& q,
@@ -313,7 +337,7 @@ PositionEncodingImpl::Output PositionEncodingImpl::position_forward(const torch:
   const auto dt = q.scalar_type();
   check_exponent_range(dt);
   const double center = center_for(pos);
-  warn_once(positions, pos, center, kp);
+  warn_about_positions(mech_, positions, pos, center, kp.gamma, last_center_, warned_);
   auto& c = trig_cache_;
   const bool hit = c.table.size() == 2 && c.dtype == dt && c.center == center &&
                    c.positions.sizes() == pos.sizes() && torch::equal(c.positions, pos) &&

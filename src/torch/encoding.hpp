@@ -13,6 +13,15 @@
 
 namespace relpos::nn {
 
+// The largest |position| a call accepts: 2^53, up to which float64 (and int64 converted to it)
+// holds every integer exactly. Beyond it neighbouring positions merge, so they are refused.
+inline constexpr double kMaxPosition = 9007199254740992.0;
+
+// The once-per-module warnings of a PositionEncoding (docs/errors.md, "Warnings").
+struct EncodingWarnings {
+  bool clamp = false, resolution = false, center = false;
+};
+
 struct EncodingOptions {
   Layout layout = Layout::Interleaved;
   bool check_finite = true;  // reject NaN / Inf inputs with an error (one extra pass over q, k)
@@ -30,8 +39,8 @@ class PositionEncodingImpl : public torch::nn::Module {
   struct Output {
     torch::Tensor q, k;
   };
-  // q, k: [B, H, T, D]; positions: [T] or [B, T] (any real values; float64 or int64 keep every
-  // position exact), default 0..T-1. Warns once per module when the exponent clamp binds, when
+  // q, k: [B, H, T, D]; positions: [T] or [B, T] (real values within +-2^53; float64 or int64
+  // keep every position exact), default 0..T-1. Warns once per module when the exponent clamp binds, when
   // float32 positions have lost resolution, or when center=mid moves between calls.
   Output forward(const torch::Tensor& q, const torch::Tensor& k,
                  const torch::Tensor& positions = {});
@@ -52,17 +61,13 @@ class PositionEncodingImpl : public torch::nn::Module {
 
   const Mechanism& mechanism() const { return mech_; }
   // Which once-per-module warnings forward() has issued so far.
-  struct Warnings {
-    bool clamp = false, resolution = false, center = false;
-  };
+  using Warnings = EncodingWarnings;
   const Warnings& warnings_issued() const { return warned_; }
   const kernels::TransformPlan& plan() const { return plan_; }
   double center_for(const torch::Tensor& positions) const;
 
  private:
   void check_exponent_range(torch::ScalarType dt) const;
-  void warn_once(const torch::Tensor& user_positions, const torch::Tensor& pos, double center,
-                 const KernelParams& kp);
 
   Mechanism mech_;
   kernels::TransformPlan plan_;
@@ -94,6 +99,20 @@ TORCH_MODULE(PositionEncoding);
 // at these positions (context length = max position + 1); 1 without a rule. forward() multiplies
 // q and k by it.
 double scaling_attention_factor(const Mechanism& m, const torch::Tensor& positions);
+
+// Positions of a call checked: [T] or [B, T], real numbers (not bool or complex), finite and
+// within +-kMaxPosition (checked before any conversion, so an int64 beyond 2^53 is refused, not
+// rounded). Returns them as contiguous float64; undefined positions give 0..T-1.
+torch::Tensor checked_position_values(const torch::Tensor& positions, int64_t B, int64_t T);
+
+// The warnings of docs/errors.md for one call, each issued (TORCH_WARN: a UserWarning in Python)
+// at most once per `issued` record: the exponent clamp binds (gamma: the kernels' [H, NB] damping,
+// empty without one), float32 or narrower `user_positions` have lost resolution, or a per-call
+// centre moved from `last_center` (updated here). `pos` are the call's float64 positions. The C++
+// and the Python PositionEncoding both call this (Python through the `encoding_warnings` op).
+void warn_about_positions(const Mechanism& m, const torch::Tensor& user_positions,
+                          const torch::Tensor& pos, double center, const torch::Tensor& gamma,
+                          std::optional<double>& last_center, EncodingWarnings& issued);
 
 // Validates q/k/positions for a mechanism (shape, dtype, head dim, finiteness) with errors that
 // name the tensor and the problem. Returns the positions as float64 (default 0..T-1).

@@ -13,6 +13,7 @@
 #include "core/registry.hpp"
 #include "diag/verify.hpp"
 #include "kernels/transform.hpp"
+#include "torch/encoding.hpp"
 #include "torch/op_util.hpp"
 #include "torch/transform_function.hpp"
 
@@ -68,7 +69,12 @@ std::tuple<torch::Tensor, torch::Tensor> trig_table_cpu(const torch::Tensor& pos
                                                         const std::string& spec, int64_t head_dim,
                                                         int64_t heads, int64_t layout,
                                                         c10::ScalarType dtype) {
-  const auto pos = positions_in.to(torch::kDouble).contiguous();
+  // the angles are exact only within +-2^53 (and NaN has none): refused by name
+  const auto pos = value_errors([&] {
+    const bool rows = positions_in.dim() == 2;
+    return checked_position_values(positions_in, rows ? positions_in.size(0) : 1,
+                                   positions_in.dim() ? positions_in.size(-1) : -1);
+  });
   const auto plan = plan_for(spec, head_dim, heads, layout, &pos);
   const int64_t T = pos.size(-1);
   const kernels::Dims dims{batch, 1, T};
@@ -220,6 +226,29 @@ std::string verify_op(const std::vector<std::string>& specs, int64_t max_lag,
       rows.push_back(diag::to_json(r));
     return rows.dump();
   });
+}
+
+// The position checks and the warnings of the PositionEncoding module (torch/encoding.hpp), for
+// the Python module: one implementation, so both languages refuse and warn alike. The warnings
+// op returns the updated record of issued warnings (bits: 1 clamp, 2 resolution, 4 centre).
+torch::Tensor encoding_positions_op(const c10::optional<torch::Tensor>& positions, int64_t batch,
+                                    int64_t length) {
+  return value_errors([&] {
+    return checked_position_values(positions ? *positions : torch::Tensor(), batch, length);
+  });
+}
+
+int64_t encoding_warnings_op(const c10::optional<torch::Tensor>& user_positions,
+                             const torch::Tensor& positions, double center,
+                             const torch::Tensor& gamma, const std::string& spec, int64_t head_dim,
+                             int64_t heads, c10::optional<double> last_center, int64_t issued) {
+  const Mechanism m = mechanism_for(spec, head_dim, heads);
+  EncodingWarnings w{(issued & 1) != 0, (issued & 2) != 0, (issued & 4) != 0};
+  std::optional<double> last;
+  if (last_center) last = *last_center;
+  warn_about_positions(m, user_positions ? *user_positions : torch::Tensor(), positions, center,
+                       gamma, last, w);
+  return (w.clamp ? 1 : 0) | (w.resolution ? 2 : 0) | (w.center ? 4 : 0);
 }
 
 // ---- Meta (fake): shapes and dtypes only -------------------------------------------------------
@@ -397,6 +426,12 @@ TORCH_LIBRARY(relpos, m) {
       "verify(str[] specs, int max_lag, str dtype, int head_dim, int heads, int positions, "
       "int seed, int layout) -> str",
       relpos::nn::verify_op);
+  m.def("encoding_positions(Tensor? positions, int batch, int length) -> Tensor",
+        relpos::nn::encoding_positions_op);
+  m.def(
+      "encoding_warnings(Tensor? user_positions, Tensor positions, float center, Tensor gamma, "
+      "str spec, int head_dim, int heads, float? last_center, int issued) -> int",
+      relpos::nn::encoding_warnings_op);
   m.def(
       "trig_table(Tensor positions, float center, int batch, str spec, int head_dim, int heads, "
       "int layout, ScalarType dtype) -> (Tensor, Tensor)");

@@ -198,6 +198,41 @@ TEST(KernelForward, TrigTableRotatesByMinusOmegaP) {
   EXPECT_LT(trig_table_error(plan, {2, 1, 80}, {pos.data(), true, 0.0}), 5e-14);
 }
 
+// Issue 23 item 10: at huge positions the table stays a rotation and keeps the relative law: the
+// entry at p0 + d is the entry at p0 turned by the entry at d, for every block (the first-order
+// correction of the product's rounding error grew |(cos, sin)| x1000 at p = 1e20 and by ~1e-3 at
+// 1e15). Irregular positions (direct sincos) and long arithmetic windows (anchors + recurrences).
+TEST(KernelForward, TrigTableStaysARotationAtHugePositions) {
+  const Mechanism m = build_mechanism("rope", 64, 1);
+  const auto plan = kernels::TransformPlan::from(m, Layout::Interleaved);
+  const int64_t NB = plan.total_blocks;
+  for (const double p0 : {1e15, 0x1p53 - 300, 1e20, 1e300}) {
+    SCOPED_TRACE("p0=" + std::to_string(p0));
+    for (const int64_t T : {3, 300}) {
+      std::vector<double> pos(static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) pos[t] = p0 + static_cast<double>(t);
+      if (T == 3) pos[2] = p0 + 7;  // not arithmetic
+      const auto tab = kernels::build_trig_table<double>(plan, {1, 1, T}, {pos.data(), false, 0.0});
+      std::vector<double> lags(static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) lags[t] = pos[t] - pos[0];
+      const auto rel =
+          kernels::build_trig_table<double>(plan, {1, 1, T}, {lags.data(), false, 0.0});
+      double norm_err = 0, law_err = 0;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < NB; ++b) {
+          const size_t i = static_cast<size_t>(t * NB + b), i0 = static_cast<size_t>(b);
+          norm_err = std::max(norm_err, std::abs(std::hypot(tab.cos[i], tab.sin[i]) - 1));
+          if (p0 > 0x1p53) continue;  // beyond 2^53, p0 + t is not exact: no law to keep
+          const double c = tab.cos[i0] * rel.cos[i] - tab.sin[i0] * rel.sin[i];
+          const double s = tab.sin[i0] * rel.cos[i] + tab.cos[i0] * rel.sin[i];
+          law_err = std::max({law_err, std::abs(c - tab.cos[i]), std::abs(s - tab.sin[i])});
+        }
+      EXPECT_LT(norm_err, 1e-14);  // the recurrences between anchors add a few ulp
+      EXPECT_LT(law_err, 1e-13);
+    }
+  }
+}
+
 // Long arithmetic windows (the kernel may fill the trig table by recurrences there).
 TEST(KernelForward, ArithmeticPositionWindowsMatchReferenceMaps) {
   std::mt19937_64 rng(22);

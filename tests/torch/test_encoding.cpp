@@ -8,6 +8,7 @@
 #include "core/registry.hpp"
 #include "torch/composed.hpp"
 #include "torch/encoding.hpp"
+#include "torch/transform_function.hpp"
 
 using namespace relpos;
 
@@ -363,4 +364,99 @@ TEST(Ops, MetaKernelsGiveShapesOnly) {
   ASSERT_EQ(stack.size(), 2u);
   EXPECT_EQ(stack[0].toTensor().sizes(), q.sizes());
   EXPECT_TRUE(stack[1].toTensor().is_meta());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Regressions of issue 23 (front door)
+
+namespace {
+// Collects the TORCH_WARN messages issued while it is alive.
+class WarningCollector : public c10::WarningHandler {
+ public:
+  WarningCollector() : guard_(this) {}
+  void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+  bool any_contains(const std::string& needle) const {
+    for (const auto& m : messages)
+      if (m.find(needle) != std::string::npos) return true;
+    return false;
+  }
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningUtils::WarningHandlerGuard guard_;
+};
+}  // namespace
+
+// Item 9: the warnings come from one function, which the C++ module calls directly and the
+// Python module through the `relpos::encoding_warnings` op; both issue them once per record.
+TEST(EncodingFrontDoor, ClampWarningComesFromTheSharedOp) {
+  const std::string spec = "jordan(m=2, regime=scaled, c=1)";
+  const auto x = torch::randn({1, 1, 8, 8});
+  const auto far = torch::arange(8, torch::kDouble) + 1e5;
+  {
+    WarningCollector w;
+    nn::PositionEncoding enc(spec, 8, 1);
+    enc->forward(x, x, far);
+    enc->forward(x, x, far);
+    EXPECT_TRUE(w.any_contains("exponent clamp"));
+    EXPECT_EQ(w.messages.size(), 1u);
+  }
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("relpos::encoding_warnings", "")
+                      .typed<int64_t(const c10::optional<torch::Tensor>&, const torch::Tensor&,
+                                     double, const torch::Tensor&, const std::string&, int64_t,
+                                     int64_t, c10::optional<double>, int64_t)>();
+  nn::PositionEncoding enc(spec, 8, 1);
+  const auto gamma = enc->kernel_params().gamma.detach();
+  const double c0 = enc->center_for(far);
+  WarningCollector w;
+  const int64_t issued = op.call(far, far, c0, gamma, spec, 8, 1, c10::nullopt, 0);
+  EXPECT_EQ(issued & 1, 1);
+  EXPECT_TRUE(w.any_contains("exponent clamp"));
+  // an issued warning is not repeated; positions near the centre give none
+  EXPECT_EQ(op.call(far, far, c0, gamma, spec, 8, 1, c10::nullopt, issued), issued);
+  const auto near = torch::arange(8, torch::kDouble);
+  EXPECT_EQ(op.call(near, near, c0, gamma, spec, 8, 1, c10::nullopt, 0), 0);
+  EXPECT_EQ(w.messages.size(), 1u);
+}
+
+// Item 10: positions beyond 2^53 (where float64 stops holding every integer) are refused by
+// name, checked before conversion so an int64 2^53 + 1 is not rounded to 2^53; accepted ones
+// keep RoPE a rotation in float64.
+TEST(EncodingFrontDoor, HugePositionsStayRotationsOrAreRefused) {
+  nn::PositionEncoding rope("rope", 64, 2);
+  rope->to(torch::kDouble);
+  const auto q = torch::randn({1, 2, 4, 64}, torch::kDouble);
+  const int64_t top = int64_t{1} << 53;
+  for (const auto& pos :
+       {torch::arange(4, torch::kDouble) + 1e15, torch::arange(top - 3, top + 1, torch::kLong),
+        -torch::arange(top - 3, top + 1, torch::kLong)}) {
+    const auto out = rope->forward(q, q, pos);
+    const auto rel = (out.q.norm(2, -1) / q.norm(2, -1) - 1).abs().max().item<double>();
+    EXPECT_LT(rel, 1e-12);
+  }
+  for (const auto& pos :
+       {torch::arange(top - 2, top + 2, torch::kLong), torch::arange(4, torch::kDouble) + 1e20}) {
+    const auto msg = error_of([&] { rope->forward(q, q, pos); });
+    EXPECT_NE(msg.find("2^53"), std::string::npos) << msg;
+  }
+  // the op itself refuses them too (a direct caller of trig_table)
+  const Mechanism m = build_mechanism("rope", 64, 2);
+  EXPECT_THROW(nn::trig_table(m, Layout::Interleaved, 1, torch::full({4}, 1e20, torch::kDouble),
+                              0.0, torch::kDouble),
+               c10::ValueError);
+}
+
+// Item 17: positions must be real numbers (fused_attention's rule), not bool or complex.
+TEST(EncodingFrontDoor, BoolAndComplexPositionsAreRefused) {
+  nn::PositionEncoding rope("rope", 8, 1);
+  const auto x = torch::randn({1, 1, 4, 8});
+  EXPECT_NE(error_of([&] {
+              rope->forward(x, x, torch::ones({4}, torch::kBool));
+            }).find("positions must be real numbers"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              rope->forward(x, x, torch::ones({4}, torch::kComplexDouble));
+            }).find("positions must be real numbers"),
+            std::string::npos);
 }

@@ -1,0 +1,243 @@
+"""Issue 23, the Python front door: the trig-table cache follows the positions' values, the
+documented warnings reach Python, RoPE stays a rotation at huge positions (or refuses them by
+name), journey attention refuses inputs it cannot honour, and bad arguments raise
+relpos.InputError (never TypeError, ValueError or RuntimeError from inside)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import relpos
+
+F64 = torch.float64
+
+
+def fresh_call(spec, D, H, q, k, positions):
+    return relpos.PositionEncoding(spec, D, H).to(q.dtype)(q, k, positions)
+
+
+# ---- item 8: the cache is keyed on values ------------------------------------------------------
+
+
+def test_trig_cache_sees_numpy_writes():
+    np = pytest.importorskip("numpy")
+    enc = relpos.PositionEncoding("rope", 8, 1).double()
+    x = torch.randn(1, 1, 8, 8, dtype=F64)
+    a = np.arange(8.0)
+    p = torch.from_numpy(a)
+    enc(x, x, p)
+    a += 100  # NumPy's write does not bump the tensor's version counter
+    got = enc(x, x, p)
+    want = fresh_call("rope", 8, 1, x, x, torch.arange(8, dtype=F64) + 100)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_trig_cache_sees_writes_through_data():
+    enc = relpos.PositionEncoding("jordan(m=2, regime=raw, eta0=0.05)", 8, 1).double()
+    x = torch.randn(2, 1, 6, 8, dtype=F64)
+    p = torch.arange(6, dtype=F64).repeat(2, 1)
+    enc(x, x, p)
+    p.data.add_(3.5)
+    got = enc(x, x, p)
+    want = fresh_call("jordan(m=2, regime=raw, eta0=0.05)", 8, 1, x, x, p.clone())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---- item 9: the documented warnings reach Python ---------------------------------------------
+
+
+def test_binding_clamp_warns_instead_of_breaking_the_law_silently():
+    spec = "jordan(m=2, regime=scaled, c=1)"
+    x = torch.randn(1, 1, 8, 8)
+    far = torch.arange(8) + 1e5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="exponent clamp"):
+            relpos.PositionEncoding(spec, 8, 1)(x, x, far)
+    # once per module, as the C++ module
+    enc = relpos.PositionEncoding(spec, 8, 1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        enc(x, x, far)
+        enc(x, x, far)
+    assert [str(w.message).count("exponent clamp") for w in seen] == [1]
+
+
+def test_float32_resolution_and_moving_mid_centre_warn():
+    x = torch.randn(1, 1, 4, 8)
+    rope = relpos.PositionEncoding("rope", 8, 1)
+    with pytest.warns(UserWarning, match="resolves only steps"):
+        rope(x, x, torch.tensor([1e7, 1e7 + 0.25, 1e7 + 0.5, 1e7 + 0.75], dtype=torch.float32))
+    mid = relpos.PositionEncoding("damped_rope(center=mid)", 8, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mid(x, x)  # the first call has nothing to move from
+    with pytest.warns(UserWarning, match="center=mid moved"):
+        mid(x[:, :, :1], x[:, :, :1], torch.tensor([8.0]))
+
+
+# ---- item 10: huge positions -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        torch.arange(6, dtype=F64) + 1e15,
+        torch.arange(2**53 - 5, 2**53 + 1),  # int64 up to 2^53 exactly
+        torch.arange(6, dtype=F64) * 1e9 + (2.0**53 - 5e9),
+    ],
+)
+def test_rope_stays_a_rotation_and_relative_at_huge_positions(positions):
+    D = 64
+    enc = relpos.PositionEncoding("rope", D, 2).double()
+    q = torch.randn(1, 2, 6, D, dtype=F64)
+    k = torch.randn(1, 2, 6, D, dtype=F64)
+    qt, kt = enc(q, k, positions)
+    assert ((qt.norm(dim=-1) / q.norm(dim=-1)) - 1).abs().max() < 1e-12
+    assert ((kt.norm(dim=-1) / k.norm(dim=-1)) - 1).abs().max() < 1e-12
+    # the scores are those at the same lags near 0
+    lags = (positions - positions[0]).to(F64)
+    q0, k0 = enc(q, k, lags)
+    s, s0 = qt @ kt.transpose(-1, -2), q0 @ k0.transpose(-1, -2)
+    assert (s - s0).abs().max() < 1e-9 * s0.abs().max()
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [torch.tensor([0, 2**53 + 1]), torch.tensor([-(2**53) - 1, 0]), torch.tensor([0.0, 1e20], dtype=F64),
+     torch.tensor([0.0, -3.8e55], dtype=F64)],
+)
+def test_positions_beyond_2_to_53_are_refused_by_name(positions):
+    enc = relpos.PositionEncoding("rope", 8, 1).double()
+    x = torch.randn(1, 1, 2, 8, dtype=F64)
+    with pytest.raises(relpos.InputError, match=r"2\^53"):
+        enc(x, x, positions)
+
+
+# ---- item 12: journey attention refuses what it cannot honour ------------------------------------
+
+
+def test_journey_increments_of_the_wrong_width_are_refused():
+    q = torch.randn(1, 2, 5, 16)
+    for width in (3, 9):
+        with pytest.raises(relpos.InputError, match=r"increments must be \[B, T, 8\]"):
+            relpos.journey_attention(q, q, q, "journey(angles=token)",
+                                     increments=torch.randn(1, 5, width))
+    # fixed frames take no increments: passing some is not silently ignored
+    with pytest.raises(relpos.InputError, match="fixed frames"):
+        relpos.journey_attention(q, q, q, "journey", increments=torch.randn(1, 5, 8))
+
+
+def test_journey_refuses_positions_it_cannot_honour():
+    q = torch.randn(1, 2, 5, 16)
+    p = torch.arange(5, dtype=F64) * 2
+    for kw in ({"q_positions": p}, {"k_positions": p}, {"q_positions": p, "k_positions": p}):
+        with pytest.raises(relpos.InputError, match="cannot honour"):
+            relpos.journey_attention(q, q, q, "journey", **kw)
+    with pytest.raises(relpos.InputError, match="unknown keyword"):
+        relpos.journey_attention(q, q, q, "journey", windwo=3.0)
+    # what it does honour still works
+    out = relpos.journey_attention(q, q, q, "journey", window=3.0)
+    assert out.shape == q.shape
+
+
+# ---- item 17: every bad argument is an InputError ---------------------------------------------
+
+
+def test_journey_attention_without_a_journey_term():
+    x = torch.randn(1, 1, 4, 8)
+    with pytest.raises(relpos.InputError, match="no journey term"):
+        relpos.journey_attention(x, x, x, "rope")
+
+
+@pytest.mark.parametrize("layout", ["BHTD", "BTHD"])
+@pytest.mark.parametrize("shape", [(1, 4, 8), (4, 8), (8,)])
+def test_wrong_rank_q_is_an_input_error(layout, shape):
+    enc = relpos.PositionEncoding("rope", 8, 1, tensor_layout=layout)
+    x = torch.randn(*shape)
+    with pytest.raises(relpos.InputError, match="must be"):
+        enc(x, x)
+    with pytest.raises(relpos.InputError, match="must be"):
+        relpos.journey_attention(x, x, x, "journey")
+
+
+@pytest.mark.parametrize(
+    "spec, head_dim, heads, match",
+    [
+        (None, 8, 1, "spec must be a string"),
+        (b"rope", 8, 1, "spec must be a string"),
+        ("rope\ud800", 8, 1, "not valid text"),
+        ("rope", 2**70, 1, "head_dim"),
+        ("rope", 8, -(2**70), "num_heads"),
+        ("rope", 64.7, 1, "head_dim must be an integer"),
+        ("rope", 64.0, 1, "head_dim must be an integer"),
+        ("rope", True, 1, "head_dim must be an integer"),
+        ("rope", "64", 1, "head_dim must be an integer"),
+    ],
+)
+def test_bad_constructor_arguments_are_input_errors(spec, head_dim, heads, match):
+    with pytest.raises(relpos.InputError, match=match):
+        relpos.PositionEncoding(spec, head_dim, heads)
+    with pytest.raises(relpos.InputError, match=match):
+        relpos.mechanism(spec, head_dim, heads)
+
+
+def test_integer_like_sizes_are_still_accepted():
+    enc = relpos.PositionEncoding("rope", torch.tensor(8), 1)
+    assert enc.head_dim == 8 and isinstance(enc.head_dim, int)
+
+
+def test_surrogate_spec_elsewhere_is_an_input_error():
+    x = torch.randn(1, 1, 4, 8)
+    with pytest.raises(relpos.InputError, match="not valid text"):
+        relpos.verify("rope\udc80")
+    with pytest.raises(relpos.InputError, match="not valid text"):
+        relpos.journey_attention(x, x, x, "journey\ud800")
+    with pytest.raises(relpos.InputError, match="not valid text"):
+        relpos.frame_angles("journey\ud800", 8, 1, length=4)
+
+
+def test_meta_tensors_with_check_finite_are_input_errors():
+    enc = relpos.PositionEncoding("rope", 8, 1)
+    m = torch.empty(1, 1, 4, 8, device="meta")
+    with pytest.raises(relpos.InputError, match="meta"):
+        enc(m, m)
+    x = torch.randn(1, 1, 4, 8)
+    with pytest.raises(relpos.InputError, match="meta"):
+        enc(x, x, torch.empty(4, device="meta"))
+    # without check_finite a meta call still gives shapes
+    shapes = relpos.PositionEncoding("rope", 8, 1, check_finite=False)(m, m)
+    assert shapes[0].shape == m.shape and shapes[0].is_meta
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64, torch.complex128])
+def test_bool_and_complex_positions_are_refused(dtype):
+    enc = relpos.PositionEncoding("rope", 8, 1)
+    x = torch.randn(1, 1, 4, 8)
+    with pytest.raises(relpos.InputError, match="real numbers"):
+        enc(x, x, torch.ones(4, dtype=dtype))
+    # as fused_attention refuses them
+    with pytest.raises(relpos.InputError, match="real numbers"):
+        relpos.fused_attention(x, x, x, q_positions=torch.ones(4, dtype=dtype))
+
+
+@pytest.mark.parametrize("W", [torch.randn(3, 4), torch.randn(2, 5, 4), torch.randn(4),
+                               torch.ones(3, 3, dtype=torch.long), [[0.0]]])
+def test_cayley_basis_needs_square_floating_matrices(W):
+    with pytest.raises(relpos.InputError, match="cayley_basis"):
+        relpos.cayley_basis(W)
+
+
+def test_cayley_basis_still_orthogonal():
+    U = relpos.cayley_basis(torch.randn(2, 6, 6, dtype=F64))
+    eye = torch.eye(6, dtype=F64)
+    assert (U @ U.transpose(-1, -2) - eye).abs().max() < 1e-12
+    assert math.isclose(torch.linalg.det(U[0]).item(), 1.0, rel_tol=1e-9)
+
+
+def test_structured_rotate_needs_tensors():
+    x = torch.randn(1, 1, 4, 8)
+    with pytest.raises(relpos.InputError, match="basis must be a tensor"):
+        relpos.structured_rotate(x, [[1.0]], torch.ones(2, 4), torch.zeros(4, 2))
