@@ -1,10 +1,19 @@
 import os
+import shutil
 import tempfile
 
 # A private Inductor cache per test session: the shared /tmp/torchinductor_$USER outlives builds,
 # and a graph compiled against an earlier build's op schemas would be reused after they change.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="relpos-inductor-"))
+_INDUCTOR_CACHE = None
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="relpos-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
 
 import torch  # noqa: E402
 
 torch.manual_seed(0)
+
+
+def pytest_unconfigure(config):
+    if _INDUCTOR_CACHE is not None:
+        shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
