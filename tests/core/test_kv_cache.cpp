@@ -633,7 +633,11 @@ TEST(KvCacheBounds, HugeLagsAndChunksKeepMemoryBounded) {
     std::vector<float> kl(Dl, 0.5f), ql(Dl, 0.25f), ol(Dl);
     for (int t = 0; t < 100; ++t) cache.append(kl, kl, static_cast<double>(t));
     cache.decode(ql, 99.0, ol);
+#if !defined(__SANITIZE_ADDRESS__)  // ASan's shadow memory and quarantine dominate the RSS there
     EXPECT_LT(resident_bytes() - before, int64_t{64} << 20);
+#else
+    (void)before;
+#endif
     EXPECT_EQ(cache.chunks(), 1);
   }
   KvCacheOptions o;
