@@ -286,6 +286,61 @@ std::vector<TrainConfig> experiment_configs(const std::string& name, const std::
   return sweep_configs(e.sweep_text, e.source, e.all_sets);
 }
 
+std::vector<ExperimentSummary> list_experiments() {
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(experiments_dir(), ec))
+    if (e.path().extension() == ".toml") files.push_back(e.path());
+  if (ec)
+    throw InputError(fmt::format("cannot read the experiments folder {}: {}",
+                                 experiments_dir().string(), ec.message()));
+  std::sort(files.begin(), files.end());
+  std::vector<ExperimentSummary> out;
+  for (const auto& f : files) {
+    ExperimentSummary s;
+    s.name = f.stem().string();
+    std::vector<std::string> scales = {"paper"};
+    try {
+      const auto root = toml::parse(std::string_view(read_text(f)), std::string_view(f.string()));
+      s.title = root["reproduce"]["title"].value_or(std::string());
+      if (const auto* t = root["scale"].as_table())
+        for (const auto& [k, v] : *t)
+          if (k.str() != "paper") scales.emplace_back(k.str());
+    } catch (const toml::parse_error& e) {
+      s.title = fmt::format("(unreadable: line {}: {})", e.source().begin.line, e.description());
+    }
+    // the default scale first, as `relpos reproduce NAME` runs it
+    const std::string first = resolve_scale(s.name, "");
+    std::stable_partition(scales.begin(), scales.end(),
+                          [&](const std::string& x) { return x == first; });
+    for (const auto& sc : scales) {
+      ExperimentSummary::Scale row{sc, 0, {}};
+      try {
+        row.runs = experiment_configs(s.name, sc, {}).size();
+      } catch (const std::exception& e) {
+        row.error = e.what();
+      }
+      s.scales.push_back(std::move(row));
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::string experiment_list_markdown(const std::vector<ExperimentSummary>& list) {
+  std::string md =
+      "| experiment | scales (training runs; the default first) | what it reproduces |\n"
+      "|---|---|---|\n";
+  for (const auto& e : list) {
+    std::string scales;
+    for (const auto& s : e.scales)
+      scales += fmt::format("{}{} ({})", scales.empty() ? "" : ", ", s.name,
+                            s.error.empty() ? fmt::format("{}", s.runs) : "does not build");
+    md += fmt::format("| {} | {} | {} |\n", e.name, scales, e.title);
+  }
+  return md;
+}
+
 std::string reproduce(const std::string& name, const std::string& scale_in,
                       const std::vector<std::string>& sets, const std::string& out, bool progress,
                       const std::vector<std::string>& only,

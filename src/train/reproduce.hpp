@@ -43,6 +43,21 @@ std::string resolve_scale(const std::string& name, const std::string& scale);
 std::vector<TrainConfig> experiment_configs(const std::string& name, const std::string& scale,
                                             const std::vector<std::string>& sets);
 
+// One experiment file as `relpos reproduce --list` shows it: its title, and per scale (the
+// file's default first) the number of training runs, or why its configurations do not build.
+struct ExperimentSummary {
+  std::string name, title;
+  struct Scale {
+    std::string name;
+    size_t runs = 0;
+    std::string error;  // empty when the runs were counted
+  };
+  std::vector<Scale> scales;
+};
+std::vector<ExperimentSummary> list_experiments();
+// The list as a Markdown table (experiment, scales with their run counts, title).
+std::string experiment_list_markdown(const std::vector<ExperimentSummary>& list);
+
 // Runs experiment NAME at `scale` into `out` (default runs/reproduce/NAME-SCALE) and returns the
 // report (Markdown), also written to OUT/reproduce.md. Finished runs are reused (resumable).
 // `only` (optional) keeps the methods whose label or spec is listed, in the file's order;

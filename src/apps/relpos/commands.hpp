@@ -37,6 +37,9 @@ void add_verify_command(CLI::App& app);
 void add_kernel_command(CLI::App& app);
 void add_probe_command(CLI::App&);
 void add_reproduce_command(CLI::App&);
+// The reproductions this CLI runs itself (basis-level, no LibTorch); every other experiment name
+// is a trained one of experiments/ and goes to relpos-train.
+bool is_builtin_experiment(const std::string& name);
 void add_linear_attention_command(CLI::App&);  // FAVOR+ linear vs softmax attention timing
 void add_torch_commands(CLI::App&);  // train, eval, sweep (relpos-train), bench (relpos-bench)
 // Runs `program` from this executable's directory with `args`, output shared; its exit status.

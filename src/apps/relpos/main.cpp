@@ -23,11 +23,11 @@ int main(int argc, char** argv) {
   relpos::app::add_torch_commands(app);
   // Exit codes (docs/errors.md): 0 ok, 1 a check failed, 2 bad input, anything else a bug.
   try {
-    // a trained experiment (experiments/NAME.toml) is relpos-train's, with its own options;
-    // jordan-basis and pj-t5 are the core-side (basis-level) reproductions
+    // a trained experiment (experiments/NAME.toml) is relpos-train's, with its own options (so
+    // its name decides the parser before CLI11 runs); the CLI's own reproductions are listed in
+    // cmd_reproduce.cpp
     if (argc > 2 && std::string(argv[1]) == "reproduce" && argv[2][0] != '-' &&
-        std::string(argv[2]) != "jordan-basis" && std::string(argv[2]) != "pj-t3" &&
-        std::string(argv[2]) != "pj-t5")
+        !relpos::app::is_builtin_experiment(argv[2]))
       return relpos::app::run_beside("relpos-train", {argv + 1, argv + argc});
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

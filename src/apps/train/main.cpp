@@ -204,7 +204,10 @@ int main(int argc, char** argv) {
   std::string experiment, scale;
   auto* repro_cmd = app.add_subcommand(
       "reproduce", "Run a paper table (experiments/NAME.toml) and print it beside the paper's");
-  repro_cmd->add_option("name", experiment, "Experiment name (experiments/NAME.toml)")->required();
+  repro_cmd->add_option("name", experiment, "Experiment name (experiments/NAME.toml)");
+  bool list_experiments = false;
+  repro_cmd->add_flag("--list", list_experiments,
+                      "List the experiments of experiments/ with their scales and run counts");
   auto* scale_opt = repro_cmd->add_option(
       "--scale", scale,
       "paper (the paper's sizes), cpu (default where the file has it), or another [scale.X]");
@@ -223,6 +226,15 @@ int main(int argc, char** argv) {
   std::vector<std::string> only;
   repro_cmd->add_option("--methods", only, "Only these rows (labels or specs, repeatable)");
   repro_cmd->callback([&] {
+    if (list_experiments) {
+      if (!experiment.empty())
+        throw InputError(
+            fmt::format("reproduce --list takes no experiment name (got '{}')", experiment));
+      fmt::print("{}", train::experiment_list_markdown(train::list_experiments()));
+      return;
+    }
+    if (experiment.empty())
+      throw InputError("reproduce: name an experiment (reproduce --list lists them)");
     std::vector<std::string> settings;
     for (auto n : layers) settings.push_back(fmt::format("L{}", n));
     fmt::print("{}", train::reproduce(experiment, scale, ta.sets, ta.out, !sweep_quiet, only,
