@@ -42,7 +42,8 @@ def _refusal(info: dict) -> str | None:
         if t["time"] == "content_phase":
             return (f"{spec!r}: transform {t['name']!r} has per-token phases (a scan of "
                     "content-dependent increments), which need inputs= projections, not yet in "
-                    "relpos.Attention; use relpos.journey_attention with the increments")
+                    "relpos.Attention; pass the increments to the functional API (relpos.journey_attention "
+                    "for journey's per-token frames)")
         if t["time"] != "position":
             return (f"{spec!r}: transform {t['name']!r} is driven by {t['time'].replace('_', ' ')}s, "
                     "not yet in relpos.Attention")
