@@ -156,15 +156,17 @@ def test_decode_through_the_cache_is_the_full_forward(spec):
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
         a = module(spec, dtype)
         q, k, v = qkv(spec, dtype=dtype)
-        full = a(q, k, v)
-        for prefill in (1, 3):  # token by token; a prefill of 3 tokens, then decode
+        for prefill, window in ((1, 0.0), (3, 2.5)):  # token by token; a prefill, then decode
+            a.window = window
+            full = a(q, k, v)
             cache = relpos.KVCache(2, HK, DIMS[spec], capacity=1, dtype=dtype)
             outs = [a(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], cache=cache)]
             for t in range(prefill, 6):
                 outs.append(a(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], cache=cache))
             assert cache.length == 6 and cache.capacity >= 6
             torch.testing.assert_close(torch.cat(outs, 2), full, rtol=0, atol=tol,
-                                       msg=f"{dtype} prefill {prefill}")
+                                       msg=f"{dtype} prefill {prefill} window {window}")
+        a.window = 0.0
         # rows of different lengths: a padded prefill (key_len 3 and 2), then each row decodes
         # its own next tokens at its own positions
         full = a(q, k, v, key_len=torch.tensor([6, 5]))
@@ -206,8 +208,10 @@ def test_gradcheck_q_k_v_and_parameters(spec):
     k = torch.randn(1, 1, 3, D, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 1, 3, D, dtype=torch.float64, requires_grad=True)
     pos = torch.tensor([0.0, 2.0, 3.5], dtype=torch.float64)
+    # fast mode: random directional derivatives (any wrong gradient fails them), the full
+    # Jacobian of ~100 inputs would cost the catalog seconds
     assert torch.autograd.gradcheck(lambda x, y, z: a(x, y, z, positions=pos), (q, k, v),
-                                    atol=1e-6, rtol=1e-5)
+                                    atol=1e-6, rtol=1e-5, fast_mode=True)
     params = dict(a.named_parameters())
     if not params:
         return
