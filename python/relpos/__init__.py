@@ -29,12 +29,15 @@ torch.ops.load_library(str(_LIB))
 
 from .attention import attention, fused_attention  # noqa: E402
 from .encoding import InputError, PositionEncoding, _integer, _spec_text, rope_scaling_spec  # noqa: E402
+from .engine import Attention, KVCache  # noqa: E402
 from .journey import frame_angles, journey_attention, rotate_pairs  # noqa: E402
 from .linear import favor_attention, random_projection  # noqa: E402
 from .structured import cayley_basis, structured_attention, structured_rotate  # noqa: E402
 
 __all__ = [
+    "Attention",
     "InputError",
+    "KVCache",
     "PositionEncoding",
     "attention",
     "fused_attention",

@@ -150,6 +150,49 @@ def _check_biases(spec: str, head_dim: int, heads: int, *, cq, ck, lag_table, le
     return learned
 
 
+def _transform_qk(enc: PositionEncoding, q, k, q_positions, k_positions):
+    """The encoding's transforms on q ``[B, Hq, Tq, D]`` and k ``[B, Hk, Tk, D]`` at their
+    positions (default: the kernel's, queries the last Tq of 0..Tk-1), every query head through
+    its key/value head's map; returns ``(q~, k~, q_positions, k_positions, slopes)`` with the
+    positions as float64 and the mechanism's ALiBi slopes for the Hq query heads (or None).
+    Shared by :func:`attention` and :class:`relpos.Attention`."""
+    B, Hq, Tq, D = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    if enc.num_heads != Hk:
+        raise InputError(
+            f"the encoding has {enc.num_heads} heads; it must have the key/value heads ({Hk})"
+        )
+    if enc.tensor_layout != "BHTD":
+        raise InputError("attention takes [B, H, T, D] tensors: build the encoding with tensor_layout='BHTD'")
+    if Hq % Hk:
+        raise InputError(f"key/value heads ({Hk}) must divide query heads ({Hq})")
+    # the kernel's default positions, made explicit: transforms and visibility see one set
+    # one transform call when queries and keys share heads and positions (decided from the
+    # arguments, not the values, so that it traces under torch.compile)
+    g = Hq // Hk
+    shared = g == 1 and Tq == Tk and (
+        (q_positions is None and k_positions is None) or q_positions is k_positions
+    )
+    qpos = (torch.arange(Tk - Tq, Tk, dtype=torch.float64) if q_positions is None
+            else q_positions.to(torch.float64))
+    kpos = qpos if shared else (
+        torch.arange(Tk, dtype=torch.float64) if k_positions is None else k_positions.to(torch.float64)
+    )
+    if shared:
+        q, k = enc(q, k, qpos)
+    else:
+        # queries grouped onto their key/value head and keys in one call: one centre for both
+        per_batch = qpos.dim() == 2 or kpos.dim() == 2
+        qr = qpos.expand(B, Tq) if per_batch and qpos.dim() == 1 else qpos
+        kr = kpos.expand(B, Tk) if per_batch and kpos.dim() == 1 else kpos
+        both = torch.cat([q.reshape(B, Hk, g * Tq, D), k], 2)
+        pos = torch.cat([qr.repeat(1, g) if per_batch else qr.repeat(g), kr], -1)
+        tq, tk = enc(both, both, pos)
+        q, k = tq[:, :, : g * Tq].reshape(B, Hq, Tq, D), tk[:, :, g * Tq :]
+    s = _alibi_slopes(enc.spec, D, Hq)
+    return q, k, qpos, kpos, (None if s is None else torch.tensor(s, dtype=q.dtype))
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -233,42 +276,9 @@ def attention(
     else:
         raise InputError("mechanism must be a spec string, a PositionEncoding or None")
     if enc is not None:
-        if enc.num_heads != Hk:
-            raise InputError(
-                f"the encoding has {enc.num_heads} heads; it must have the key/value heads ({Hk})"
-            )
-        if enc.tensor_layout != "BHTD":
-            raise InputError("attention takes [B, H, T, D] tensors: build the encoding with tensor_layout='BHTD'")
-        if Hq % Hk:
-            raise InputError(f"key/value heads ({Hk}) must divide query heads ({Hq})")
-        # the kernel's default positions, made explicit: transforms and visibility see one set
-        # one transform call when queries and keys share heads and positions (decided from the
-        # arguments, not the values, so that it traces under torch.compile)
-        g = Hq // Hk
-        shared = g == 1 and Tq == Tk and (
-            (q_positions is None and k_positions is None) or q_positions is k_positions
-        )
-        qpos = (torch.arange(Tk - Tq, Tk, dtype=torch.float64) if q_positions is None
-                else q_positions.to(torch.float64))
-        kpos = qpos if shared else (
-            torch.arange(Tk, dtype=torch.float64) if k_positions is None else k_positions.to(torch.float64)
-        )
-        if shared:
-            q, k = enc(q, k, qpos)
-        else:
-            # queries grouped onto their key/value head and keys in one call: one centre for both
-            per_batch = qpos.dim() == 2 or kpos.dim() == 2
-            qr = qpos.expand(B, Tq) if per_batch and qpos.dim() == 1 else qpos
-            kr = kpos.expand(B, Tk) if per_batch and kpos.dim() == 1 else kpos
-            both = torch.cat([q.reshape(B, Hk, g * Tq, D), k], 2)
-            pos = torch.cat([qr.repeat(1, g) if per_batch else qr.repeat(g), kr], -1)
-            tq, tk = enc(both, both, pos)
-            q, k = tq[:, :, : g * Tq].reshape(B, Hq, Tq, D), tk[:, :, g * Tq :]
-        q_positions, k_positions = qpos, kpos
-        s = _alibi_slopes(enc.spec, D, Hq)
+        q, k, q_positions, k_positions, s = _transform_qk(enc, q, k, q_positions, k_positions)
         if s is not None:
-            t = torch.tensor(s, dtype=q.dtype)
-            slopes = t if slopes is None else slopes + t
+            slopes = s if slopes is None else slopes + s
     out, lse = fused_attention(
         q, k, v, q_positions=q_positions, k_positions=k_positions, causal=causal, window=window,
         key_len=key_len, scale=scale, lag_table=lag_table, slopes=slopes, cq=cq, ck=ck,

@@ -268,7 +268,9 @@ nlohmann::json mechanism_json(const Mechanism& m) {
           {"center", center},
           {"center_value", m.center_value},
           {"max_exp", max_exp},
-          {"rope_scaling", rope_scaling_spec(m.rope_scaling.rule)}};
+          {"rope_scaling", rope_scaling_spec(m.rope_scaling.rule)},
+          // a dynamic rule changes the frequencies with the context: cached keys would go stale
+          {"rope_scaling_dynamic", m.rope_scaling.dynamic()}};
 }
 
 }  // namespace relpos

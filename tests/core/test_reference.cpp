@@ -270,3 +270,45 @@ TEST(Reference, AlibiLiftIsAPositionWiseFactorisation) {
         EXPECT_NEAR(other2.q.dot(other2.k), -slope * (i + 5.0 - j), 1e-12 * (6 + std::abs(i - j)));
       }
 }
+
+// xPos (Sun et al. 2023; torchscale XPOS) by hand in float64: uncentred, the query at n is
+// zeta_b^{n/S} R(n w_b) q_b and the key at m zeta_b^{-m/S} R(m w_b) k_b per pair b, with
+// zeta_b = (2b/D + zeta0)/(1 + zeta0) and w_b = theta^(-2b/D); so each pair's score is the rotated
+// dot product times zeta_b^{(n-m)/S}, which the centred default keeps.
+TEST(Reference, XposIsRopeScaledByZetaToTheLagOverScaleBase) {
+  const int D = 16;
+  const double theta = 500.0, zeta0 = 0.4, S = 512.0;
+  std::mt19937_64 rng(24);
+  const auto rotate = [](double a, double x, double y) {
+    return std::pair{std::cos(a) * x - std::sin(a) * y, std::sin(a) * x + std::cos(a) * y};
+  };
+  for (const std::string center : {"none", "auto"}) {
+    SCOPED_TRACE(center);
+    const Mechanism m =
+        build_mechanism("xpos(theta=500, zeta0=0.4, scale_base=512, center=" + center + ")", D, 1);
+    const ParamValues p = default_params(m);
+    const double c0 = m.window_center(0, 1000);
+    for (const auto& [n, mm] : {std::pair{700.0, 3.0}, {5.0, 5.0}, {40.5, 900.0}, {1000.0, 0.0}}) {
+      const auto q = test::normal_vec(D, rng), k = test::normal_vec(D, rng);
+      const Eigen::Map<const Eigen::VectorXd> qv(q.data(), D), kv(k.data(), D);
+      const Eigen::VectorXd qt = reference::query_map(m, p, 0, n - c0, Layout::Interleaved) * qv;
+      const Eigen::VectorXd kt = reference::key_map(m, p, 0, mm - c0, Layout::Interleaved) * kv;
+      for (int b = 0; b < D / 2; ++b) {
+        const double zeta = (2.0 * b / D + zeta0) / (1.0 + zeta0);
+        const double w = std::pow(theta, -2.0 * b / D);
+        const auto [q0, q1] = rotate(n * w, q[2 * b], q[2 * b + 1]);
+        const auto [k0, k1] = rotate(mm * w, k[2 * b], k[2 * b + 1]);
+        const double want = (q0 * k0 + q1 * k1) * std::pow(zeta, (n - mm) / S);
+        const double got = qt[2 * b] * kt[2 * b] + qt[2 * b + 1] * kt[2 * b + 1];
+        EXPECT_NEAR(got, want, 1e-12 * (1 + std::abs(want))) << "pair " << b << " n " << n;
+        if (center == "none") {  // the transformed vectors themselves are torchscale's
+          EXPECT_NEAR(qt[2 * b], std::pow(zeta, n / S) * q0, 1e-12 * (1 + std::abs(q0)));
+          EXPECT_NEAR(kt[2 * b + 1], std::pow(zeta, -mm / S) * k1, 1e-12 * (1 + std::abs(k1)));
+        }
+      }
+    }
+  }
+  // one segment per pair has no frequency grid: grid-defined context extension is refused, not
+  // applied to every pair as grid entry 0
+  EXPECT_THROW(build_mechanism("xpos + yarn(factor=4, original=64)", D, 1), InputError);
+}

@@ -1,0 +1,318 @@
+"""One attention module and its decode cache: :class:`Attention` and :class:`KVCache`.
+
+``Attention`` owns a mechanism's parameters (``self.encoding``, a :class:`PositionEncoding` over
+the key/value heads, so state-dict names are ``encoding.<name>``) and runs the fused kernel with the
+mechanism's transforms and slope biases (ALiBi), with grouped-query attention, per-sequence
+positions and lengths. With a :class:`KVCache` it decodes: the new tokens' keys are transformed at
+their positions once, stored, and every later query scores against them. docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import _transform_qk, fused_attention
+from .encoding import InputError, PositionEncoding, _integer
+from .journey import _journey_info, frame_angles, rotate_pairs
+
+# what a content-dependent bias needs, by its shape (the mechanism JSON's bias "shape")
+_CONTENT_BIASES = {
+    "separable": "per-token gates (their cumulative sums cq, ck)",
+    "gated_slope": "per-token gates gq, gk",
+    "path_integral": "per-token probes path_q, path_k",
+}
+
+
+def _refusal(info: dict) -> str | None:
+    """Why the module cannot run this mechanism honestly (None: it can)."""
+    spec = info["spec"]
+    for b in info["biases"]:
+        if b["shape"] == "lag_table" and b["slopes"]:
+            continue  # ALiBi: slopes handed to the kernel
+        if b["shape"] == "lag_table":
+            return (f"{spec!r}: bias {b['name']!r} is a learned lag table, not yet in "
+                    "relpos.Attention; use relpos.attention with the spec string (its initial "
+                    "table) or relpos.fused_attention(lag_table=...)")
+        need = _CONTENT_BIASES.get(b["shape"], "inputs this module does not compute")
+        return (f"{spec!r}: bias {b['name']!r} ({b['shape'].replace('_', '-')}) needs inputs= "
+                f"projections ({need}), not yet in relpos.Attention; use "
+                "relpos.fused_attention with them (or the C++ nn::GrapeAttention)")
+    for t in info["transforms"]:
+        if t["time"] == "content_phase":
+            return (f"{spec!r}: transform {t['name']!r} has per-token phases (a scan of "
+                    "content-dependent increments), which need inputs= projections, not yet in "
+                    "relpos.Attention; pass the increments to the functional API (relpos.journey_attention "
+                    "for journey's per-token frames)")
+        if t["time"] != "position":
+            return (f"{spec!r}: transform {t['name']!r} is driven by {t['time'].replace('_', ' ')}s, "
+                    "not yet in relpos.Attention")
+    frames = [t for t in info["transforms"] if "frame_frequencies" in t]
+    if frames and len(info["transforms"]) > 1:
+        return (f"{spec!r}: a journey term composed with other transforms is not yet in "
+                "relpos.Attention")
+    return None
+
+
+class KVCache:
+    """The decode state of :class:`Attention`: transformed keys, values (rotated into their
+    frames for journey mechanisms) and their float64 positions, per sequence.
+
+    ``keys``/``values`` ``[B, Hk, length, D]`` and ``positions`` ``[B, length]`` are views of the
+    used storage; row b holds ``lengths[b]`` tokens (rows may differ, e.g. after a padded prefill
+    with ``key_len``); entries past a row's length are ignored and overwritten by its next append.
+    Storage doubles as needed (``capacity``). Stored tensors are detached: the cache is for
+    inference (train through ``Attention`` without a cache).
+    """
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, capacity: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.batch = _integer(batch, "batch")
+        self.num_kv_heads = _integer(num_kv_heads, "num_kv_heads")
+        self.head_dim = _integer(head_dim, "head_dim")
+        for name, v in (("batch", self.batch), ("num_kv_heads", self.num_kv_heads),
+                        ("head_dim", self.head_dim)):
+            if v < 1:
+                raise InputError(f"KVCache: {name} must be >= 1, got {v}")
+        cap = 16 if capacity is None else _integer(capacity, "capacity")
+        if cap < 0:
+            raise InputError(f"KVCache: capacity must be >= 0, got {cap}")
+        if dtype not in (torch.float32, torch.float64):
+            raise InputError(f"KVCache: dtype must be torch.float32 or torch.float64, got {dtype}")
+        self.dtype = dtype
+        self._keys = torch.zeros(self.batch, self.num_kv_heads, cap, self.head_dim, dtype=dtype)
+        self._values = torch.zeros_like(self._keys)
+        self._positions = torch.zeros(self.batch, cap, dtype=torch.float64)
+        self.lengths = torch.zeros(self.batch, dtype=torch.int64)
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[2]
+
+    @property
+    def length(self) -> int:
+        """The longest row's length: the key columns a query scores against."""
+        return int(self.lengths.max())
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[:, :, : self.length]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions[:, : self.length]
+
+    def reset(self) -> None:
+        """Empties every row (the storage is kept)."""
+        self.lengths.zero_()
+
+    def next_positions(self, n: int) -> torch.Tensor:
+        """The default positions of n new tokens per row: ``lengths[b] + 0..n-1``, ``[B, n]``."""
+        return self.lengths.to(torch.float64)[:, None] + torch.arange(n, dtype=torch.float64)
+
+    def _check(self, k: torch.Tensor) -> None:
+        B, Hk, _, D = k.shape
+        if (B, Hk, D) != (self.batch, self.num_kv_heads, self.head_dim):
+            raise InputError(
+                f"the cache holds batch {self.batch}, {self.num_kv_heads} key/value heads of dim "
+                f"{self.head_dim}; this call has batch {B}, {Hk} heads of dim {D}")
+        if k.dtype != self.dtype:
+            raise InputError(f"the cache holds {self.dtype}; this call is {k.dtype}")
+
+    def _check_positions(self, pos: torch.Tensor, counts: torch.Tensor) -> None:
+        """New positions [B, n] must increase along each row, past the row's last cached one
+        (a decoded token never sees a later one; equal positions would in the full forward)."""
+        if pos.shape[1] > 1 and not bool((pos[:, 1:] > pos[:, :-1]).all()):
+            raise InputError("positions must increase along each sequence of a cache")
+        has = self.lengths > 0
+        if bool(has.any()):
+            last = self._positions[torch.arange(self.batch), (self.lengths - 1).clamp_min(0)]
+            back = has & (counts > 0) & (pos[:, 0] <= last)
+            if bool(back.any()):
+                b = int(back.nonzero()[0])
+                raise InputError(
+                    f"positions go backwards in the cache: row {b} holds position "
+                    f"{float(last[b]):g} and this call starts at {float(pos[b, 0]):g}")
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                counts: torch.Tensor) -> None:
+        n = k.shape[2]
+        need = int((self.lengths + n).max())
+        if need > self.capacity:
+            cap = max(self.capacity, 1)
+            while cap < need:
+                cap *= 2
+            grow = cap - self.capacity
+            self._keys = nn.functional.pad(self._keys, (0, 0, 0, grow))
+            self._values = nn.functional.pad(self._values, (0, 0, 0, grow))
+            self._positions = nn.functional.pad(self._positions, (0, grow))
+        for b in range(self.batch):
+            L = int(self.lengths[b])
+            self._keys[b, :, L : L + n] = k[b].detach()
+            self._values[b, :, L : L + n] = v[b].detach()
+            self._positions[b, L : L + n] = pos[b]
+        self.lengths += counts
+
+
+class Attention(nn.Module):
+    """Causal (or not) softmax attention with a mechanism, through the fused kernel.
+
+    Args:
+        spec: a spec string (``relpos.mechanisms()``); its transforms act on q and k, its slope
+            biases (ALiBi) enter the kernel, journey frames also rotate v and the output.
+        head_dim, num_heads: query heads; num_kv_heads (default num_heads) must divide them
+            (grouped-query attention: each query head uses its key/value head's map).
+        pair_layout, rope_scaling, max_position_embeddings, check_finite: as
+            :class:`PositionEncoding`; causal, window, scale: as :func:`relpos.fused_attention`.
+
+    ``forward(q, k, v, *, positions=None, key_len=None, inputs=None, cache=None,
+    return_lse=False)``: q ``[B, Hq, T, D]``, k and v ``[B, Hk, T, D]``. Without a cache the
+    result is :func:`relpos.attention` with ``self.encoding`` at ``positions`` (``[T]`` or
+    ``[B, T]``, default 0..T-1). With a :class:`KVCache` the T tokens are appended (positions
+    default to each row's length + 0..T-1 and must go forward) and their queries score against
+    every cached key; ``key_len [B]`` then counts the valid new tokens per row. ``inputs`` (the
+    layer's hidden states) is for content-dependent mechanisms, none of which this module runs
+    yet: it must be None. Mechanisms it cannot run honestly raise InputError at construction;
+    with a cache, so do a per-call centre (``center=mid``) and a dynamic context-extension rule.
+    """
+
+    def __init__(self, spec: str, head_dim: int, num_heads: int, num_kv_heads: int | None = None, *,
+                 pair_layout: str = "interleaved", causal: bool = True, window: float = 0.0,
+                 scale: float | None = None, rope_scaling: dict | None = None,
+                 max_position_embeddings: float | None = None, check_finite: bool = True) -> None:
+        super().__init__()
+        self.num_heads = _integer(num_heads, "num_heads")
+        self.num_kv_heads = self.num_heads if num_kv_heads is None else _integer(num_kv_heads, "num_kv_heads")
+        if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise InputError(f"num_kv_heads ({self.num_kv_heads}) must be >= 1 and divide "
+                             f"num_heads ({self.num_heads})")
+        self.encoding = PositionEncoding(spec, head_dim, self.num_kv_heads, pair_layout=pair_layout,
+                                         check_finite=check_finite, rope_scaling=rope_scaling,
+                                         max_position_embeddings=max_position_embeddings)
+        info = self.encoding._info
+        why = _refusal(info)
+        if why is not None:
+            raise InputError(why)
+        self.spec = self.encoding.spec
+        self.head_dim = self.encoding.head_dim
+        self.pair_layout = "half_split" if self.encoding.layout == 1 else "interleaved"
+        self.causal, self.window, self.scale = bool(causal), float(window), scale
+        self.check_finite = check_finite
+        journey = _journey_info(self.spec, self.head_dim, self.num_kv_heads)
+        self._journey = journey is not None
+        self._journey_values, self._journey_outputs = (journey[2], journey[3]) if journey else (False, False)
+        # with a cache, keys transformed in earlier calls must stay valid
+        self._cache_refusal = None
+        if info["center"] == "mid":
+            self._cache_refusal = (f"{self.spec!r}: center=mid puts the centre in the middle of "
+                                   "each call, so keys cached in earlier calls would be off by the "
+                                   "change; use a fixed centre (center=auto or a number) to decode")
+        elif info.get("rope_scaling_dynamic"):
+            self._cache_refusal = (f"{self.spec!r}: the context-extension rule "
+                                   f"{info['rope_scaling']!r} is dynamic (its frequencies follow "
+                                   "the context length), so cached keys' frequencies would change; "
+                                   "freeze it with a static rule to decode")
+
+    def extra_repr(self) -> str:
+        return (f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}")
+
+    def _check(self, q, k, v, cache) -> None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InputError(f"{name} must be a [B, H, T, D] tensor, got {shape}")
+        B, Hq, T, D = q.shape
+        if Hq != self.num_heads:
+            raise InputError(f"q has {Hq} heads; the module was built for {self.num_heads}")
+        for name, t in (("k", k), ("v", v)):
+            if t.shape[1] != self.num_kv_heads:
+                raise InputError(f"{name} has {t.shape[1]} heads; the module was built for "
+                                 f"{self.num_kv_heads} key/value heads")
+            if t.shape[0] != B or t.shape[2] != T or t.shape[3] != D:
+                raise InputError(f"q {list(q.shape)} and {name} {list(t.shape)} differ in batch, "
+                                 "tokens or head dim")
+        if D != self.head_dim:
+            raise InputError(f"q has head dim {D}; the module was built for {self.head_dim}")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise InputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if self.check_finite and not torch.compiler.is_compiling():
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if t.device.type != "meta" and not torch.isfinite(t).all():
+                    raise InputError(f"{name} contains NaN or Inf")
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise InputError(f"cache must be a relpos.KVCache, got {type(cache).__name__}")
+            if self._cache_refusal is not None:
+                raise InputError(self._cache_refusal)
+            cache._check(k)
+
+    def _frames(self, pos: torch.Tensor) -> torch.Tensor:
+        return frame_angles(self.spec, self.head_dim, self.num_kv_heads, positions=pos)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                positions: torch.Tensor | None = None, key_len: torch.Tensor | None = None,
+                inputs: torch.Tensor | None = None, cache: KVCache | None = None,
+                return_lse: bool = False):
+        self._check(q, k, v, cache)
+        if inputs is not None:
+            raise InputError(f"{self.spec!r} does not depend on the tokens' content: pass "
+                             "inputs=None (content-dependent mechanisms are not yet in "
+                             "relpos.Attention)")
+        B, _, T, _ = q.shape
+        if positions is not None and not isinstance(positions, torch.Tensor):
+            raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
+        if cache is None:
+            # one set of positions for queries and keys (the same object: one transform call)
+            pos = torch.arange(T, dtype=torch.float64) if positions is None else positions
+            qt, kt, qpos, kpos, slopes = _transform_qk(self.encoding, q, k, pos, pos)
+            vt, klen = v, key_len
+        else:
+            counts = self._counts(key_len, B, T)
+            if positions is None:
+                pos = cache.next_positions(T)
+            else:
+                try:  # shape, real, finite, within +-2^53: the encoding's checks
+                    pos = torch.ops.relpos.encoding_positions(positions, B, T)
+                except ValueError as e:
+                    raise InputError(str(e)) from None
+                if pos.dim() == 1:
+                    pos = pos.expand(B, T)
+            cache._check_positions(pos, counts)
+            qt, kt, qpos, _, slopes = _transform_qk(self.encoding, q, k, pos, pos)
+            vt = v
+        if self._journey:
+            # the encoding put q and k into their frames; v goes in too, the output back out
+            theta = self._frames(qpos)
+            if self._journey_values:
+                vt = rotate_pairs(vt, theta, pair_layout=self.pair_layout)
+        if cache is None:
+            kv_q, kv_k, kv_v, k_positions = qt, kt, vt, kpos
+        else:
+            cache._append(kt, vt, qpos, counts)
+            kv_q, kv_k, kv_v, k_positions = qt, cache.keys, cache.values, cache.positions
+            klen = cache.lengths.clone()
+        out, lse = fused_attention(kv_q, kv_k, kv_v, q_positions=qpos, k_positions=k_positions,
+                                   causal=self.causal, window=self.window, key_len=klen,
+                                   scale=self.scale, slopes=slopes)
+        if self._journey and self._journey_outputs:
+            out = rotate_pairs(out, theta, inverse=True, pair_layout=self.pair_layout)
+        return (out, lse) if return_lse else out
+
+    @staticmethod
+    def _counts(key_len, B: int, T: int) -> torch.Tensor:
+        """The valid new tokens per row of a cached call: key_len [B] in 0..T (default T)."""
+        if key_len is None:
+            return torch.full((B,), T, dtype=torch.int64)
+        if (not isinstance(key_len, torch.Tensor) or key_len.shape != (B,)
+                or key_len.dtype not in (torch.int32, torch.int64)):
+            got = list(key_len.shape) if isinstance(key_len, torch.Tensor) else type(key_len).__name__
+            raise InputError(f"key_len must be an integer tensor [B] = [{B}], got {got}")
+        if bool(((key_len < 0) | (key_len > T)).any()):
+            raise InputError(f"key_len values must be in [0, {T}] (the new tokens of each row), "
+                             f"got {key_len.tolist()}")
+        return key_len.to(torch.int64)

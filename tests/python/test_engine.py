@@ -1,0 +1,300 @@
+"""relpos.Attention and relpos.KVCache over the whole catalog, with no per-mechanism code: the
+forward against a float64 composition from plain torch ops, decoding through the cache against the
+full forward, causality, gradients, and the refusals (decided from the mechanism JSON)."""
+
+import math
+
+import pytest
+import torch
+
+import relpos
+
+# every mechanism; a context-extension rule (kind "scaling") on RoPE
+SPECS = [m["name"] if m["kind"] != "scaling" else f"rope + {m['name']}" for m in relpos.mechanisms()]
+HQ, HK = 4, 2
+
+
+def head_dim_for(spec, lo=8, hi=48):
+    for d in range(lo, hi + 1, 2):
+        try:
+            relpos.mechanism(spec, d, HQ)
+            return d
+        except relpos.InputError:
+            pass
+    raise AssertionError(f"no head dim fits {spec}")
+
+
+DIMS = {s: head_dim_for(s) for s in SPECS}
+
+
+def needs_more_than_positions(info):
+    """What the module refuses, read from the model: a bias other than slopes (content gates,
+    path integrals, learned lag tables) or a transform not driven by positions alone."""
+    return (any(not (b["shape"] == "lag_table" and b["slopes"]) for b in info["biases"])
+            or any(t["time"] != "position" for t in info["transforms"]))
+
+
+INFO = {s: relpos.mechanism(s, DIMS[s], HQ) for s in SPECS}
+ACCEPTED = [s for s in SPECS if not needs_more_than_positions(INFO[s])]
+REFUSED = [s for s in SPECS if needs_more_than_positions(INFO[s])]
+
+
+def decodes(info):
+    return info["center"] != "mid" and not info["rope_scaling_dynamic"]
+
+
+DECODED = [s for s in ACCEPTED if decodes(INFO[s])]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes: OpenMP's start-up and spinning, not the work, would dominate on a shared
+    machine (a forward takes ~20 ms on two busy threads, ~1 ms on one)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def module(spec, dtype=torch.float64, jitter=0.2, **kw):
+    torch.manual_seed(3)
+    a = relpos.Attention(spec, DIMS[spec], HQ, HK, **kw).to(dtype)
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(jitter * torch.randn_like(p))
+    return a
+
+
+def qkv(spec, B=2, T=6, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    D = DIMS[spec]
+    q = torch.randn(B, HQ, T, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, HK, T, D, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, HK, T, D, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def rotate(x, theta, inverse=False):
+    """Interleaved pairs (2p, 2p+1) of x [B, H, T, D] rotated by theta [B, T, P] (first P pairs)."""
+    P = theta.shape[-1]
+    t = (-theta if inverse else theta)[:, None].to(x.dtype)
+    c, s = t.cos(), t.sin()
+    x0, x1 = x[..., 0 : 2 * P : 2], x[..., 1 : 2 * P : 2]
+    out = x.clone()
+    out[..., 0 : 2 * P : 2] = c * x0 - s * x1
+    out[..., 1 : 2 * P : 2] = s * x0 + c * x1
+    return out
+
+
+def reference(attn, q, k, v, pos, key_len=None, window=0.0):
+    """softmax(q~ k~^T / sqrt(D) - slope (p_i - p_j)) v with the causal, window and length masks,
+    q~ and k~ from the module's encoding (query group i with the keys, one call each), slopes and
+    journey frames from the mechanism JSON; plain torch ops otherwise."""
+    B, Hq, T, D = q.shape
+    Hk = k.shape[1]
+    g = Hq // Hk
+    pos = (pos if pos.dim() == 2 else pos.expand(B, T)).to(torch.float64)
+    qg = q.reshape(B, Hk, g, T, D)
+    parts = []
+    for i in range(g):
+        qi, kt = attn.encoding(qg[:, :, i], k, pos)
+        parts.append(qi)
+    qt = torch.stack(parts, 2).reshape(B, Hq, T, D)
+    info = relpos.mechanism(attn.spec, D, Hq)
+    kt, vt = kt.repeat_interleave(g, 1), v
+    frames = [t for t in info["transforms"] if "frame_frequencies" in t]
+    theta = None
+    if frames:
+        f = torch.tensor(frames[0]["frame_frequencies"], dtype=torch.float64)
+        theta = torch.remainder(pos[..., None] * f, 2 * math.pi)
+        if frames[0]["values"]:
+            vt = rotate(v, theta)
+    vt = vt.repeat_interleave(g, 1)
+    s = qt @ kt.transpose(-1, -2) / math.sqrt(D)
+    lag = pos[:, None, :, None] - pos[:, None, None, :]  # p_i - p_j
+    for b in info["biases"]:
+        if b["slopes"]:
+            s = s - torch.tensor(b["slopes"], dtype=s.dtype)[None, :, None, None] * lag.to(s.dtype)
+    visible = lag >= 0
+    if window > 0:
+        visible = visible & (lag < window)
+    if key_len is not None:
+        visible = visible & (torch.arange(T)[None, None, None, :] < key_len[:, None, None, None])
+    s = s.masked_fill(~visible, float("-inf"))
+    out = torch.softmax(s, -1) @ vt
+    if frames and frames[0]["outputs"]:
+        out = rotate(out, theta, inverse=True)
+    return out
+
+
+@pytest.mark.parametrize("spec", ACCEPTED)
+def test_forward_is_the_plain_torch_composition(spec):
+    pos = torch.tensor([[0.0, 1, 2, 5, 9, 10], [3, 4, 6, 7, 8, 12]], dtype=torch.float64)
+    for dtype, tol in ((torch.float64, 1e-11), (torch.float32, 1e-5)):
+        a = module(spec, dtype)
+        q, k, v = qkv(spec, dtype=dtype)
+        for window, positions in ((0.0, None), (3.0, pos), (0.0, pos[0])):
+            a.window = window
+            got = a(q, k, v, positions=positions)
+            want = reference(a.double(), q.double(), k.double(), v.double(),
+                             torch.arange(6.0) if positions is None else positions, window=window)
+            a.to(dtype)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=tol,
+                                       msg=f"{dtype} window {window}")
+    # and it is relpos.attention with the module's encoding, where that function takes the call
+    a = module(spec)
+    q, k, v = qkv(spec)
+    try:
+        want = relpos.attention(q, k, v, a.encoding)
+    except relpos.InputError:
+        return
+    torch.testing.assert_close(a(q, k, v), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", DECODED)
+def test_decode_through_the_cache_is_the_full_forward(spec):
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        a = module(spec, dtype)
+        q, k, v = qkv(spec, dtype=dtype)
+        for prefill, window in ((1, 0.0), (3, 2.5)):  # token by token; a prefill, then decode
+            a.window = window
+            full = a(q, k, v)
+            cache = relpos.KVCache(2, HK, DIMS[spec], capacity=1, dtype=dtype)
+            outs = [a(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], cache=cache)]
+            for t in range(prefill, 6):
+                outs.append(a(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], cache=cache))
+            assert cache.length == 6 and cache.capacity >= 6
+            torch.testing.assert_close(torch.cat(outs, 2), full, rtol=0, atol=tol,
+                                       msg=f"{dtype} prefill {prefill} window {window}")
+        a.window = 0.0
+        # rows of different lengths: a padded prefill (key_len 3 and 2), then each row decodes
+        # its own next tokens at its own positions
+        full = a(q, k, v, key_len=torch.tensor([6, 5]))
+        cache = relpos.KVCache(2, HK, DIMS[spec], dtype=dtype)
+        first = a(q[:, :, :3], k[:, :, :3], v[:, :, :3], cache=cache, key_len=torch.tensor([3, 2]))
+        rows = [[first[0, :, :3]], [first[1, :, :2]]]
+        for step in range(3):
+            idx = torch.tensor([3 + step, 2 + step])
+            pick = lambda x: x[torch.arange(2), :, idx].unsqueeze(2)  # noqa: E731
+            out = a(pick(q), pick(k), pick(v), cache=cache)
+            rows[0].append(out[0])
+            rows[1].append(out[1])
+        assert cache.lengths.tolist() == [6, 5]
+        torch.testing.assert_close(torch.cat(rows[0], 1), full[0], rtol=0, atol=tol)
+        torch.testing.assert_close(torch.cat(rows[1], 1), full[1, :, :5], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("spec", ACCEPTED)
+def test_a_later_token_leaves_earlier_outputs_unchanged(spec):
+    a = module(spec)
+    q, k, v = qkv(spec)
+    before = a(q, k, v)
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[:, :, -1] += 3.0
+    after = a(q2, k2, v2)
+    assert torch.equal(after[:, :, :-1], before[:, :, :-1])
+    assert not torch.allclose(after[:, :, -1], before[:, :, -1])
+
+
+@pytest.mark.parametrize("spec", ACCEPTED)
+def test_gradcheck_q_k_v_and_parameters(spec):
+    a = relpos.Attention(spec, DIMS[spec], 2, 1).double()
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    D = DIMS[spec]
+    q = torch.randn(1, 2, 3, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 3, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 3, D, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([0.0, 2.0, 3.5], dtype=torch.float64)
+    # fast mode: random directional derivatives (any wrong gradient fails them), the full
+    # Jacobian of ~100 inputs would cost the catalog seconds
+    assert torch.autograd.gradcheck(lambda x, y, z: a(x, y, z, positions=pos), (q, k, v),
+                                    atol=1e-6, rtol=1e-5, fast_mode=True)
+    params = dict(a.named_parameters())
+    if not params:
+        return
+    names = list(params)
+
+    def f(*vals):
+        return torch.func.functional_call(a, dict(zip(names, vals)), (q.detach(), k.detach(), v.detach()),
+                                          {"positions": pos})
+
+    vals = tuple(p.detach().clone().requires_grad_(True) for p in params.values())
+    assert torch.autograd.gradcheck(f, vals, atol=1e-6, rtol=1e-5)
+
+
+def test_refused_specs_are_exactly_those_needing_more_than_positions():
+    assert REFUSED, "the catalog has content-dependent and learned-table mechanisms"
+    assert ACCEPTED
+    for spec in SPECS:
+        info = INFO[spec]
+        if spec in REFUSED:
+            with pytest.raises(relpos.InputError) as e:
+                relpos.Attention(spec, DIMS[spec], HQ, HK)
+            named = [b["name"] for b in info["biases"]] + [t["name"] for t in info["transforms"]]
+            assert info["name"] in str(e.value) or any(n in str(e.value) for n in named), str(e.value)
+            assert "not yet in relpos.Attention" in str(e.value)
+        else:
+            relpos.Attention(spec, DIMS[spec], HQ, HK)
+
+
+def test_the_cache_refuses_per_call_centres_and_dynamic_rules():
+    # from the catalog: dynamic context-extension rules, and every family with a centre option
+    # at center=mid
+    cases = [s for s in ACCEPTED if not decodes(INFO[s])]
+    for m in relpos.mechanisms():
+        if m["kind"] != "scaling" and any(o["key"] == "center" for o in m["options"]):
+            cases.append(f"{m['name']}(center=mid)")
+    assert any("center=mid" in s for s in cases) and any(s.startswith("rope + ") for s in cases)
+    for spec in cases:
+        D = head_dim_for(spec)
+        a = relpos.Attention(spec, D, HQ, HK).double()
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(1, HQ, 2, D, generator=g, dtype=torch.float64)
+        k = torch.randn(1, HK, 2, D, generator=g, dtype=torch.float64)
+        a(q, k, k)  # without a cache it runs
+        with pytest.raises(relpos.InputError, match="center=mid|dynamic"):
+            a(q, k, k, cache=relpos.KVCache(1, HK, D, dtype=torch.float64))
+
+
+def test_state_dict_names_are_the_encodings():
+    a = relpos.Attention("jordan(m=2, regime=scaled)", 8, 4, 2)
+    enc = relpos.PositionEncoding("jordan(m=2, regime=scaled)", 8, 2)
+    assert sorted(a.state_dict()) == sorted(f"encoding.{n}" for n in enc.state_dict())
+    assert [n for n, _ in a.named_parameters()] == [f"encoding.{n}" for n, _ in enc.named_parameters()]
+
+
+def test_bad_calls_raise_input_errors():
+    a = relpos.Attention("rope + alibi", 8, 4, 2)
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(relpos.InputError, match="divide"):
+        relpos.Attention("rope", 8, 4, 3)
+    with pytest.raises(relpos.InputError, match="q has 2 heads"):
+        a(q[:, :2], k, v)
+    with pytest.raises(relpos.InputError, match="k has 4 heads"):
+        a(q, q, v)
+    with pytest.raises(relpos.InputError, match="inputs=None"):
+        a(q, k, v, inputs=torch.randn(1, 3, 32))
+    for cache, what in ((relpos.KVCache(2, 2, 8), "batch 2"), (relpos.KVCache(1, 1, 8), "1 key/value"),
+                        (relpos.KVCache(1, 2, 8, dtype=torch.float64), "float64")):
+        with pytest.raises(relpos.InputError, match=what):
+            a(q, k, v, cache=cache)
+    cache = relpos.KVCache(1, 2, 8)
+    a(q, k, v, cache=cache)
+    with pytest.raises(relpos.InputError, match="backwards"):
+        a(q[:, :, :1], k[:, :, :1], v[:, :, :1], cache=cache, positions=torch.tensor([1.0]))
+    with pytest.raises(relpos.InputError, match="increase"):
+        a(q[:, :, :2], k[:, :, :2], v[:, :, :2], cache=cache, positions=torch.tensor([7.0, 7.0]))
+    with pytest.raises(relpos.InputError, match="key_len"):
+        a(q, k, v, cache=cache, key_len=torch.tensor([4]))
+    assert cache.length == 3  # refused calls append nothing
+    out = a(q[:, :, :1], k[:, :, :1], v[:, :, :1], cache=cache, positions=torch.tensor([3.0]))
+    assert out.shape == (1, 4, 1, 8) and cache.length == 4
+    cache.reset()
+    assert cache.length == 0 and cache.capacity >= 4
+    with pytest.raises(relpos.InputError, match="dtype"):
+        relpos.KVCache(1, 2, 8, dtype=torch.int64)
+    with pytest.raises(relpos.InputError, match="batch"):
+        relpos.KVCache(0, 2, 8)
