@@ -31,10 +31,14 @@ def _journey_info(spec: str, head_dim: int, heads: int):
         from . import mechanism  # late: the package imports this module
 
         info = None
-        for t in mechanism(spec, head_dim, heads)["transforms"]:
+        transforms = mechanism(spec, head_dim, heads)["transforms"]
+        for t in transforms:
             if "frame_frequencies" in t:
                 info = (tuple(t["frame_frequencies"]), t["time"] == "content_phase", t["values"],
                         t["outputs"], t["scan"])
+        if info is not None and len(transforms) != 1:
+            # as the C++ journey_term: the frames would be applied and the other maps dropped
+            raise InputError(f"{spec}: a journey term composes with bias terms only (not with other transforms)")
         _INFO[key] = info
     return _INFO[key]
 

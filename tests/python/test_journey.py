@@ -77,3 +77,14 @@ def test_per_token_journey_attention_uses_the_causal_scan():
         relpos.attention(q, k, v, "journey(angles=token)")
     with pytest.raises(relpos.InputError, match="pair_layout"):
         relpos.rotate_pairs(q, inc, pair_layout="zigzag")
+
+
+@pytest.mark.parametrize("spec", ["orthogonal_mix(seed=3) + journey", "journey + orthogonal_mix(seed=3)"])
+def test_journey_with_another_transform_is_refused(spec):
+    """A fixed map composed with journey frames used to be dropped silently by relpos.attention
+    (the output equalled plain "journey"); the C++ path refuses it, and so does Python now."""
+    q = torch.randn(1, 2, 6, 16, dtype=torch.float64)
+    with pytest.raises(relpos.InputError, match="composes with bias terms only"):
+        relpos.attention(q, q, q, spec)
+    with pytest.raises(ValueError, match="composes with bias terms only"):
+        torch.ops.relpos.attention(q, q, q, spec)
