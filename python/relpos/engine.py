@@ -39,6 +39,11 @@ def _refusal(info: dict) -> str | None:
                 f"projections ({need}), not yet in relpos.Attention; use "
                 "relpos.fused_attention with them (or the C++ nn::GrapeAttention)")
     for t in info["transforms"]:
+        if t.get("learned_frequencies") or t.get("basis", "none") != "none":
+            # the encoding would apply the initial frequencies (and basis) and never learn them
+            return (f"{spec!r}: transform {t['name']!r} has frequencies or a basis learned by "
+                    "the model's layer (the C++ nn::GrapeAttention), which the encoding does not "
+                    "hold; not yet in relpos.Attention")
         if t["time"] == "content_phase":
             return (f"{spec!r}: transform {t['name']!r} has per-token phases (a scan of "
                     "content-dependent increments), which need inputs= projections, not yet in "

@@ -210,7 +210,10 @@ nlohmann::json mechanism_json(const Mechanism& m) {
                       {"roles", t.roles.str()},
                       {"values", t.roles.values},
                       {"outputs", t.roles.outputs},
-                      {"exact", t.exact()}};
+                      {"exact", t.exact()},
+                      // parameters a model owns beside the encoding (GRAPE-M's frequencies, basis)
+                      {"learned_frequencies", t.learned_frequencies},
+                      {"basis", t.basis}};
     if (t.roles.values || t.roles.outputs || t.time == TimeSource::ContentPhase) {
       // a journey term (core/mechanisms/journey.cpp): frame angle of pair m = time * f_m
       std::vector<double> f;

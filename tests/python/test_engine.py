@@ -29,9 +29,11 @@ DIMS = {s: head_dim_for(s) for s in SPECS}
 
 def needs_more_than_positions(info):
     """What the module refuses, read from the model: a bias other than slopes (content gates,
-    path integrals, learned lag tables) or a transform not driven by positions alone."""
+    path integrals, learned lag tables), a transform not driven by positions alone, or one whose
+    frequencies or basis a model's layer learns (the encoding would keep their initial values)."""
     return (any(not (b["shape"] == "lag_table" and b["slopes"]) for b in info["biases"])
-            or any(t["time"] != "position" for t in info["transforms"]))
+            or any(t["time"] != "position" or t["learned_frequencies"] or t["basis"] != "none"
+                   for t in info["transforms"]))
 
 
 INFO = {s: relpos.mechanism(s, DIMS[s], HQ) for s in SPECS}

@@ -1,0 +1,287 @@
+#include "torch/attention_module.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/registry.hpp"
+#include "kernels/attention/mechanism_attention.hpp"
+#include "torch/journey.hpp"
+
+namespace relpos::nn {
+
+namespace {
+
+std::string shape_of(const torch::Tensor& t) {
+  return fmt::format("[{}]", fmt::join(t.sizes(), ", "));
+}
+
+}  // namespace
+
+std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_heads) {
+  if (m.pj_bias() && num_heads != m.heads)
+    return fmt::format(
+        "'{}': a learned lag table has one row per key/value head; grouped-query attention ({} "
+        "query heads, {} key/value heads) is not supported with it",
+        m.spec, num_heads, m.heads);
+  if (const BiasTerm* b = m.content_bias())
+    return fmt::format(
+        "'{}': bias '{}' is computed from the tokens (per-token gates or probes), which need "
+        "inputs= projections, not yet in Attention; use nn::GrapeAttention or fused_attention "
+        "with them",
+        m.spec, b->name);
+  for (const auto& t : m.transforms) {
+    if (t.learned_frequencies || t.basis != "none")
+      return fmt::format(
+          "'{}': transform '{}' has frequencies or a basis learned by the model's layer "
+          "(nn::GrapeAttention), which the encoding does not hold; not yet in Attention",
+          m.spec, t.name);
+    if (t.time != TimeSource::Position)
+      return fmt::format(
+          "'{}': transform '{}' is driven by per-token phases or vector positions, which need "
+          "inputs= projections, not yet in Attention",
+          m.spec, t.name);
+  }
+  journey_term(m);  // a journey term composed with other transforms: InputError
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// DecodeCache
+
+DecodeCache::DecodeCache(int64_t batch, int64_t kv_heads, int64_t head_dim, torch::ScalarType dtype,
+                         int64_t capacity) {
+  for (auto [name, v] : {std::pair{"batch", batch}, std::pair{"kv_heads", kv_heads},
+                         std::pair{"head_dim", head_dim}})
+    if (v < 1) throw InputError(fmt::format("DecodeCache: {} must be >= 1, got {}", name, v));
+  if (capacity < 0)
+    throw InputError(fmt::format("DecodeCache: capacity must be >= 0, got {}", capacity));
+  if (dtype != torch::kFloat && dtype != torch::kDouble)
+    throw InputError("DecodeCache: the dtype must be float32 or float64");
+  keys_ = torch::zeros({batch, kv_heads, capacity, head_dim}, dtype);
+  values_ = torch::zeros_like(keys_);
+  positions_ = torch::zeros({batch, capacity}, torch::kDouble);
+  lengths_ = torch::zeros({batch}, torch::kLong);
+}
+
+int64_t DecodeCache::length() const {
+  return lengths_.max().item<int64_t>();
+}
+torch::Tensor DecodeCache::keys() const {
+  return keys_.narrow(2, 0, length());
+}
+torch::Tensor DecodeCache::values() const {
+  return values_.narrow(2, 0, length());
+}
+torch::Tensor DecodeCache::positions() const {
+  return positions_.narrow(1, 0, length());
+}
+void DecodeCache::reset() {
+  lengths_.zero_();
+}
+
+torch::Tensor DecodeCache::next_positions(int64_t n) const {
+  return lengths_.to(torch::kDouble).unsqueeze(1) + torch::arange(n, torch::kDouble);
+}
+
+void DecodeCache::check(const torch::Tensor& k) const {
+  if (k.size(0) != keys_.size(0) || k.size(1) != keys_.size(1) || k.size(3) != keys_.size(3))
+    throw InputError(fmt::format(
+        "the cache holds batch {}, {} key/value heads of dim {}; this call has batch {}, {} heads "
+        "of dim {}",
+        keys_.size(0), keys_.size(1), keys_.size(3), k.size(0), k.size(1), k.size(3)));
+  if (k.scalar_type() != keys_.scalar_type())
+    throw InputError(fmt::format("the cache holds {}; this call is {}",
+                                 c10::toString(keys_.scalar_type()),
+                                 c10::toString(k.scalar_type())));
+}
+
+void DecodeCache::check_positions(const torch::Tensor& pos, const torch::Tensor& counts) const {
+  // a decoded token never sees a later one; equal positions would in the full forward
+  if (pos.size(1) > 1 && !(pos.slice(1, 1) > pos.slice(1, 0, -1)).all().item<bool>())
+    throw InputError("positions must increase along each sequence of a cache");
+  for (int64_t b = 0; b < batch(); ++b) {
+    const int64_t L = lengths_[b].item<int64_t>();
+    if (L == 0 || counts[b].item<int64_t>() == 0) continue;
+    const double last = positions_[b][L - 1].item<double>();
+    const double first = pos[b][0].item<double>();
+    if (first <= last)
+      throw InputError(fmt::format(
+          "positions go backwards in the cache: row {} holds position {} and this call starts "
+          "at {}",
+          b, last, first));
+  }
+}
+
+void DecodeCache::append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
+                         const torch::Tensor& counts) {
+  const int64_t n = k.size(2);
+  const int64_t need = (lengths_ + n).max().item<int64_t>();
+  if (need > capacity()) {
+    int64_t cap = std::max<int64_t>(capacity(), 1);
+    while (cap < need) cap *= 2;
+    const int64_t grow = cap - capacity();
+    namespace F = torch::nn::functional;
+    keys_ = F::pad(keys_, F::PadFuncOptions({0, 0, 0, grow}));
+    values_ = F::pad(values_, F::PadFuncOptions({0, 0, 0, grow}));
+    positions_ = F::pad(positions_, F::PadFuncOptions({0, grow}));
+  }
+  const torch::NoGradGuard no_grad;
+  for (int64_t b = 0; b < batch(); ++b) {
+    const int64_t L = lengths_[b].item<int64_t>();
+    keys_[b].narrow(1, L, n).copy_(k[b].detach());
+    values_[b].narrow(1, L, n).copy_(v[b].detach());
+    positions_[b].narrow(0, L, n).copy_(pos[b]);
+  }
+  lengths_ += counts;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t num_heads,
+                             AttentionOptions options)
+    : num_heads_(num_heads),
+      num_kv_heads_(options.num_kv_heads ? options.num_kv_heads : num_heads),
+      options_(options) {
+  if (num_heads_ < 1 || num_kv_heads_ < 1 || num_heads_ % num_kv_heads_)
+    throw InputError(fmt::format("num_kv_heads ({}) must be >= 1 and divide num_heads ({})",
+                                 num_kv_heads_, num_heads_));
+  encoding = register_module(
+      "encoding", PositionEncoding(spec, head_dim, num_kv_heads_,
+                                   EncodingOptions{options.layout, options.check_finite}));
+  const Mechanism& m = encoding->mechanism();
+  if (auto why = attention_refusal(m, num_heads_)) throw InputError(*why);
+  if (m.center == CenterMode::Mid)
+    cache_refusal_ = fmt::format(
+        "'{}': center=mid puts the centre in the middle of each call, so keys cached in earlier "
+        "calls would be off by the change; use a fixed centre (center=auto or a number) to decode",
+        m.spec);
+  else if (m.rope_scaling.dynamic())
+    cache_refusal_ = fmt::format(
+        "'{}': the context-extension rule is dynamic (its frequencies follow the context length), "
+        "so cached keys' frequencies would change; freeze it with a static rule to decode",
+        m.spec);
+}
+
+void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const AttentionCall& call) const {
+  for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}})
+    if (!t->defined() || t->dim() != 4)
+      throw InputError(fmt::format("{} must be a [B, H, T, D] tensor", name));
+  if (q.size(1) != num_heads_)
+    throw InputError(
+        fmt::format("q has {} heads; the module was built for {}", q.size(1), num_heads_));
+  for (auto [name, t] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
+    if (t->size(1) != num_kv_heads_)
+      throw InputError(fmt::format("{} has {} heads; the module was built for {} key/value heads",
+                                   name, t->size(1), num_kv_heads_));
+    if (t->size(0) != q.size(0) || t->size(2) != q.size(2) || t->size(3) != q.size(3))
+      throw InputError(fmt::format("q {} and {} {} differ in batch, tokens or head dim",
+                                   shape_of(q), name, shape_of(*t)));
+  }
+  if (q.size(3) != mechanism().head_dim)
+    throw InputError(fmt::format("q has head dim {}; the module was built for {}", q.size(3),
+                                 mechanism().head_dim));
+  if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type())
+    throw InputError("q, k, v must share one dtype");
+  if (options_.check_finite)
+    for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}})
+      if (!torch::isfinite(*t).all().item<bool>())
+        throw InputError(fmt::format("{} contains NaN or Inf", name));
+  if (call.inputs.defined())
+    throw InputError(fmt::format(
+        "'{}' does not depend on the tokens' content: pass no inputs (content-dependent "
+        "mechanisms are not yet in Attention)",
+        mechanism().spec));
+  if (call.cache) {
+    if (cache_refusal_) throw InputError(*cache_refusal_);
+    call.cache->check(k);
+  }
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, const AttentionCall& call) {
+  check(q, k, v, call);
+  if (call.cache) return decode(q, k, v, call);
+  AttentionArgs a;
+  // one positions tensor for queries and keys (the same object: one transform call)
+  a.q_positions =
+      call.positions.defined() ? call.positions : torch::arange(q.size(2), torch::kDouble);
+  a.k_positions = a.q_positions;
+  a.causal = options_.causal;
+  a.window = options_.window;
+  a.scale = options_.scale;
+  a.key_len = call.key_len;
+  return attention(q, k, v, *encoding, a);
+}
+
+torch::Tensor AttentionImpl::decode(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const AttentionCall& call) {
+  DecodeCache& cache = *call.cache;
+  const Mechanism& m = mechanism();
+  const int64_t B = q.size(0), T = q.size(2), D = q.size(3), g = num_heads_ / num_kv_heads_;
+  torch::Tensor counts = torch::full({B}, T, torch::kLong);
+  if (call.key_len.defined()) {
+    const auto& kl = call.key_len;
+    if (kl.dim() != 1 || kl.size(0) != B ||
+        (kl.scalar_type() != torch::kLong && kl.scalar_type() != torch::kInt))
+      throw InputError(
+          fmt::format("key_len must be an integer tensor [B] = [{}], got {}", B, shape_of(kl)));
+    if (((kl < 0) | (kl > T)).any().item<bool>())
+      throw InputError(
+          fmt::format("key_len values must be in [0, {}] (the new tokens of each row)", T));
+    counts = kl.to(torch::kLong);
+  }
+  torch::Tensor pos = call.positions.defined() ? checked_position_values(call.positions, B, T)
+                                               : cache.next_positions(T);
+  if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();
+  cache.check_positions(pos, counts);
+
+  torch::Tensor qt = q, kt = k, vt = v, q_frame_angles;
+  const TransformTerm* journey = journey_term(m);
+  if (journey) {
+    // frames from positions: q, k (and v) into them here, the output back below
+    q_frame_angles = fixed_frame_angles(*journey, pos, q.scalar_type());
+    const Frame f = Frame::of(q_frame_angles);
+    qt = rotate_pairs(q, f, false, encoding->plan().layout);
+    kt = rotate_pairs(k, f, false, encoding->plan().layout);
+    if (journey->roles.values) vt = rotate_pairs(v, f, false, encoding->plan().layout);
+  } else if (m.has_transform()) {
+    // queries grouped onto their key/value head and keys in one call at the same positions (one
+    // centre for both), as nn::attention
+    const auto both = torch::cat({q.reshape({B, num_kv_heads_, g * T, D}), k}, 2);
+    const auto o = encoding->forward(both, both, torch::cat({pos.repeat({1, g}), pos}, 1));
+    qt = o.q.narrow(2, 0, g * T).reshape({B, num_heads_, T, D});
+    kt = o.k.narrow(2, g * T, T);
+  }
+  cache.append(kt, vt, pos, counts);
+
+  AttentionArgs a;
+  a.q_positions = pos;
+  a.k_positions = cache.positions();
+  a.key_len = cache.lengths().clone();
+  a.causal = options_.causal;
+  a.window = options_.window;
+  a.scale = options_.scale;
+  if (const BiasTerm* alibi = m.alibi()) {
+    const std::vector<double> s =
+        num_heads_ == m.heads
+            ? alibi->slopes
+            : build_mechanism(m.spec, m.head_dim, static_cast<int>(num_heads_)).alibi()->slopes;
+    a.slopes = torch::tensor(s, torch::kDouble).to(q.scalar_type());
+  }
+  if (encoding->has_lag_table()) {  // (one row per head: no GQA, attention_refusal)
+    const double span = (pos.max() - a.k_positions.min()).item<double>();
+    const int64_t len = static_cast<int64_t>(
+        std::clamp(std::ceil(span), 0.0, static_cast<double>(kernels::kMaxLagTable)) + 1);
+    a.lag_table = encoding->lag_table(len).to(q.scalar_type());
+  }
+  auto out = fused_attention(qt, cache.keys(), cache.values(), a)[0];
+  if (journey && journey->roles.outputs)
+    out = rotate_pairs(out, Frame::of(q_frame_angles), true, encoding->plan().layout);
+  return out;
+}
+
+}  // namespace relpos::nn

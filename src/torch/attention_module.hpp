@@ -1,0 +1,94 @@
+// One attention module and its decode cache (C++ side of python/relpos/engine.py): `Attention`
+// owns a mechanism's parameters (its `encoding`, a PositionEncoding over the key/value heads, so
+// state-dict names are "encoding.<name>" as in Python) and runs the fused kernel with the
+// mechanism's transforms and biases (nn::attention); with a `DecodeCache` the new tokens' keys
+// are transformed once at their positions, stored, and later queries score against them.
+// Mechanisms the module cannot run from positions alone (content-gated biases, per-token phases,
+// frequencies a model layer learns) are refused at construction; with a cache so are a per-call
+// centre (center=mid) and a dynamic context-extension rule. docs/engine.md.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <optional>
+#include <string>
+
+#include "torch/attention.hpp"
+#include "torch/encoding.hpp"
+
+namespace relpos::nn {
+
+// Transformed keys, values (in their frames for journey mechanisms) and float64 positions per
+// sequence; row b holds lengths()[b] tokens (rows may differ). Storage doubles as needed; stored
+// tensors are detached (the cache is for inference).
+class DecodeCache {
+ public:
+  DecodeCache(int64_t batch, int64_t kv_heads, int64_t head_dim,
+              torch::ScalarType dtype = torch::kFloat, int64_t capacity = 16);
+
+  int64_t batch() const { return keys_.size(0); }
+  int64_t capacity() const { return keys_.size(2); }
+  int64_t length() const;  // the longest row: the key columns a query scores against
+  const torch::Tensor& lengths() const { return lengths_; }  // int64 [B]
+  torch::Tensor keys() const;                                // [B, Hk, length, D]
+  torch::Tensor values() const;                              // [B, Hk, length, D]
+  torch::Tensor positions() const;                           // [B, length] float64
+  void reset();                                              // empties every row
+  // default positions of n new tokens per row: lengths[b] + 0..n-1, [B, n] float64
+  torch::Tensor next_positions(int64_t n) const;
+
+  // for Attention: shape/dtype of a call's k, positions that go forward, the append itself
+  void check(const torch::Tensor& k) const;
+  void check_positions(const torch::Tensor& pos, const torch::Tensor& counts) const;
+  void append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
+              const torch::Tensor& counts);
+
+ private:
+  torch::Tensor keys_, values_, positions_, lengths_;
+};
+
+struct AttentionOptions {
+  int64_t num_kv_heads = 0;  // 0: the query heads
+  Layout layout = Layout::Interleaved;
+  bool causal = true;
+  double window = 0.0;
+  double scale = 0.0;  // 0: 1 / sqrt(D)
+  bool check_finite = true;
+};
+
+// One call's inputs besides q, k, v.
+struct AttentionCall {
+  torch::Tensor positions =
+      {};                      // [T] or [B, T]; default 0..T-1 (or each cached row's continuation)
+  torch::Tensor key_len = {};  // int64 [B]: valid keys (with a cache: valid new tokens) per row
+  torch::Tensor inputs = {};   // the layer's hidden states; no mechanism of this module reads them
+  DecodeCache* cache = nullptr;
+};
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  AttentionImpl(const std::string& spec, int64_t head_dim, int64_t num_heads,
+                AttentionOptions options = {});
+  // q [B, Hq, T, D], k and v [B, Hk, T, D] -> out [B, Hq, T, D]
+  torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const AttentionCall& call = {});
+
+  const Mechanism& mechanism() const { return encoding->mechanism(); }
+  PositionEncoding encoding{nullptr};
+
+ private:
+  void check(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+             const AttentionCall& call) const;
+  torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const AttentionCall& call);
+  int64_t num_heads_, num_kv_heads_;
+  AttentionOptions options_;
+  std::optional<std::string> cache_refusal_;
+};
+TORCH_MODULE(Attention);
+
+// Why Attention cannot run this mechanism (built for the key/value heads) with `num_heads` query
+// heads from positions alone (empty: it can).
+std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_heads);
+
+}  // namespace relpos::nn

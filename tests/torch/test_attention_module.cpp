@@ -1,0 +1,156 @@
+// nn::Attention and nn::DecodeCache over the whole catalog, with no per-mechanism code: decoding
+// token by token (and after a prefill) equals the full forward, causality, the refusals, and the
+// state-dict names shared with Python's relpos.Attention.
+#include <gtest/gtest.h>
+
+#include "core/registry.hpp"
+#include "torch/attention_module.hpp"
+
+using namespace relpos;
+
+namespace {
+
+constexpr int64_t kHq = 4, kHk = 2;
+
+// every mechanism; a context-extension rule on RoPE
+std::vector<std::string> catalog_specs() {
+  std::vector<std::string> out;
+  for (const auto& info : mechanism_catalog())
+    out.push_back(info.kind == "scaling" ? "rope + " + info.name : info.name);
+  return out;
+}
+
+int head_dim_for(const std::string& spec) {
+  for (int d = 8; d <= 48; d += 2) try {
+      build_mechanism(spec, d, kHq);
+      return d;
+    } catch (const InputError&) {
+    }
+  return 0;
+}
+
+// the module in float64 with its learnable parameters moved off their initial values
+nn::Attention module(const std::string& spec, int D) {
+  nn::Attention a(spec, D, kHq, nn::AttentionOptions{.num_kv_heads = kHk});
+  a->to(torch::kDouble);
+  torch::manual_seed(5);
+  const torch::NoGradGuard no_grad;
+  for (auto& p : a->parameters()) p.add_(0.2 * torch::randn_like(p));
+  return a;
+}
+
+struct Inputs {
+  torch::Tensor q, k, v;
+};
+Inputs inputs(int64_t B, int64_t T, int D) {
+  torch::manual_seed(7);
+  return {torch::randn({B, kHq, T, D}, torch::kDouble),
+          torch::randn({B, kHk, T, D}, torch::kDouble),
+          torch::randn({B, kHk, T, D}, torch::kDouble)};
+}
+
+double max_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a - b).abs().max().item<double>();
+}
+
+}  // namespace
+
+TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
+  int accepted = 0, decoded = 0;
+  for (const auto& spec : catalog_specs()) {
+    SCOPED_TRACE(spec);
+    const int D = head_dim_for(spec);
+    ASSERT_GT(D, 0);
+    std::optional<nn::Attention> made;
+    try {
+      made = module(spec, D);
+    } catch (const InputError& e) {
+      // refused exactly when the mechanism needs more than positions
+      EXPECT_TRUE(nn::attention_refusal(build_mechanism(spec, D, kHk), kHq).has_value())
+          << e.what();
+      continue;
+    }
+    ++accepted;
+    nn::Attention& a = *made;
+    const int64_t B = 2, T = 6;
+    const auto x = inputs(B, T, D);
+    const auto full = a->forward(x.q, x.k, x.v);
+    // causality: a later token leaves the earlier outputs unchanged
+    auto k2 = x.k.clone();
+    k2.narrow(2, T - 1, 1).add_(1.0);
+    const auto changed = a->forward(x.q, k2, x.v);
+    EXPECT_LT(max_diff(changed.narrow(2, 0, T - 1), full.narrow(2, 0, T - 1)), 1e-12);
+    const Mechanism& m = a->mechanism();
+    if (m.center == CenterMode::Mid || m.rope_scaling.dynamic()) {
+      nn::DecodeCache cache(B, kHk, D, torch::kDouble);
+      EXPECT_THROW(a->forward(x.q, x.k, x.v, {.cache = &cache}), InputError);
+      continue;
+    }
+    ++decoded;
+    // a prefill of 3 tokens, then one token at a time
+    nn::DecodeCache cache(B, kHk, D, torch::kDouble, 2);
+    std::vector<torch::Tensor> outs = {a->forward(x.q.narrow(2, 0, 3), x.k.narrow(2, 0, 3),
+                                                  x.v.narrow(2, 0, 3), {.cache = &cache})};
+    for (int64_t t = 3; t < T; ++t)
+      outs.push_back(a->forward(x.q.narrow(2, t, 1), x.k.narrow(2, t, 1), x.v.narrow(2, t, 1),
+                                {.cache = &cache}));
+    EXPECT_LT(max_diff(torch::cat(outs, 2), full), 1e-12);
+    EXPECT_EQ(cache.length(), T);
+    EXPECT_GE(cache.capacity(), T);  // grown from 2
+  }
+  EXPECT_GT(accepted, 10);
+  EXPECT_GT(decoded, 10);
+}
+
+TEST(AttentionModule, RowsOfDifferentLengthsDecodeAsTheirOwnForward) {
+  const int D = 16;
+  auto a = module("rope + alibi", D);
+  const int64_t T = 5;
+  const auto x = inputs(2, T, D);
+  nn::DecodeCache cache(2, kHk, D, torch::kDouble);
+  // row 1 holds 2 valid tokens of the prefill, row 0 all 3
+  a->forward(x.q.narrow(2, 0, 3), x.k.narrow(2, 0, 3), x.v.narrow(2, 0, 3),
+             {.key_len = torch::tensor({3, 2}), .cache = &cache});
+  EXPECT_EQ(cache.lengths()[1].item<int64_t>(), 2);
+  const auto step =
+      a->forward(x.q.narrow(2, 3, 1), x.k.narrow(2, 3, 1), x.v.narrow(2, 3, 1), {.cache = &cache});
+  // row 1's new token sits at position 2, after its two tokens
+  const auto row1 = torch::cat({x.k.narrow(2, 0, 2), x.k.narrow(2, 3, 1)}, 2).narrow(0, 1, 1);
+  const auto v1 = torch::cat({x.v.narrow(2, 0, 2), x.v.narrow(2, 3, 1)}, 2).narrow(0, 1, 1);
+  const auto q1 = torch::cat({x.q.narrow(2, 0, 2), x.q.narrow(2, 3, 1)}, 2).narrow(0, 1, 1);
+  const auto ref1 = a->forward(q1, row1, v1);
+  EXPECT_LT(max_diff(step.narrow(0, 1, 1), ref1.narrow(2, 2, 1)), 1e-12);
+  const auto ref0 =
+      a->forward(x.q.narrow(2, 0, 4).narrow(0, 0, 1), x.k.narrow(2, 0, 4).narrow(0, 0, 1),
+                 x.v.narrow(2, 0, 4).narrow(0, 0, 1));
+  EXPECT_LT(max_diff(step.narrow(0, 0, 1), ref0.narrow(2, 3, 1)), 1e-12);
+}
+
+TEST(AttentionModule, StateDictNamesAreTheEncodings) {
+  nn::Attention a("jordan(m=2, regime=raw)", 16, kHq, nn::AttentionOptions{.num_kv_heads = kHk});
+  bool any = false;
+  for (const auto& p : a->named_parameters()) {
+    EXPECT_EQ(p.key().rfind("encoding.", 0), 0u) << p.key();
+    any = true;
+  }
+  EXPECT_TRUE(any);
+}
+
+TEST(AttentionModule, BadCallsAreInputErrors) {
+  const int D = 16;
+  auto a = module("rope", D);
+  const auto x = inputs(1, 3, D);
+  EXPECT_THROW(a->forward(x.k, x.k, x.v), InputError);  // 2 query heads, built for 4
+  EXPECT_THROW(a->forward(x.q, x.q, x.v), InputError);  // 4 key heads, built for 2
+  EXPECT_THROW(a->forward(x.q, x.k, x.v, {.inputs = torch::zeros({1, 3, 8})}), InputError);
+  nn::DecodeCache other(1, kHk, D, torch::kFloat);
+  EXPECT_THROW(a->forward(x.q, x.k, x.v, {.cache = &other}), InputError);  // float32 cache
+  nn::DecodeCache cache(1, kHk, D, torch::kDouble);
+  a->forward(x.q, x.k, x.v, {.cache = &cache});
+  EXPECT_THROW(a->forward(x.q.narrow(2, 0, 1), x.k.narrow(2, 0, 1), x.v.narrow(2, 0, 1),
+                          {.positions = torch::tensor({1.0}), .cache = &cache}),
+               InputError);      // backwards
+  EXPECT_EQ(cache.length(), 3);  // refused calls append nothing
+  EXPECT_THROW(nn::Attention("rope", D, 4, nn::AttentionOptions{.num_kv_heads = 3}), InputError);
+  EXPECT_THROW(nn::DecodeCache(0, 2, 16), InputError);
+}
