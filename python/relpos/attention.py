@@ -9,6 +9,7 @@ its biases (ALiBi slopes) handed to the kernel. The C++ ``relpos::nn::attention`
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -115,23 +116,18 @@ _NEEDS = {
 }
 
 
-def _check_biases(spec: str, head_dim: int, heads: int, *, cq, ck, lag_table, learned_ok: bool):
+def _check_biases(spec: str, head_dim: int, heads: int, *, cq, ck, lag_table):
     """Refuses a mechanism whose bias terms this call cannot apply (InputError naming the missing
-    inputs): attention applies slope-form lag biases (ALiBi) itself, a learned lag table (PJ) only
-    from a spec string, and a per-token (FoX / GRAPE-A) bias only when its cq and ck are given;
-    silently leaving a bias out would be plain attention under the mechanism's name.
+    inputs): attention applies slope-form lag biases (ALiBi) and learned lag tables (the
+    initial table of a spec string, a PositionEncoding's own table) itself, and a
+    per-token (FoX / GRAPE-A) bias only when its cq and ck are given; silently leaving a bias out
+    would be plain attention under the mechanism's name.
     Returns whether the mechanism has a learned lag table."""
     learned = False
     for name, shape, slopes in _biases(spec, head_dim, heads):
         if shape == "lag_table" and slopes:
             continue  # ALiBi's slopes: handed to the kernel below
         if shape == "lag_table":
-            if not learned_ok:
-                raise InputError(
-                    f"{spec!r}: bias {name!r} is a learned lag table, which a PositionEncoding "
-                    "does not hold: pass the table as lag_table= to relpos.fused_attention, or "
-                    "give the spec string (its initial table)"
-                )
             if lag_table is not None:
                 raise InputError(
                     f"{spec!r}: an explicit lag_table together with the mechanism's own learned "
@@ -148,6 +144,23 @@ def _check_biases(spec: str, head_dim: int, heads: int, *, cq, ck, lag_table, le
             "nn::GrapeAttention) and call relpos.fused_attention"
         )
     return learned
+
+
+_MAX_LAG_TABLE = 1 << 20  # kernels::kMaxLagTable: longer lags use the last entry
+
+
+def _learned_lag_table(enc, qpos, kpos, Hq, Hk, dtype):
+    """The encoding's learned lag table over every lag of the call (differentiable in its
+    parameters), bounded as the C++ nn::attention bounds it."""
+    if Hq != Hk:
+        raise InputError(
+            f"{enc.spec!r} has a learned lag table per head; grouped-query attention ({Hq} query "
+            f"heads, {Hk} key heads) is not supported with it"
+        )
+    if qpos.numel() == 0 or kpos.numel() == 0:
+        return None
+    span = float(qpos.max() - kpos.min())
+    return enc.lag_table(int(min(max(math.ceil(span), 0), _MAX_LAG_TABLE)) + 1).to(dtype)
 
 
 def _transform_qk(enc: PositionEncoding, q, k, q_positions, k_positions):
@@ -233,12 +246,12 @@ def attention(
     if mechanism is not None and not isinstance(mechanism, (str, PositionEncoding)):
         raise InputError("mechanism must be a spec string, a PositionEncoding or None")
     spec = mechanism.spec if isinstance(mechanism, PositionEncoding) else mechanism
+    learned = False
     if isinstance(spec, str):
-        learned = _check_biases(spec, D, Hq, cq=cq, ck=ck, lag_table=lag_table,
-                                learned_ok=isinstance(mechanism, str))
-        if learned:
-            # the learned lag table (PJ) at its initial parameters: the C++ op builds it over the
-            # call's lags, as nn::attention does
+        learned = _check_biases(spec, D, Hq, cq=cq, ck=ck, lag_table=lag_table)
+        if learned and isinstance(mechanism, str):
+            # a learned lag table at its initial parameters: the C++ op builds it over the call's
+            # lags, as nn::attention does
             if return_lse:
                 raise InputError(f"{spec!r}: return_lse is not available with a learned lag table")
             layout = {"interleaved": 0, "half_split": 1}.get(pair_layout)
@@ -279,6 +292,8 @@ def attention(
         q, k, q_positions, k_positions, s = _transform_qk(enc, q, k, q_positions, k_positions)
         if s is not None:
             slopes = s if slopes is None else slopes + s
+        if learned:
+            lag_table = _learned_lag_table(enc, q_positions, k_positions, Hq, Hk, q.dtype)
     out, lse = fused_attention(
         q, k, v, q_positions=q_positions, k_positions=k_positions, causal=causal, window=window,
         key_len=key_len, scale=scale, lag_table=lag_table, slopes=slopes, cq=cq, ck=ck,

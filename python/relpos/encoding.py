@@ -2,8 +2,8 @@
 
 Parameters are built from the mechanism's schema (``torch.ops.relpos.mechanism``), with the same
 names as the C++ module (``raw_<name>`` learnable or buffer, ``<name>_fixed``, ``<name>_bound``,
-``<name>_learn`` buffers, ``fixed<i>_m`` / ``fixed<i>_m_inv_t`` for fixed linear terms), so state
-dicts carry over.
+``<name>_learn`` buffers, ``fixed<i>_m`` / ``fixed<i>_m_inv_t`` for fixed linear terms, a learned
+lag table's parameters under their kernel's names, e.g. ``pj_omega``), so state dicts carry over.
 """
 
 from __future__ import annotations
@@ -155,6 +155,13 @@ class PositionEncoding(nn.Module):
         self._center_mode = info["center"]
         self._center_value = float(info["center_value"])
         self._max_exp = float(info["max_exp"])
+        # a learned lag table: its parameters under the C++ module's names and shapes, initialised
+        # by the op the C++ module's runtime uses (it may draw from torch's generator)
+        self._lag_names = [p["name"] for b in info["biases"] for p in b.get("lag_params", [])]
+        if self._lag_names:
+            init = torch.ops.relpos.lag_initial(self.spec, head_dim, num_heads)
+            for name, t in zip(self._lag_names, init):
+                self.register_parameter(name, nn.Parameter(t))
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}"
@@ -184,6 +191,20 @@ class PositionEncoding(nn.Module):
         out.setdefault("gates", ref.new_zeros(0))
         out.setdefault("alpha0", torch.ones_like(ref))
         return out
+
+    def lag_table(self, length: int) -> torch.Tensor | None:
+        """The learned lag table ``b_h(d)``, ``d = 0..length-1``: float64 ``[H, length]``,
+        differentiable in its parameters (built by the C++ runtime's LibTorch ops); None when the
+        mechanism has no learned lag table."""
+        if not self._lag_names:
+            return None
+        length = _integer(length, "length")
+        try:
+            return torch.ops.relpos.lag_table(
+                self.spec, self.head_dim, self.num_heads, [getattr(self, n) for n in self._lag_names], length
+            )
+        except ValueError as e:
+            raise InputError(str(e)) from None
 
     def center_for(self, positions: torch.Tensor) -> float:
         if self._center_mode == "fixed":

@@ -53,9 +53,9 @@ const BiasTerm* Mechanism::alibi() const {
   return nullptr;
 }
 
-const BiasTerm* Mechanism::pj_bias() const {
+const BiasTerm* Mechanism::learned_lag_bias() const {
   for (const auto& b : biases)
-    if (b.pj) return &b;
+    if (b.learned) return &b;
   return nullptr;
 }
 

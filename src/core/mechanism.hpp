@@ -7,12 +7,13 @@
 // segments.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "core/pj_bias.hpp"
+#include "core/lag_kernel.hpp"
 #include "core/rope_scaling.hpp"
 #include "core/types.hpp"
 
@@ -129,9 +130,10 @@ struct BiasTerm {
   std::vector<double> slopes;  // LagTable in slope form (ALiBi): per head
   // augmented exact: realised by the unipotent lift [[1, t], [0, 1]] (verify checks it)
   bool unipotent_lift = false;
-  // LagTable learned from parameters (the PJ-RoPE bias, core/pj_bias.hpp): the kernel gets the
-  // table built from them for the call's lags
-  std::optional<PjBiasConfig> pj;
+  // LagTable learned from parameters (core/lag_kernel.hpp: PJ-RoPE, T5 buckets, KERPLE, ...):
+  // the kernel gets the table built from them for the call's lags. Shared and immutable, so a
+  // Mechanism stays a copyable value.
+  std::shared_ptr<const LagKernel> learned;
   // Content-dependent biases (GRAPE: Separable, PathIntegral, GatedSlope): their per-token
   // scalars or probes come from the token representations, so a model computes them
   // (torch/grape.hpp); `slopes` holds the per-head ALiBi slopes they scale. gate: "k", "q" or
@@ -180,9 +182,9 @@ struct Mechanism {
   // The position-driven Jordan term's segments (empty when there is none).
   const std::vector<JordanSegment>& segments() const;
   const TransformTerm* position_term() const;
-  const BiasTerm* alibi() const;         // the slope-form lag bias, if any
-  const BiasTerm* pj_bias() const;       // the learned PJ lag table, if any
-  const BiasTerm* content_bias() const;  // a content-dependent (GRAPE) bias, if any
+  const BiasTerm* alibi() const;             // the slope-form lag bias, if any
+  const BiasTerm* learned_lag_bias() const;  // the learned lag table (BiasTerm::learned), if any
+  const BiasTerm* content_bias() const;      // a content-dependent (GRAPE) bias, if any
   int total_blocks() const;
   int gate_rows() const;  // max order - 1 over gate segments (rows of the gates array)
   bool transform_exact() const;

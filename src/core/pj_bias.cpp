@@ -4,14 +4,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <numbers>
 
 #include "core/types.hpp"
 
 namespace relpos {
 
-double softplus(double x) { return x > 20 ? x : std::log1p(std::exp(x)); }
-double inverse_softplus(double v) { return v > 20 ? v : std::log(std::expm1(v)); }
+double softplus(double x) {
+  return x > 20 ? x : std::log1p(std::exp(x));
+}
+double inverse_softplus(double v) {
+  return v > 20 ? v : std::log(std::expm1(v));
+}
 
 double pj_jet(PjJetBasis b, double d, int r, double L) {
   double v = 1.0;
@@ -55,8 +60,8 @@ PjBiasParams pj_initial_params(const PjBiasConfig& c, int heads, std::mt19937_64
   const auto gl = logits(c.gate_init, 3, sectors_on, {"fj", "affine", "lc"});
   std::vector<std::string> order_names;
   for (int r = 0; r < O; ++r) order_names.push_back(fmt::format("r{}", r));
-  const auto al = logits(c.order_init, O, std::vector<bool>(static_cast<size_t>(O), true),
-                         order_names);
+  const auto al =
+      logits(c.order_init, O, std::vector<bool>(static_cast<size_t>(O), true), order_names);
   std::normal_distribution<double> normal(0.0, 1.0);
   for (int h = 0; h < H; ++h) {
     p.gate_logits.insert(p.gate_logits.end(), gl.begin(), gl.end());
@@ -84,8 +89,9 @@ void check_pj_params(const PjBiasConfig& c, const PjBiasParams& p, int heads) {
           fmt::format("pj_bias: parameter '{}' has {} values, expected {}", name, v.size(), n));
   };
   if (p.heads != heads || p.orders != c.orders())
-    throw InputError(fmt::format("pj_bias: parameters are for {} heads and {} orders, expected {} and {}",
-                                 p.heads, p.orders, heads, c.orders()));
+    throw InputError(
+        fmt::format("pj_bias: parameters are for {} heads and {} orders, expected {} and {}",
+                    p.heads, p.orders, heads, c.orders()));
   want("omega", p.omega, H);
   want("gate_logits", p.gate_logits, 3 * H);
   want("fj_alpha_logits", p.fj_alpha_logits, O * H);
@@ -166,6 +172,73 @@ std::vector<double> pj_lag_table(const PjBiasConfig& c, const PjBiasParams& p, i
     for (int64_t d = 0; d < len; ++d)
       out[static_cast<size_t>(h * len + d)] = pj_lag_terms(c, p, h, static_cast<double>(d)).total();
   return out;
+}
+
+namespace {
+
+// the parameters in the kernel's order: state-dict name suffix, member, values per head
+struct PjField {
+  const char* name;
+  std::vector<double> PjBiasParams::*member;
+  int per_head;  // 1, 3 (gate logits) or 0: one per order
+};
+constexpr PjField kPjFields[] = {
+    {"omega", &PjBiasParams::omega, 1},
+    {"gate_logits", &PjBiasParams::gate_logits, 3},
+    {"fj_alpha_logits", &PjBiasParams::fj_alpha_logits, 0},
+    {"lc_alpha_logits", &PjBiasParams::lc_alpha_logits, 0},
+    {"fj_zeta_re", &PjBiasParams::fj_zeta_re, 0},
+    {"fj_zeta_im", &PjBiasParams::fj_zeta_im, 0},
+    {"lc_zeta_re", &PjBiasParams::lc_zeta_re, 0},
+    {"lc_zeta_im", &PjBiasParams::lc_zeta_im, 0},
+    {"raw_damping", &PjBiasParams::raw_damping, 1},
+    {"raw_slope", &PjBiasParams::raw_slope, 1},
+};
+
+}  // namespace
+
+std::vector<LagParam> PjLagKernel::params(int heads) const {
+  const PjBiasParams p = pj_initial_params(c_, heads);
+  std::vector<LagParam> out;
+  for (const auto& f : kPjFields) {
+    LagParam lp;
+    lp.name = fmt::format("pj_{}", f.name);
+    lp.shape = f.per_head == 1 ? std::vector<int64_t>{heads}
+                               : std::vector<int64_t>{heads, f.per_head ? f.per_head : c_.orders()};
+    lp.init = p.*f.member;
+    out.push_back(std::move(lp));
+  }
+  return out;
+}
+
+std::vector<double> PjLagKernel::table(const LagParamValues& values, int heads, int64_t len) const {
+  PjBiasParams p = pj_params_from(c_, values);
+  if (p.heads != heads)
+    throw InputError(fmt::format("pj_bias: parameters for {} heads, expected {}", p.heads, heads));
+  return pj_lag_table(c_, p, len);
+}
+
+const PjBiasConfig* pj_config(const BiasTerm& b) {
+  // the one cast from the generic kernel to PJ's: the diagnostics report PJ's own sectors
+  const auto* k = dynamic_cast<const PjLagKernel*>(b.learned.get());
+  return k ? &k->config() : nullptr;
+}
+
+PjBiasParams pj_params_from(const PjBiasConfig& c, const LagParamValues& values) {
+  if (values.size() != std::size(kPjFields))
+    throw InputError(fmt::format("pj_bias: {} parameter arrays, expected {}", values.size(),
+                                 std::size(kPjFields)));
+  PjBiasParams p;
+  p.heads = static_cast<int>(values[0].size());
+  p.orders = c.orders();
+  for (size_t i = 0; i < values.size(); ++i) p.*kPjFields[i].member = values[i];
+  return p;
+}
+
+LagParamValues pj_lag_values(const PjBiasParams& p) {
+  LagParamValues v;
+  for (const auto& f : kPjFields) v.push_back(p.*f.member);
+  return v;
 }
 
 }  // namespace relpos

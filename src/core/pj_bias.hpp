@@ -6,14 +6,19 @@
 // with softmax gates over the enabled sectors (disabled ones exactly 0), a softmax over orders per
 // branch, complex amplitudes zeta, c = softplus(raw damping), s = softplus(raw slope), and lags
 // clamped at 0. It depends on d = i - j only, so the attention kernel consumes it as a lag table
-// [H, T] built in O(H T (R+1)) and never a T x T tensor. Float64 here (the reference the torch
-// module is tested against); the torch layer builds the same table differentiably.
+// [H, T] built in O(H T (R+1)) and never a T x T tensor: a learned lag kernel (core/lag_kernel.hpp,
+// PjLagKernel below). Float64 here (the reference the torch module is tested against); the torch
+// runtime (torch/mechanisms/pj_bias.cpp) builds the same table differentiably.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
+
+#include "core/lag_kernel.hpp"
+#include "core/mechanism.hpp"
 
 namespace relpos {
 
@@ -77,5 +82,28 @@ std::vector<double> pj_lag_table(const PjBiasConfig& c, const PjBiasParams& p, i
 
 // Checks the shapes of p against c and heads (InputError naming the parameter).
 void check_pj_params(const PjBiasConfig& c, const PjBiasParams& p, int heads);
+
+// The PJ bias as a learned lag kernel. Parameters, in this order (state-dict names): pj_omega [H],
+// pj_gate_logits [H, 3], pj_fj_alpha_logits, pj_lc_alpha_logits, pj_fj_zeta_re, pj_fj_zeta_im,
+// pj_lc_zeta_re, pj_lc_zeta_im [H, R+1], pj_raw_damping, pj_raw_slope [H]; initial values
+// pj_initial_params with the config's seed.
+class PjLagKernel final : public LagKernel {
+ public:
+  PjLagKernel(PjBiasConfig c, std::map<std::string, std::string> options)
+      : LagKernel("pj_bias", std::move(options)), c_(std::move(c)) {}
+  const PjBiasConfig& config() const { return c_; }
+  std::vector<LagParam> params(int heads) const override;
+  std::vector<double> table(const LagParamValues& values, int heads, int64_t len) const override;
+
+ private:
+  PjBiasConfig c_;
+};
+
+// The PJ config of a learned lag bias, or nullptr (none, or another family's table). Besides the
+// PJ files, only the PJ diagnostics read it (train/pj_diagnostics.cpp: they report the PJ sectors).
+const PjBiasConfig* pj_config(const BiasTerm& b);
+// PjBiasParams <-> the kernel's parameter values (params() order).
+PjBiasParams pj_params_from(const PjBiasConfig& c, const LagParamValues& values);
+LagParamValues pj_lag_values(const PjBiasParams& p);
 
 }  // namespace relpos

@@ -229,7 +229,13 @@ nlohmann::json mechanism_json(const Mechanism& m) {
     terms.push_back(std::move(tj));
   }
   nlohmann::json biases = nlohmann::json::array();
-  for (const auto& b : m.biases)
+  for (const auto& b : m.biases) {
+    // a learned lag table's parameters (state-dict names, shapes, initial values): what the
+    // Python module registers
+    nlohmann::json lag_params = nlohmann::json::array();
+    if (b.learned)
+      for (const auto& p : b.learned->params(m.heads))
+        lag_params.push_back({{"name", p.name}, {"shape", p.shape}, {"init", p.init}});
     biases.push_back({{"name", b.name},
                       {"shape", b.shape == BiasShape::LagTable       ? "lag_table"
                                 : b.shape == BiasShape::Separable    ? "separable"
@@ -238,7 +244,10 @@ nlohmann::json mechanism_json(const Mechanism& m) {
                       {"slopes", b.slopes},
                       {"gate", b.gate},
                       {"paper_form", b.paper_form},
-                      {"probe_dim", b.probe_dim}});
+                      {"probe_dim", b.probe_dim},
+                      {"learned", b.learned != nullptr},
+                      {"lag_params", std::move(lag_params)}});
+  }
   const ParamValues init = default_params(m);
   nlohmann::json params = nlohmann::json::array();
   for (const auto& p : m.params) {

@@ -20,7 +20,7 @@ std::string shape_of(const torch::Tensor& t) {
 }  // namespace
 
 std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_heads) {
-  if (m.pj_bias() && num_heads != m.heads)
+  if (m.learned_lag_bias() && num_heads != m.heads)
     return fmt::format(
         "'{}': a learned lag table has one row per key/value head; grouped-query attention ({} "
         "query heads, {} key/value heads) is not supported with it",

@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <limits>
 
-#include "core/pj_bias.hpp"
 #include "core/registry.hpp"
 #include "kernels/attention/attention.hpp"
 #include "kernels/attention/mechanism_attention.hpp"
@@ -588,7 +587,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     a.slopes = a.slopes.defined() ? a.slopes + t : t;
   }
   if (enc.has_lag_table() && q.numel() && k.numel()) {
-    // the learned table over every lag of the call (its gradient flows to the PJ parameters)
+    // the learned table over every lag of the call (its gradient flows to its parameters)
     if (Hq != m.heads)
       throw InputError(fmt::format(
           "attention: mechanism '{}' has a learned lag table per head; grouped-query attention "
@@ -615,17 +614,14 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   if (!k.defined() || k.dim() != 4 || !q.defined() || q.dim() != 4)
     throw InputError("attention: q and k must be [B, H, T, D]");
   PositionEncoding enc(spec, k.size(3), k.size(1), EncodingOptions{layout, true});
-  if (const BiasTerm* b = enc->mechanism().pj_bias()) {
-    // a spec string names fixed parameters: the PJ zetas of the core's draw (the config's seed),
-    // not a fresh torch::randn per call (which made two calls differ)
-    const PjBiasParams p = pj_initial_params(*b->pj, enc->mechanism().heads);
+  if (const BiasTerm* b = enc->mechanism().learned_lag_bias()) {
+    // a spec string names fixed parameters: the learned table's initial values of the core
+    // kernel (seeded), not a runtime's fresh torch draw per call (which made two calls differ)
+    const auto init = initial_lag_values(*b->learned, enc->mechanism().heads);
     const torch::NoGradGuard no_grad;
-    auto params = enc->named_parameters();
-    for (const auto& [name, values] :
-         {std::pair{"pj_fj_zeta_re", &p.fj_zeta_re}, std::pair{"pj_fj_zeta_im", &p.fj_zeta_im},
-          std::pair{"pj_lc_zeta_re", &p.lc_zeta_re}, std::pair{"pj_lc_zeta_im", &p.lc_zeta_im}})
-      if (torch::Tensor* t = params.find(name))
-        t->copy_(torch::tensor(*values, torch::kDouble).view_as(*t));
+    const auto& params = enc->lag_parameters();
+    for (size_t i = 0; i < params.size(); ++i)
+      params[i].copy_(torch::tensor(init[i], torch::kDouble).view_as(params[i]));
   }
   return attention(q, k, v, *enc, args);
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/registry.hpp"
+#include "torch/mechanisms/lag_runtime.hpp"
 #include "torch/transform_function.hpp"
 
 namespace relpos::nn {
@@ -98,26 +99,27 @@ PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head
                                 : register_buffer("raw_" + ps.name, raw);
     schema_.push_back(st);
   }
-  // a learned lag table (PJ bias): its raw parameters, learnable
-  if (const BiasTerm* b = mech_.pj_bias()) {
-    pj_ = pj_initial_tensors(*b->pj, mech_.heads);
-    pj_.for_each([&](const char* name, torch::Tensor& t) {
-      t = register_parameter(fmt::format("pj_{}", name), t);
-    });
+  // a learned lag table: its parameters as its runtime initialises them, learnable, under the
+  // kernel's names
+  if (const BiasTerm* b = mech_.learned_lag_bias()) {
+    const auto params = b->learned->params(mech_.heads);
+    auto init = initial_lag_tensors(*b->learned, mech_.heads);
+    for (size_t i = 0; i < params.size(); ++i)
+      lag_params_.push_back(register_parameter(params[i].name, init[i]));
   }
 }
 
 torch::Tensor PositionEncodingImpl::lag_table(int64_t len) const {
-  const BiasTerm* b = mech_.pj_bias();
+  const BiasTerm* b = mech_.learned_lag_bias();
   if (!b) return {};
   if (len < 1) throw InputError("encoding: a lag table needs at least one lag");
-  return pj_lag_table(*b->pj, pj_, len);
+  return nn::lag_table(*b->learned, mech_.heads, lag_params_, len);
 }
 
-PjBiasParams PositionEncodingImpl::pj_values() const {
-  const BiasTerm* b = mech_.pj_bias();
-  if (!b) throw InputError(fmt::format("encoding: mechanism '{}' has no PJ bias", mech_.spec));
-  return pj_param_values(*b->pj, pj_);
+LagParamValues PositionEncodingImpl::lag_values() const {
+  if (!mech_.learned_lag_bias())
+    throw InputError(fmt::format("encoding: mechanism '{}' has no learned lag table", mech_.spec));
+  return nn::lag_values(lag_params_);
 }
 
 KernelParams PositionEncodingImpl::kernel_params() const {
@@ -376,7 +378,7 @@ torch::Tensor PositionEncodingImpl::logit_bias(const torch::Tensor& qp,
         (qp.to(torch::kFloat).unsqueeze(1) - kp.to(torch::kFloat).unsqueeze(0)).clamp_min(0);
     out = -alibi_slopes().view({-1, 1, 1}) * lag.unsqueeze(0);
   }
-  if (mech_.pj_bias()) {
+  if (has_lag_table()) {
     // the table gathered at the rounded, clamped lags (the kernel's rule)
     const auto lag = qp.to(torch::kDouble).unsqueeze(1) - kp.to(torch::kDouble).unsqueeze(0);
     const int64_t len =

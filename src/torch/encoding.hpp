@@ -9,7 +9,6 @@
 
 #include "core/mechanism.hpp"
 #include "kernels/transform.hpp"
-#include "torch/pj_bias.hpp"
 
 namespace relpos::nn {
 
@@ -40,8 +39,8 @@ class PositionEncodingImpl : public torch::nn::Module {
     torch::Tensor q, k;
   };
   // q, k: [B, H, T, D]; positions: [T] or [B, T] (real values within +-2^53; float64 or int64
-  // keep every position exact), default 0..T-1. Warns once per module when the exponent clamp binds, when
-  // float32 positions have lost resolution, or when center=mid moves between calls.
+  // keep every position exact), default 0..T-1. Warns once per module when the exponent clamp
+  // binds, when float32 positions have lost resolution, or when center=mid moves between calls.
   Output forward(const torch::Tensor& q, const torch::Tensor& k,
                  const torch::Tensor& positions = {});
 
@@ -49,11 +48,15 @@ class PositionEncodingImpl : public torch::nn::Module {
   ParamValues param_values() const;  // float64 snapshot of kernel_params()
   // ALiBi slopes [H] (undefined tensor when the mechanism has no ALiBi term).
   torch::Tensor alibi_slopes() const;
-  // The learned lag table b_h(d), d = 0..len-1, float64 [H, len], differentiable in the PJ
-  // parameters (undefined tensor when the mechanism has no PJ bias).
+  // The learned lag table b_h(d), d = 0..len-1, float64 [H, len], differentiable in its
+  // parameters (undefined tensor when the mechanism has none). Built by the family's runtime
+  // (torch/mechanisms/lag_runtime.hpp).
   torch::Tensor lag_table(int64_t len) const;
-  bool has_lag_table() const { return mech_.pj_bias() != nullptr; }
-  PjBiasParams pj_values() const;  // float64 snapshot of the PJ parameters
+  bool has_lag_table() const { return mech_.learned_lag_bias() != nullptr; }
+  // The learned table's parameters, in the kernel's params() order (state-dict names from it).
+  const std::vector<torch::Tensor>& lag_parameters() const { return lag_params_; }
+  // Their float64 snapshot (InputError without a learned table).
+  LagParamValues lag_values() const;
   // Materialised additive bias [H, Tq, Tk]: -slope_h (i - j) and the lag table (reference
   // attention only).
   torch::Tensor logit_bias(const torch::Tensor& q_positions,
@@ -91,7 +94,7 @@ class PositionEncodingImpl : public torch::nn::Module {
   } trig_cache_;
   Warnings warned_;
   std::optional<double> last_center_;
-  PjBiasTensors pj_;  // the PJ bias's parameters (undefined tensors without one)
+  std::vector<torch::Tensor> lag_params_;  // the learned lag table's parameters (empty: none)
 };
 TORCH_MODULE(PositionEncoding);
 

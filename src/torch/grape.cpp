@@ -86,9 +86,10 @@ GrapeAttentionImpl::GrapeAttentionImpl(const std::string& spec, int64_t d_model,
   int content = 0;
   for (const auto& b : mech_.biases) {
     if (b.content_dependent()) ++content;
-    if (b.pj)
+    if (b.learned)
       throw InputError(
-          fmt::format("grape: '{}': the PJ lag table is not part of the GRAPE block", mech_.spec));
+          fmt::format("grape: '{}': a learned lag table ({}) is not part of the GRAPE block",
+                      mech_.spec, b.name));
   }
   if (content > 1)
     throw InputError(fmt::format("grape: '{}' has {} content-dependent biases; a layer takes one",

@@ -20,9 +20,18 @@ namespace pj = probes::pj;
 
 namespace {
 
+// The PJ config of a layer's learned lag table (nullptr: none, or another family's): the
+// documented exception to "no family names above the runtime", since these diagnostics report
+// the PJ sectors themselves.
 const PjBiasConfig* pj_config_of(models::TransformerLMImpl& model, size_t layer) {
-  const auto* b = model.blocks()[layer]->encoding()->mechanism().pj_bias();
-  return b && b->pj ? &*b->pj : nullptr;
+  const auto* b = model.blocks()[layer]->encoding()->mechanism().learned_lag_bias();
+  return b ? pj_config(*b) : nullptr;
+}
+
+// A layer's PJ parameters, float64 (the layer has a PJ bias: pj_configs checked it).
+PjBiasParams pj_values_of(models::TransformerLMImpl& model, size_t layer) {
+  const auto& enc = model.blocks()[layer]->encoding();
+  return pj_params_from(*pj_config_of(model, layer), enc->lag_values());
 }
 
 // Every block's PJ config (InputError naming the mechanism when a block has none).
@@ -99,7 +108,7 @@ PjModelDiagnostics pj_model_diagnostics(models::TransformerLMImpl& model,
   std::vector<pj::PjSummary> layer_summaries;
   for (size_t l = 0; l < configs.size(); ++l) {
     const auto& c = configs[l];
-    const auto params = model.blocks()[l]->encoding()->pj_values();
+    const auto params = pj_values_of(model, l);
     PjLayerDiagnostics ld;
     ld.layer = static_cast<int>(l);
     ld.config = c;
@@ -204,7 +213,7 @@ std::string pj_lag_kernels_csv(models::TransformerLMImpl& model, int64_t len) {
   if (len < 1) throw InputError(fmt::format("diagnose: --length must be >= 1, got {}", len));
   std::string csv = "layer,head,d,bias\n";
   for (size_t l = 0; l < configs.size(); ++l) {
-    const auto p = model.blocks()[l]->encoding()->pj_values();
+    const auto p = pj_values_of(model, l);
     const auto table = pj_lag_table(configs[l], p, len);
     for (int h = 0; h < p.heads; ++h)
       for (int64_t i = 0; i < len; ++i)
@@ -224,7 +233,7 @@ bool write_pj_lag_kernel_plot(models::TransformerLMImpl& model, int64_t len, con
       "set multiplot layout {},1 title 'learned PJ lag kernels b_h(d)'\n",
       std::max<int64_t>(len - 1, 1), layers);
   for (size_t l = 0; l < layers; ++l) {
-    const int heads = model.blocks()[l]->encoding()->pj_values().heads;
+    const int heads = pj_values_of(model, l).heads;
     gp += fmt::format("set title 'layer {}'\nset xlabel 'lag d'\nset ylabel 'b_h(d)'\nplot ", l);
     for (int h = 0; h < heads; ++h)
       gp += fmt::format(

@@ -20,7 +20,7 @@ using namespace relpos;
 namespace {
 
 const BiasTerm& pj_term(const Mechanism& m) {
-  const BiasTerm* b = m.pj_bias();
+  const BiasTerm* b = m.learned_lag_bias();
   if (!b) throw std::logic_error("no pj bias");
   return *b;
 }
@@ -63,7 +63,7 @@ TEST(PjBias, LagTableMatchesReferenceComposition) {
     for (const char* rho : {"linear", "lightcone"}) {
       const auto spec = fmt::format("pj_bias(R=3, sectors={}, rho={}, L=16)", sectors, rho);
       const Mechanism m = build_mechanism(spec, 8, H);
-      const PjBiasConfig& c = *pj_term(m).pj;
+      const PjBiasConfig& c = *pj_config(pj_term(m));
       const PjBiasParams p = random_params(c, H, rng);
       const auto table = pj_lag_table(c, p, T);
       // the reference's composition from its own pieces
@@ -101,8 +101,9 @@ TEST(PjBias, LagTableMatchesReferenceComposition) {
 // Disabled sectors have exactly zero gates; the reference's initial gates for the byte LM's
 // `full` method with the affine gate init: (0.0177, 0.9647, 0.0177); omega from 1 to 17 cycles.
 TEST(PjBias, InitialisationAndSectorSwitches) {
-  const Mechanism m = build_mechanism("pj_bias(sectors=fj/affine/lc, gates=affine, slope0=2)", 8, 4);
-  const PjBiasConfig& c = *pj_term(m).pj;
+  const Mechanism m =
+      build_mechanism("pj_bias(sectors=fj/affine/lc, gates=affine, slope0=2)", 8, 4);
+  const PjBiasConfig& c = *pj_config(pj_term(m));
   const PjBiasParams p = pj_initial_params(c, 4);
   const auto g = pj_gates(c, p, 0);
   EXPECT_NEAR(g[0], 0.0177, 5e-5);
@@ -113,7 +114,8 @@ TEST(PjBias, InitialisationAndSectorSwitches) {
   EXPECT_NEAR(softplus(p.raw_slope[0]), 2.0, 1e-12);
   EXPECT_NEAR(softplus(p.raw_damping[0]), 0.12692801104297263, 1e-15);
   const Mechanism off = build_mechanism("pj_bias(sectors=fj/lc, gates=affine)", 8, 2);
-  const auto go = pj_gates(*pj_term(off).pj, pj_initial_params(*pj_term(off).pj, 2), 1);
+  const auto go =
+      pj_gates(*pj_config(pj_term(off)), pj_initial_params(*pj_config(pj_term(off)), 2), 1);
   EXPECT_EQ(go[1], 0.0);
   EXPECT_NEAR(go[0], 0.5, 1e-15);
   // the reference's spelling of the sector choices
@@ -145,7 +147,8 @@ TEST(PjBias, MechanismAttentionUsesTheTable) {
     kernels::mechanism_attention_forward<double>(m, default_params(m), Layout::Interleaved, dims,
                                                  q.data(), k.data(), v.data(), {}, o, out.data(),
                                                  nullptr);
-    const auto table = pj_lag_table(*pj_term(m).pj, pj_initial_params(*pj_term(m).pj, H), T);
+    const auto table =
+        pj_lag_table(*pj_config(pj_term(m)), pj_initial_params(*pj_config(pj_term(m)), H), T);
     kernels::AttentionBias<double> bias;
     bias.lag_table = table.data();
     bias.lag_len = T;
@@ -170,14 +173,17 @@ TEST(PjRotary, ScoresMatchTheReferenceLayout) {
   const ParamValues p = default_params(m);
   Eigen::MatrixXd q(T, D), k(T, D);
   for (int t = 0; t < T; ++t)
-    for (int e = 0; e < D; ++e) q(t, e) = test::uniform(rng, -1, 1), k(t, e) = test::uniform(rng, -1, 1);
+    for (int e = 0; e < D; ++e)
+      q(t, e) = test::uniform(rng, -1, 1), k(t, e) = test::uniform(rng, -1, 1);
   Eigen::MatrixXd qr = q, kr = k;
   probes::pj::apply_exact_pj_rotary(qr, kr, base, L, eta);
   double worst = 0;
   for (int i = 0; i < T; ++i)
     for (int j = 0; j < T; ++j) {
-      const Eigen::VectorXd qi = reference::query_map(m, p, 0, i, Layout::Interleaved) * q.row(i).transpose();
-      const Eigen::VectorXd kj = reference::key_map(m, p, 0, j, Layout::Interleaved) * k.row(j).transpose();
+      const Eigen::VectorXd qi =
+          reference::query_map(m, p, 0, i, Layout::Interleaved) * q.row(i).transpose();
+      const Eigen::VectorXd kj =
+          reference::key_map(m, p, 0, j, Layout::Interleaved) * k.row(j).transpose();
       worst = std::max(worst, std::abs(qi.dot(kj) - qr.row(i).dot(kr.row(j))));
     }
   EXPECT_LT(worst, 1e-12);

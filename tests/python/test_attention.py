@@ -288,12 +288,15 @@ def test_every_mechanism_is_applied_or_refused():
     c = torch.cumsum(-torch.rand(1, H, 12, dtype=torch.float64), -1)
     gated = relpos.attention(q, k, v, "fox", cq=c, ck=c)
     torch.testing.assert_close(gated, composed(q, k, v, cq=c, ck=c))
-    # pj_bias from its spec: the initial learned table, as the C++ nn::attention
+    # pj_bias from its spec: the initial learned table, as the C++ nn::attention; from a
+    # PositionEncoding: the module's own table (enc.lag_table), applied, not refused
     pj = relpos.attention(q, k, v, "pj_bias")
     assert not torch.allclose(pj, plain)
     torch.testing.assert_close(pj, torch.ops.relpos.attention(q, k, v, "pj_bias"))
-    with pytest.raises(relpos.InputError, match="learned lag table"):
-        relpos.attention(q, k, v, relpos.PositionEncoding("pj_bias", D, H))
+    enc = relpos.PositionEncoding("pj_bias", D, H).double()
+    out = relpos.attention(q, k, v, enc)
+    assert not torch.allclose(out, plain)
+    torch.testing.assert_close(out, composed(q, k, v, lag_table=enc.lag_table(12).detach()))
 
 
 def test_attention_input_errors_are_input_errors():

@@ -23,8 +23,7 @@ double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
 void randomise(nn::PositionEncodingImpl& enc) {
   torch::NoGradGuard g;
   for (auto& p : enc.named_parameters())
-    if (p.key().rfind("pj_", 0) == 0 && p.key() != "pj_omega")
-      p.value().uniform_(-1.5, 1.5);
+    if (p.key().rfind("pj_", 0) == 0 && p.key() != "pj_omega") p.value().uniform_(-1.5, 1.5);
 }
 
 // The reference's composition (torch_backend.py / attention.py): T x T lags clamped at 0, each
@@ -32,7 +31,8 @@ void randomise(nn::PositionEncodingImpl& enc) {
 // include_self is false), softmax, weights @ v. float64 throughout.
 torch::Tensor reference_attention(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const PjBiasConfig& c,
-                                  const std::map<std::string, torch::Tensor>& p, bool include_self) {
+                                  const std::map<std::string, torch::Tensor>& p,
+                                  bool include_self) {
   const int64_t T = q.size(2), H = q.size(1), O = c.orders();
   const double L = c.L;
   const auto i = torch::arange(T, torch::kDouble);
@@ -102,8 +102,8 @@ TEST(PjBiasTorch, TableMatchesCoreReference) {
   nn::PositionEncoding enc("pj_bias(sectors=fj/affine/lc, R=3, L=64, rho=lightcone)", 8, 3);
   randomise(*enc);
   const auto t = enc->lag_table(300);
-  const auto c = *enc->mechanism().pj_bias()->pj;
-  const auto want = pj_lag_table(c, enc->pj_values(), 300);
+  const auto c = *pj_config(*enc->mechanism().learned_lag_bias());
+  const auto want = pj_lag_table(c, pj_params_from(c, enc->lag_values()), 300);
   const auto w = torch::tensor(want, torch::kDouble).view({3, 300});
   EXPECT_LT(rel_err(t, w), 1e-12);
 }
@@ -136,8 +136,8 @@ TEST(PjBiasTorch, FusedForwardAndGradientsMatchReferenceComposition) {
       const auto q64 = q.detach().to(torch::kDouble).requires_grad_(),
                  k64 = k.detach().to(torch::kDouble).requires_grad_(),
                  v64 = v.detach().to(torch::kDouble).requires_grad_();
-      const auto ref = reference_attention(q64, k64, v64, *enc->mechanism().pj_bias()->pj,
-                                           params64, include_self);
+      const auto ref = reference_attention(
+          q64, k64, v64, *pj_config(*enc->mechanism().learned_lag_bias()), params64, include_self);
       EXPECT_LT(rel_err(out, ref), 1e-5);
       std::vector<torch::Tensor> leaves64{q64, k64, v64};
       std::vector<std::string> names{"q", "k", "v"};
@@ -145,8 +145,8 @@ TEST(PjBiasTorch, FusedForwardAndGradientsMatchReferenceComposition) {
         leaves64.push_back(params64[p.key()]);
         names.push_back(p.key());
       }
-      const auto g64 = torch::autograd::grad({(ref * dout.to(torch::kDouble)).sum()}, leaves64,
-                                             {}, false, false, true);
+      const auto g64 = torch::autograd::grad({(ref * dout.to(torch::kDouble)).sum()}, leaves64, {},
+                                             false, false, true);
       for (size_t i = 0; i < g.size(); ++i) {
         if (!g64[i].defined() || g64[i].abs().max().item<double>() == 0) {
           // a disabled sector's parameters get exactly nothing

@@ -184,7 +184,7 @@ TEST(PjDiagnostics, KnownSettingMatchesHandValues) {
 
   // target-relative LOO: Delta_r = mean((b - C_r - y)^2) - mean((b - y)^2), b with the affine
   const auto cfg = d.layers[0].config;
-  const auto p = m->blocks()[0]->encoding()->pj_values();
+  const auto p = pj_params_from(cfg, m->blocks()[0]->encoding()->lag_values());
   std::vector<double> y = {1.0, -0.5, 0.25, 0.0, 0.5, -1.0};
   const auto t = probes::pj::diagnose_pj_head(cfg, p, 0, 6, &y);
   EXPECT_EQ(t.loo_reference, probes::pj::LooReference::Target);
@@ -238,8 +238,8 @@ TEST(PjDiagnostics, NamedErrors) {
   o.target = "no_such_teacher";
   EXPECT_NE(error_of([&] { train::pj_model_diagnostics(*m, o); }).find("unknown target"),
             std::string::npos);
-  const auto p = m->blocks()[0]->encoding()->pj_values();
-  const auto cfg = *m->blocks()[0]->encoding()->mechanism().pj_bias()->pj;
+  const auto cfg = *pj_config(*m->blocks()[0]->encoding()->mechanism().learned_lag_bias());
+  const auto p = pj_params_from(cfg, m->blocks()[0]->encoding()->lag_values());
   EXPECT_NE(error_of([&] { probes::pj::diagnose_pj_head(cfg, p, 5, 4); }).find("head 5"),
             std::string::npos);
   std::vector<double> short_target(3, 0.0);

@@ -126,6 +126,8 @@ class Args {
     return out;
   }
   const std::string& term() const { return term_; }
+  // every resolved option as canonical text (what a learned lag kernel keeps for its runtime)
+  const std::map<std::string, std::string>& values() const { return v_; }
 
  private:
   const std::string& at(const std::string& k) const {

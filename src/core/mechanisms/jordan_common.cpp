@@ -28,6 +28,10 @@ void TermBuilder::add_fixed_linear(std::vector<double> M, std::vector<double> M_
 
 void TermBuilder::add_bias(BiasTerm b) {
   if (b.name.empty()) b.name = term_name;
+  // the attention path takes one lag table, and each kernel's parameter names are its own
+  if (b.learned && m.learned_lag_bias())
+    throw InputError(fmt::format("spec has two learned lag tables ({} and {}); add one",
+                                 m.learned_lag_bias()->name, b.name));
   m.biases.push_back(std::move(b));
 }
 

@@ -4,15 +4,17 @@
 //   pj_rotary: the exact PJ-rotary map, complex Jordan blocks of order m without damping in the
 //              4-real layout [z0re, z0im, z1re, z1im] (interleaved pairs), hd/(2m) frequencies
 //              base^(-b/B), shear c_p = eta p / L, both channels rotated by e^{+i theta}.
+#include <memory>
 #include <numbers>
 
 #include "core/mechanisms/family.hpp"
+#include "core/pj_bias.hpp"
 
 namespace relpos::mechanisms {
 
 namespace {
 
-PjBiasConfig pj_config(const Args& a, int heads) {
+PjBiasConfig config_of(const Args& a, int heads) {
   PjBiasConfig c;
   c.max_order = a.integer("R", 0, 8);
   c.fj = c.affine = c.lc = false;
@@ -47,7 +49,8 @@ PjBiasConfig pj_config(const Args& a, int heads) {
   c.gate_init = a.choice("gates", {"uniform", "affine", "fj", "lc"});
   c.order_init = a.str("orders");
   if (c.order_init != "uniform") {
-    const auto k = parse_finite_double(c.order_init.substr(std::min<size_t>(1, c.order_init.size())));
+    const auto k =
+        parse_finite_double(c.order_init.substr(std::min<size_t>(1, c.order_init.size())));
     if (c.order_init[0] != 'r' || !k || *k != std::floor(*k) || *k < 0 || *k > 8)
       throw InputError(fmt::format("{}: option orders='{}' must be uniform or rK (K = 0..8)",
                                    a.term(), c.order_init));
@@ -74,7 +77,8 @@ std::vector<TermDef> pj_family() {
          {"rho", "linear", "affine coordinate: linear d/L or lightcone asinh(d/L)"},
          {"L", "1024", "chart scale / training length"},
          {"cycles", "17", "omega_h initialised at 2 pi linspace(1, cycles, H)_h / L"},
-         {"basis", "factorial", "jets: factorial (x^r/r!, reference), monomial x^r, binomial C(d,r)/L^r"},
+         {"basis", "factorial",
+          "jets: factorial (x^r/r!, reference), monomial x^r, binomial C(d,r)/L^r"},
          {"lc_damping", "false", "light-cone term damped by e^{-c phi/L} (the paper's form)"},
          {"slope0", "0.6931471805599453", "initial affine slope softplus(raw) (reference raw 0)"},
          {"damping0", "0.12692801104297263", "initial FJ damping softplus(raw) (reference raw -2)"},
@@ -87,7 +91,7 @@ std::vector<TermDef> pj_family() {
          BiasTerm t;
          t.name = "pj_bias";
          t.shape = BiasShape::LagTable;
-         t.pj = pj_config(a, b.m.heads);
+         t.learned = std::make_shared<PjLagKernel>(config_of(a, b.m.heads), a.values());
          b.add_bias(std::move(t));
        }});
   d.push_back({{"pj_rotary",

@@ -84,7 +84,7 @@ void check_attention_support(const Mechanism& m) {
           t.time == TimeSource::ContentPhase ? "content phase" : "vector position"));
   }
   for (const auto& b : m.biases)
-    if (b.shape != BiasShape::LagTable || (b.slopes.empty() && !b.pj))
+    if (b.shape != BiasShape::LagTable || (b.slopes.empty() && !b.learned))
       throw InputError(
           fmt::format("attention: bias '{}' ({} form) is computed from the tokens by a model: "
                       "use nn::GrapeAttention (torch/grape.hpp), not the kernel-level path",
@@ -98,12 +98,13 @@ MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq, int64_t max_l
   for (const auto& b : m.biases) {
     switch (b.shape) {
       case BiasShape::LagTable:
-        if (b.pj) {
+        if (b.learned) {
           if (m.heads != Hq)
             throw InputError(fmt::format(
                 "attention: bias '{}' is built for {} heads, the call has {} query heads", b.name,
                 m.heads, Hq));
-          const auto t = pj_lag_table(*b.pj, pj_initial_params(*b.pj, m.heads), len);
+          // a spec string names the kernel's initial parameters
+          const auto t = initial_lag_table(*b.learned, m.heads, len);
           table.resize(t.size(), 0.0);
           for (size_t i = 0; i < t.size(); ++i) table[i] += t[i];
           continue;

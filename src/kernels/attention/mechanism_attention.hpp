@@ -25,10 +25,10 @@ namespace relpos::kernels {
 void check_attention_support(const Mechanism& m);
 
 // The mechanism's bias terms as the fused kernel's descriptors, in T, for Hq query heads. One case
-// per BiasShape: ALiBi's slope form, and learned lag tables (the PJ bias, built from its initial
-// parameters for lags 0..min(max_lag, kMaxLagTable); the torch modules pass their trained table
-// instead). Lags beyond the table use its last entry (the kernel's clamp), so memory stays bounded
-// whatever the positions span.
+// per BiasShape: ALiBi's slope form, and learned lag tables (core/lag_kernel.hpp, built from the
+// kernel's initial parameters for lags 0..min(max_lag, kMaxLagTable); the torch modules pass their
+// trained table instead). Lags beyond the table use its last entry (the kernel's clamp), so memory
+// stays bounded whatever the positions span.
 template <class T>
 struct MechanismBias {
   std::vector<T> slopes;     // per query head; empty: none

@@ -1,40 +1,62 @@
-#include "torch/pj_bias.hpp"
+// The PJ-RoPE bias's torch runtime (core/pj_bias.hpp): the lag table [H, len] built from the
+// module's tensors with LibTorch ops in float64 (O(H len (R+1)), never T x T), so autograd carries
+// the kernel's lag-table gradient to omega, the gate and order logits, the complex amplitudes,
+// the damping and the slope. The core's float64 table is the reference it is tested against.
+#include "core/pj_bias.hpp"
 
 #include <cmath>
+#include <limits>
+
+#include "torch/mechanisms/lag_runtime.hpp"
 
 namespace relpos::nn {
 
 namespace {
 
-torch::Tensor rows(const std::vector<double>& v, int64_t H) {
-  return torch::tensor(v, torch::kDouble).view({H, -1}).squeeze(1).to(torch::kFloat);
+const PjBiasConfig& config_of(const LagKernel& k) {
+  return dynamic_cast<const PjLagKernel&>(k).config();  // this runtime's own kernel type
 }
+
+// the parameters by name, in PjLagKernel::params() order
+struct PjTensors {
+  torch::Tensor omega, gate_logits, fj_alpha_logits, lc_alpha_logits;
+  torch::Tensor fj_zeta_re, fj_zeta_im, lc_zeta_re, lc_zeta_im;
+  torch::Tensor raw_damping, raw_slope;
+  explicit PjTensors(const std::vector<torch::Tensor>& v)
+      : omega(v.at(0)),
+        gate_logits(v.at(1)),
+        fj_alpha_logits(v.at(2)),
+        lc_alpha_logits(v.at(3)),
+        fj_zeta_re(v.at(4)),
+        fj_zeta_im(v.at(5)),
+        lc_zeta_re(v.at(6)),
+        lc_zeta_im(v.at(7)),
+        raw_damping(v.at(8)),
+        raw_slope(v.at(9)) {}
+};
 
 // softmax over the last axis with disabled entries exactly 0 (masked_fill with -inf)
 torch::Tensor masked_softmax(const torch::Tensor& logits, const torch::Tensor& on) {
-  return torch::softmax(logits.masked_fill(on.logical_not(),
-                                           -std::numeric_limits<double>::infinity()),
-                        -1);
+  return torch::softmax(
+      logits.masked_fill(on.logical_not(), -std::numeric_limits<double>::infinity()), -1);
 }
 
-}  // namespace
-
-PjBiasTensors pj_initial_tensors(const PjBiasConfig& c, int heads) {
-  const PjBiasParams p = pj_initial_params(c, heads);
+// Initial values: the core's deterministic initialisation, with the zetas drawn from torch's
+// generator (zeta_std N(0, 1)), as the reference's nn.Module does. float32 tensors.
+std::vector<torch::Tensor> pj_initial(const LagKernel& k, int heads) {
+  const PjBiasConfig& c = config_of(k);
+  std::vector<torch::Tensor> t;
+  for (const auto& p : k.params(heads))
+    t.push_back(torch::tensor(p.init, torch::kDouble).view(p.shape).to(torch::kFloat));
   const int64_t H = heads, O = c.orders();
-  PjBiasTensors t;
-  t.omega = torch::tensor(p.omega, torch::kDouble).to(torch::kFloat);
-  t.gate_logits = rows(p.gate_logits, H).view({H, 3});
-  t.fj_alpha_logits = rows(p.fj_alpha_logits, H).view({H, O});
-  t.lc_alpha_logits = rows(p.lc_alpha_logits, H).view({H, O});
-  for (auto* z : {&t.fj_zeta_re, &t.fj_zeta_im, &t.lc_zeta_re, &t.lc_zeta_im})
-    *z = torch::randn({H, O}) * c.zeta_std;
-  t.raw_damping = torch::tensor(p.raw_damping, torch::kDouble).to(torch::kFloat);
-  t.raw_slope = torch::tensor(p.raw_slope, torch::kDouble).to(torch::kFloat);
+  for (size_t i = 4; i < 8; ++i) t[i] = torch::randn({H, O}) * c.zeta_std;  // re, im; fj, lc
   return t;
 }
 
-torch::Tensor pj_lag_table(const PjBiasConfig& c, const PjBiasTensors& p, int64_t len) {
+torch::Tensor pj_table(const LagKernel& kernel, const std::vector<torch::Tensor>& params,
+                       int64_t len) {
+  const PjBiasConfig& c = config_of(kernel);
+  const PjTensors p(params);
   const auto f64 = [](const torch::Tensor& x) { return x.to(torch::kDouble); };
   const int64_t H = p.omega.size(0), O = c.orders();
   const double L = c.L;
@@ -68,9 +90,9 @@ torch::Tensor pj_lag_table(const PjBiasConfig& c, const PjBiasTensors& p, int64_
                           const torch::Tensor& alpha_logits, const torch::Tensor& zre,
                           const torch::Tensor& zim, const torch::Tensor& env) {
     const auto alpha = torch::softmax(f64(alpha_logits), -1);  // [H, O]
-    const auto ph = omega * psi.view({1, len});               // [H, len]
+    const auto ph = omega * psi.view({1, len});                // [H, len]
     const auto cs = torch::cos(ph), sn = torch::sin(ph);
-    const auto a_re = alpha * f64(zre), a_im = alpha * f64(zim);  // [H, O]
+    const auto a_re = alpha * f64(zre), a_im = alpha * f64(zim);              // [H, O]
     const auto re = torch::matmul(a_re, amp), im = torch::matmul(a_im, amp);  // [H, len]
     return env * (re * cs - im * sn);
   };
@@ -98,25 +120,10 @@ torch::Tensor pj_lag_table(const PjBiasConfig& c, const PjBiasTensors& p, int64_
   return table;
 }
 
-PjBiasParams pj_param_values(const PjBiasConfig& c, const PjBiasTensors& t) {
-  PjBiasParams p;
-  p.heads = static_cast<int>(t.omega.size(0));
-  p.orders = c.orders();
-  const auto vec = [](const torch::Tensor& x) {
-    const auto y = x.detach().to(torch::kDouble).contiguous().flatten();
-    return std::vector<double>(y.data_ptr<double>(), y.data_ptr<double>() + y.numel());
-  };
-  p.omega = vec(t.omega);
-  p.gate_logits = vec(t.gate_logits);
-  p.fj_alpha_logits = vec(t.fj_alpha_logits);
-  p.lc_alpha_logits = vec(t.lc_alpha_logits);
-  p.fj_zeta_re = vec(t.fj_zeta_re);
-  p.fj_zeta_im = vec(t.fj_zeta_im);
-  p.lc_zeta_re = vec(t.lc_zeta_re);
-  p.lc_zeta_im = vec(t.lc_zeta_im);
-  p.raw_damping = vec(t.raw_damping);
-  p.raw_slope = vec(t.raw_slope);
-  return p;
+}  // namespace
+
+LagRuntime pj_bias_lag_runtime() {
+  return {pj_initial, pj_table};
 }
 
 }  // namespace relpos::nn

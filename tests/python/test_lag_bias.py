@@ -1,0 +1,98 @@
+"""Learned lag tables in Python, for every mechanism of relpos.mechanisms() that has one (no
+per-family code): the module's parameters are the C++ module's (names and shapes of the mechanism's
+lag_params, which the C++ module registers: tests/torch/test_lag_bias.cpp), enc.lag_table is
+differentiable (gradcheck in float64), and relpos.attention with the module applies its table
+(equal to a plain-torch float64 composition, forward and parameter gradients)."""
+
+import math
+
+import pytest
+import torch
+
+import relpos
+
+H = 2
+
+
+def _learned():
+    out = []
+    for info in relpos.mechanisms():
+        if info["kind"] != "bias":
+            continue
+        biases = relpos.mechanism(info["name"], 8, H)["biases"]
+        params = [p for b in biases for p in b.get("lag_params", [])]
+        if params:
+            out.append((info["name"], params))
+    return out
+
+
+LEARNED = _learned()
+
+
+def test_the_catalog_has_learned_tables():
+    assert len(LEARNED) >= 3
+
+
+@pytest.mark.parametrize("spec,params", LEARNED, ids=[s for s, _ in LEARNED])
+def test_state_dict_names_and_shapes(spec, params):
+    enc = relpos.PositionEncoding(spec, 8, H)
+    sd = enc.state_dict()
+    for p in params:
+        assert p["name"] in sd, p["name"]
+        assert list(sd[p["name"]].shape) == p["shape"], p["name"]
+        assert isinstance(getattr(enc, p["name"]), torch.nn.Parameter)
+    t = enc.lag_table(5)
+    assert t.dtype == torch.float64 and t.shape == (H, 5)
+    assert relpos.PositionEncoding("rope", 8, H).lag_table(5) is None
+    with pytest.raises(relpos.InputError):
+        enc.lag_table(0)
+
+
+@pytest.mark.parametrize("spec,params", LEARNED, ids=[s for s, _ in LEARNED])
+def test_lag_table_gradcheck(spec, params):
+    enc = relpos.PositionEncoding(spec, 8, H).double()
+    names = [p["name"] for p in params]
+    with torch.no_grad():
+        for n in names:
+            getattr(enc, n).add_(torch.rand_like(getattr(enc, n)) - 0.5)
+
+    leaves = tuple(getattr(enc, n).detach().clone().requires_grad_() for n in names)
+    assert torch.autograd.gradcheck(
+        lambda *ps: torch.ops.relpos.lag_table(enc.spec, 8, H, list(ps), 12), leaves
+    )
+    # enc.lag_table itself reaches every parameter the table uses
+    out = enc.lag_table(12)
+    out.sum().backward()
+    assert any(getattr(enc, n).grad is not None for n in names)
+
+
+@pytest.mark.parametrize("spec,params", LEARNED, ids=[s for s, _ in LEARNED])
+def test_attention_applies_the_module_table(spec, params):
+    T, D = 10, 8
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, H, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    enc = relpos.PositionEncoding(spec, D, H).double()
+    with torch.no_grad():
+        for p in params:
+            getattr(enc, p["name"]).add_(torch.rand_like(getattr(enc, p["name"])) - 0.5)
+    out = relpos.attention(q, k, v, enc)
+    names = [p["name"] for p in params]
+    leaves = [getattr(enc, n) for n in names]
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * dout).sum(), leaves, allow_unused=True)
+    # plain torch: softmax(q k^T / sqrt(D) + table[i - j]) v over j <= i
+    i = torch.arange(T)
+    lag = (i[:, None] - i[None, :]).clamp_min(0)
+    table = enc.lag_table(T)
+    s = q @ k.transpose(-1, -2) / math.sqrt(D) + table[:, lag][None]
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    ref = torch.softmax(s, -1) @ v
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-11)
+    ref_grads = torch.autograd.grad((ref * dout).sum(), leaves, allow_unused=True)
+    for n, a, b in zip(names, grads, ref_grads):
+        a = torch.zeros_like(getattr(enc, n)) if a is None else a
+        b = torch.zeros_like(getattr(enc, n)) if b is None else b
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=n)
+    # grouped-query attention with a per-head learned table is refused, naming it
+    with pytest.raises(relpos.InputError, match="learned lag table"):
+        relpos.attention(torch.cat([q, q], 1), k, v, enc)
