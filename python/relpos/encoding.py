@@ -3,7 +3,7 @@
 Parameters are built from the mechanism's schema (``torch.ops.relpos.mechanism``), with the same
 names as the C++ module (``raw_<name>`` learnable or buffer, ``<name>_fixed``, ``<name>_bound``,
 ``<name>_learn`` buffers, ``fixed<i>_m`` / ``fixed<i>_m_inv_t`` for fixed linear terms, a learned
-lag table's parameters under their kernel's names, e.g. ``pj_omega``), so state dicts carry over.
+lag table's parameters under their kernel's names), so state dicts carry over.
 """
 
 from __future__ import annotations
