@@ -278,6 +278,9 @@ def attention(
         if s is not None:
             t = torch.tensor(s, dtype=q.dtype)
             slopes = t if slopes is None else slopes + t
+        if learned:  # the encoding's learned table (a spec string went to the C++ op above)
+            pos = torch.arange(Tk, dtype=torch.float64)
+            lag_table = _learned_lag_table(mechanism, pos, pos, Hq, Hk, q.dtype)
         out = journey_attention(q, k, v, spec, pair_layout=pair_layout, causal=causal,
                                 window=window, key_len=key_len, scale=scale, lag_table=lag_table,
                                 slopes=slopes, cq=cq, ck=ck)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import _transform_qk, fused_attention
+from .attention import _learned_lag_table, _transform_qk, fused_attention
 from .encoding import InputError, PositionEncoding, _integer
 from .journey import _journey_info, frame_angles, rotate_pairs
 
@@ -24,16 +24,19 @@ _CONTENT_BIASES = {
 }
 
 
-def _refusal(info: dict) -> str | None:
-    """Why the module cannot run this mechanism honestly (None: it can)."""
+def _refusal(info: dict, num_heads: int) -> str | None:
+    """Why the module cannot run this mechanism (built for the key/value heads) with num_heads
+    query heads honestly (None: it can)."""
     spec = info["spec"]
     for b in info["biases"]:
         if b["shape"] == "lag_table" and b["slopes"]:
             continue  # ALiBi: slopes handed to the kernel
         if b["shape"] == "lag_table":
-            return (f"{spec!r}: bias {b['name']!r} is a learned lag table, not yet in "
-                    "relpos.Attention; use relpos.attention with the spec string (its initial "
-                    "table) or relpos.fused_attention(lag_table=...)")
+            if num_heads == info["heads"]:
+                continue  # the encoding's learned table, built per call over its lags
+            return (f"{spec!r}: bias {b['name']!r} is a learned lag table with one row per "
+                    f"key/value head; grouped-query attention ({num_heads} query heads, "
+                    f"{info['heads']} key/value heads) with it is not yet in relpos.Attention")
         need = _CONTENT_BIASES.get(b["shape"], "inputs this module does not compute")
         return (f"{spec!r}: bias {b['name']!r} ({b['shape'].replace('_', '-')}) needs inputs= "
                 f"projections ({need}), not yet in relpos.Attention; use "
@@ -199,7 +202,7 @@ class Attention(nn.Module):
                                          check_finite=check_finite, rope_scaling=rope_scaling,
                                          max_position_embeddings=max_position_embeddings)
         info = self.encoding._info
-        why = _refusal(info)
+        why = _refusal(info, self.num_heads)
         if why is not None:
             raise InputError(why)
         self.spec = self.encoding.spec
@@ -301,9 +304,14 @@ class Attention(nn.Module):
             cache._append(kt, vt, qpos, counts)
             kv_q, kv_k, kv_v, k_positions = qt, cache.keys, cache.values, cache.positions
             klen = cache.lengths.clone()
+        lag_table = None
+        if self.encoding._lag_names:
+            # the learned table over every lag of the call (its gradient reaches the parameters)
+            lag_table = _learned_lag_table(self.encoding, qpos, k_positions, self.num_heads,
+                                           self.num_kv_heads, q.dtype)
         out, lse = fused_attention(kv_q, kv_k, kv_v, q_positions=qpos, k_positions=k_positions,
                                    causal=self.causal, window=self.window, key_len=klen,
-                                   scale=self.scale, slopes=slopes)
+                                   scale=self.scale, slopes=slopes, lag_table=lag_table)
         if self._journey and self._journey_outputs:
             out = rotate_pairs(out, theta, inverse=True, pair_layout=self.pair_layout)
         return (out, lse) if return_lse else out

@@ -300,3 +300,41 @@ def test_bad_calls_raise_input_errors():
         relpos.KVCache(1, 2, 8, dtype=torch.int64)
     with pytest.raises(relpos.InputError, match="batch"):
         relpos.KVCache(0, 2, 8)
+
+
+LEARNED = [s for s in SPECS if any(b["shape"] == "lag_table" and not b["slopes"] for b in INFO[s]["biases"])]
+
+
+@pytest.mark.parametrize("spec", LEARNED)
+def test_learned_lag_tables_run_without_grouped_heads(spec):
+    """A learned lag table (one row per key/value head) runs when every query head has its own
+    key/value head: forward = softmax(q k^T / sqrt(D) + table[h, round(p_i - p_j)]) v, decoding
+    equals the full forward, and the table's parameters get gradients; with grouped heads the
+    module refuses (test_refused_specs_...)."""
+    D, H = DIMS[spec], 2
+    torch.manual_seed(3)
+    a = relpos.Attention(spec, D, H, H).double()
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, H, 7, D, generator=g, dtype=torch.float64) for _ in range(3))
+    pos = torch.tensor([0.0, 1, 2, 4, 7, 8, 12], dtype=torch.float64)
+    out = a(q, k, v, positions=pos)
+    qt, kt = a.encoding(q, k, pos)
+    lag = pos[:, None] - pos[None, :]
+    table = a.encoding.lag_table(int(lag.max()) + 1)
+    bias = table[:, torch.round(lag).clamp_min(0).long()]  # [H, T, T]
+    s = qt @ kt.transpose(-1, -2) / math.sqrt(D) + bias
+    want = torch.softmax(s.masked_fill(lag < 0, float("-inf")), -1) @ v
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-11)
+    out.square().sum().backward()
+    lag_params = [p for n, p in a.named_parameters() if n.split(".")[-1] in a.encoding._lag_names]
+    # the table's parameters are reached (a disabled sector's, e.g. PJ's light cone, is not)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lag_params)
+    cache = relpos.KVCache(2, H, D, dtype=torch.float64)
+    with torch.no_grad():
+        steps = [a(q[:, :, :3], k[:, :, :3], v[:, :, :3], positions=pos[:3], cache=cache)]
+        steps += [a(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1],
+                    positions=pos[t : t + 1], cache=cache) for t in range(3, 7)]
+    torch.testing.assert_close(torch.cat(steps, 2), out.detach(), rtol=0, atol=1e-12)

@@ -96,3 +96,16 @@ def test_attention_applies_the_module_table(spec, params):
     # grouped-query attention with a per-head learned table is refused, naming it
     with pytest.raises(relpos.InputError, match="learned lag table"):
         relpos.attention(torch.cat([q, q], 1), k, v, enc)
+
+
+def test_journey_with_a_learned_table_applies_the_table():
+    """relpos.attention with a PositionEncoding of a journey spec plus a learned lag table used to
+    take the journey branch without the table (plain journey attention under the name)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 16, dtype=torch.float64) for _ in range(3))
+    enc = relpos.PositionEncoding("journey + t5_bias(init_std=0.5)", 16, 2).double()
+    got = relpos.attention(q, k, v, enc)
+    plain = relpos.attention(q, k, v, "journey")
+    assert not torch.allclose(got, plain, atol=1e-6)
+    # the same as the spec string, whose initial table is the module's (no torch RNG in t5_bias)
+    torch.testing.assert_close(got, relpos.attention(q, k, v, "journey + t5_bias(init_std=0.5)"))

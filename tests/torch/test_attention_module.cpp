@@ -154,3 +154,35 @@ TEST(AttentionModule, BadCallsAreInputErrors) {
   EXPECT_THROW(nn::Attention("rope", D, 4, nn::AttentionOptions{.num_kv_heads = 3}), InputError);
   EXPECT_THROW(nn::DecodeCache(0, 2, 16), InputError);
 }
+
+// A learned lag table (one row per key/value head) runs when every query head has its own
+// key/value head; decoding equals the full forward and the table's parameters get gradients.
+TEST(AttentionModule, LearnedLagTablesDecodeWithoutGroupedHeads) {
+  int seen = 0;
+  for (const auto& spec : catalog_specs()) {
+    const int D = head_dim_for(spec);
+    if (!D || !build_mechanism(spec, D, 2).learned_lag_bias()) continue;
+    SCOPED_TRACE(spec);
+    ++seen;
+    nn::Attention a(spec, D, 2, nn::AttentionOptions{.num_kv_heads = 2});
+    a->to(torch::kDouble);
+    torch::manual_seed(7);
+    const auto q = torch::randn({2, 2, 6, D}, torch::kDouble);
+    const auto k = torch::randn({2, 2, 6, D}, torch::kDouble);
+    const auto v = torch::randn({2, 2, 6, D}, torch::kDouble);
+    const auto full = a->forward(q, k, v);
+    full.square().sum().backward();
+    bool any_grad = false;
+    for (const auto& p : a->parameters())
+      any_grad = any_grad || (p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
+    EXPECT_TRUE(any_grad);
+    nn::DecodeCache cache(2, 2, D, torch::kDouble);
+    const torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> outs;
+    for (int64_t t = 0; t < 6; ++t)
+      outs.push_back(
+          a->forward(q.narrow(2, t, 1), k.narrow(2, t, 1), v.narrow(2, t, 1), {.cache = &cache}));
+    EXPECT_LT(max_diff(torch::cat(outs, 2), full.detach()), 1e-12);
+  }
+  EXPECT_GE(seen, 3);  // pj_bias, t5_bias, kerple
+}
