@@ -152,6 +152,8 @@ struct TermBuilder {
   // Appends a fixed linear map M (keys get M, queries M^{-T}).
   void add_fixed_linear(std::vector<double> M, std::vector<double> M_inv_t);
   void add_bias(BiasTerm b);
+  // Appends a learned lag table (a LagTable bias named after the term, computed by `kernel`).
+  void add_learned_lag_table(std::shared_ptr<const LagKernel> kernel);
 };
 
 struct TermDef {

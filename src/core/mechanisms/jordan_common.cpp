@@ -35,6 +35,13 @@ void TermBuilder::add_bias(BiasTerm b) {
   m.biases.push_back(std::move(b));
 }
 
+void TermBuilder::add_learned_lag_table(std::shared_ptr<const LagKernel> kernel) {
+  BiasTerm t;
+  t.shape = BiasShape::LagTable;
+  t.learned = std::move(kernel);
+  add_bias(std::move(t));
+}
+
 void require_divisible(const Args& a, int head_dim, int by, const std::string& why) {
   if (head_dim <= 0 || head_dim % by != 0)
     throw InputError(

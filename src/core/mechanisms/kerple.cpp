@@ -90,11 +90,7 @@ std::vector<TermDef> kerple_family() {
          {"seed", "0", "seed of the initial r1, r2"}},
         {}},
        [](const Args& a, TermBuilder& b) {
-         BiasTerm t;
-         t.name = "kerple";
-         t.shape = BiasShape::LagTable;
-         t.learned = std::make_shared<KerpleKernel>(a);
-         b.add_bias(std::move(t));
+         b.add_learned_lag_table(std::make_shared<KerpleKernel>(a));
        }});
   return d;
 }

@@ -88,11 +88,8 @@ std::vector<TermDef> pj_family() {
          {"seed", "0", "seed of the zeta draw for spec-only use (torch modules use torch's RNG)"}},
         {"pj_bias"}},
        [](const Args& a, TermBuilder& b) {
-         BiasTerm t;
-         t.name = "pj_bias";
-         t.shape = BiasShape::LagTable;
-         t.learned = std::make_shared<PjLagKernel>(config_of(a, b.m.heads), a.values());
-         b.add_bias(std::move(t));
+         b.add_learned_lag_table(
+             std::make_shared<PjLagKernel>(config_of(a, b.m.heads), a.values()));
        }});
   d.push_back({{"pj_rotary",
                 "transform",

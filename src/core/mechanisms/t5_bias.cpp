@@ -84,11 +84,7 @@ std::vector<TermDef> t5_bias_family() {
          {"seed", "0", "seed of the initial weights"}},
         {}},
        [](const Args& a, TermBuilder& b) {
-         BiasTerm t;
-         t.name = "t5_bias";
-         t.shape = BiasShape::LagTable;
-         t.learned = std::make_shared<T5BucketKernel>(a);
-         b.add_bias(std::move(t));
+         b.add_learned_lag_table(std::make_shared<T5BucketKernel>(a));
        }});
   return d;
 }
