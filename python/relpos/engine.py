@@ -257,6 +257,9 @@ class Attention(nn.Module):
                 raise InputError(f"cache must be a relpos.KVCache, got {type(cache).__name__}")
             if self._cache_refusal is not None:
                 raise InputError(self._cache_refusal)
+            if not self.causal:  # a cached token would never see the later keys its forward sees
+                raise InputError(f"{self.spec!r}: a cache decodes causal attention; this module "
+                                 "is non-causal (causal=False)")
             cache._check(k)
 
     def _frames(self, pos: torch.Tensor) -> torch.Tensor:

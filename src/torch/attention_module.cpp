@@ -153,7 +153,11 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
                                    EncodingOptions{options.layout, options.check_finite}));
   const Mechanism& m = encoding->mechanism();
   if (auto why = attention_refusal(m, num_heads_)) throw InputError(*why);
-  if (m.center == CenterMode::Mid)
+  if (!options.causal)  // a cached token would never see the later keys its full forward sees
+    cache_refusal_ = fmt::format(
+        "'{}': a cache decodes causal attention; this module is non-causal (causal = false)",
+        m.spec);
+  else if (m.center == CenterMode::Mid)
     cache_refusal_ = fmt::format(
         "'{}': center=mid puts the centre in the middle of each call, so keys cached in earlier "
         "calls would be off by the change; use a fixed centre (center=auto or a number) to decode",

@@ -291,6 +291,10 @@ def test_bad_calls_raise_input_errors():
         a(q[:, :, :2], k[:, :, :2], v[:, :, :2], cache=cache, positions=torch.tensor([7.0, 7.0]))
     with pytest.raises(relpos.InputError, match="key_len"):
         a(q, k, v, cache=cache, key_len=torch.tensor([4]))
+    a.causal = False  # a cache decodes causal attention only
+    with pytest.raises(relpos.InputError, match="causal"):
+        a(q[:, :, :1], k[:, :, :1], v[:, :, :1], cache=cache)
+    a.causal = True
     assert cache.length == 3  # refused calls append nothing
     out = a(q[:, :, :1], k[:, :, :1], v[:, :, :1], cache=cache, positions=torch.tensor([3.0]))
     assert out.shape == (1, 4, 1, 8) and cache.length == 4

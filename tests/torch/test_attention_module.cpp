@@ -153,6 +153,13 @@ TEST(AttentionModule, BadCallsAreInputErrors) {
   EXPECT_EQ(cache.length(), 3);  // refused calls append nothing
   EXPECT_THROW(nn::Attention("rope", D, 4, nn::AttentionOptions{.num_kv_heads = 3}), InputError);
   EXPECT_THROW(nn::DecodeCache(0, 2, 16), InputError);
+  // a cache decodes causal attention only
+  nn::Attention bidirectional("rope", D, kHq,
+                              nn::AttentionOptions{.num_kv_heads = kHk, .causal = false});
+  bidirectional->to(torch::kDouble);
+  nn::DecodeCache c2(1, kHk, D, torch::kDouble);
+  EXPECT_THROW(bidirectional->forward(x.q, x.k, x.v, {.cache = &c2}), InputError);
+  EXPECT_EQ(c2.length(), 0);
 }
 
 // A learned lag table (one row per key/value head) runs when every query head has its own
