@@ -49,6 +49,14 @@ def _integer(value, name: str) -> int:
     return v
 
 
+def _op(op, *args):
+    """A relpos operator call with its bad-input errors (ValueError) as InputError."""
+    try:
+        return op(*args)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
 def rope_scaling_spec(rope_scaling: dict | None, max_position_embeddings: float | None = None) -> str:
     """The spec term of a model config's ``rope_scaling`` dictionary (Hugging Face keys; ``""`` for
     ``None`` or ``{"rope_type": "default"}``), e.g. ``"yarn(factor=4, original=4096, ...)"``: add it

@@ -9,58 +9,14 @@ their positions once, stored, and every later query scores against them. docs/en
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import nn
 
 from .attention import _learned_lag_table, _transform_qk, fused_attention
-from .encoding import InputError, PositionEncoding, _integer
+from .encoding import InputError, PositionEncoding, _integer, _op
 from .journey import _journey_info, frame_angles, rotate_pairs
-
-# what a content-dependent bias needs, by its shape (the mechanism JSON's bias "shape")
-_CONTENT_BIASES = {
-    "separable": "per-token gates (their cumulative sums cq, ck)",
-    "gated_slope": "per-token gates gq, gk",
-    "path_integral": "per-token probes path_q, path_k",
-}
-
-
-def _refusal(info: dict, num_heads: int) -> str | None:
-    """Why the module cannot run this mechanism (built for the key/value heads) with num_heads
-    query heads honestly (None: it can)."""
-    spec = info["spec"]
-    for b in info["biases"]:
-        if b["shape"] == "lag_table" and b["slopes"]:
-            continue  # ALiBi: slopes handed to the kernel
-        if b["shape"] == "lag_table":
-            if num_heads == info["heads"]:
-                continue  # the encoding's learned table, built per call over its lags
-            return (f"{spec!r}: bias {b['name']!r} is a learned lag table with one row per "
-                    f"key/value head; grouped-query attention ({num_heads} query heads, "
-                    f"{info['heads']} key/value heads) with it is not yet in relpos.Attention")
-        need = _CONTENT_BIASES.get(b["shape"], "inputs this module does not compute")
-        return (f"{spec!r}: bias {b['name']!r} ({b['shape'].replace('_', '-')}) needs inputs= "
-                f"projections ({need}), not yet in relpos.Attention; use "
-                "relpos.fused_attention with them (or the C++ nn::GrapeAttention)")
-    for t in info["transforms"]:
-        if t.get("learned_frequencies") or t.get("basis", "none") != "none":
-            # the encoding would apply the initial frequencies (and basis) and never learn them
-            return (f"{spec!r}: transform {t['name']!r} has frequencies or a basis learned by "
-                    "the model's layer (the C++ nn::GrapeAttention), which the encoding does not "
-                    "hold; not yet in relpos.Attention")
-        if t["time"] == "content_phase":
-            return (f"{spec!r}: transform {t['name']!r} has per-token phases (a scan of "
-                    "content-dependent increments), which need inputs= projections, not yet in "
-                    "relpos.Attention; pass the increments to the functional API (relpos.journey_attention "
-                    "for journey's per-token frames)")
-        if t["time"] != "position":
-            return (f"{spec!r}: transform {t['name']!r} is driven by {t['time'].replace('_', ' ')}s, "
-                    "not yet in relpos.Attention")
-    frames = [t for t in info["transforms"] if "frame_frequencies" in t]
-    if frames and len(info["transforms"]) > 1:
-        return (f"{spec!r}: a journey term composed with other transforms is not yet in "
-                "relpos.Attention")
-    return None
-
 
 class KVCache:
     """The decode state of :class:`Attention`: transformed keys, values (rotated into their
@@ -91,6 +47,7 @@ class KVCache:
         self._keys = torch.zeros(self.batch, self.num_kv_heads, cap, self.head_dim, dtype=dtype)
         self._values = torch.zeros_like(self._keys)
         self._positions = torch.zeros(self.batch, cap, dtype=torch.float64)
+        self._content: list[torch.Tensor] = []  # content-bias side tensors [B, H, capacity, ...]
         self.lengths = torch.zeros(self.batch, dtype=torch.int64)
 
     @property
@@ -113,6 +70,12 @@ class KVCache:
     @property
     def positions(self) -> torch.Tensor:
         return self._positions[:, : self.length]
+
+    @property
+    def content(self) -> list[torch.Tensor]:
+        """The cached keys' content-bias side tensors ``[B, H, length, ...]`` (key gates, forget
+        gate sums, rotated probes: whatever the mechanism's runtime keeps per key)."""
+        return [c[:, :, : self.length] for c in self._content]
 
     def reset(self) -> None:
         """Empties every row (the storage is kept)."""
@@ -147,22 +110,36 @@ class KVCache:
                     f"{float(last[b]):g} and this call starts at {float(pos[b, 0]):g}")
 
     def _append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                counts: torch.Tensor) -> None:
+                counts: torch.Tensor, content: list[torch.Tensor] = ()) -> None:
         n = k.shape[2]
+
+        def grown(t: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t, t.new_zeros(shape)], dim)
+
+        if not self._content:
+            self._content = [c.new_zeros(*c.shape[:2], self.capacity, *c.shape[3:]) for c in content]
+        if len(content) != len(self._content):
+            raise InputError(f"the cache holds {len(self._content)} content tensors per key; this "
+                             f"call gives {len(content)}")
         need = int((self.lengths + n).max())
         if need > self.capacity:
             cap = max(self.capacity, 1)
             while cap < need:
                 cap *= 2
             grow = cap - self.capacity
-            self._keys = nn.functional.pad(self._keys, (0, 0, 0, grow))
-            self._values = nn.functional.pad(self._values, (0, 0, 0, grow))
-            self._positions = nn.functional.pad(self._positions, (0, grow))
+            self._keys = grown(self._keys, 2, grow)
+            self._values = grown(self._values, 2, grow)
+            self._positions = grown(self._positions, 1, grow)
+            self._content = [grown(c, 2, grow) for c in self._content]
         for b in range(self.batch):
             L = int(self.lengths[b])
             self._keys[b, :, L : L + n] = k[b].detach()
             self._values[b, :, L : L + n] = v[b].detach()
             self._positions[b, L : L + n] = pos[b]
+            for c, new in zip(self._content, content):
+                c[b, :, L : L + n] = new[b].detach()
         self.lengths += counts
 
 
@@ -182,16 +159,22 @@ class Attention(nn.Module):
     result is :func:`relpos.attention` with ``self.encoding`` at ``positions`` (``[T]`` or
     ``[B, T]``, default 0..T-1). With a :class:`KVCache` the T tokens are appended (positions
     default to each row's length + 0..T-1 and must go forward) and their queries score against
-    every cached key; ``key_len [B]`` then counts the valid new tokens per row. ``inputs`` (the
-    layer's hidden states) is for content-dependent mechanisms, none of which this module runs
-    yet: it must be None. Mechanisms it cannot run honestly raise InputError at construction;
-    with a cache, so do a per-call centre (``center=mid``) and a dynamic context-extension rule.
+    every cached key; ``key_len [B]`` then counts the valid new tokens per row.
+
+    Content-dependent biases (``fox``, ``grape_a``, ``grape_ap``) are computed by the mechanism's
+    C++ runtime (the same as ``relpos::nn::Attention``'s, same parameter names and initial draws)
+    with parameters this module owns: FoX's forget gates and GRAPE-AP's probes project ``inputs``
+    (the layer's hidden states ``[B, T, model_dim]``, so give ``model_dim``), GRAPE-A's gates read
+    the transformed q and k. Other mechanisms take ``inputs=None``. Mechanisms it cannot run
+    honestly raise InputError at construction; with a cache, so do a per-call centre
+    (``center=mid``) and a dynamic context-extension rule.
     """
 
     def __init__(self, spec: str, head_dim: int, num_heads: int, num_kv_heads: int | None = None, *,
                  pair_layout: str = "interleaved", causal: bool = True, window: float = 0.0,
                  scale: float | None = None, rope_scaling: dict | None = None,
-                 max_position_embeddings: float | None = None, check_finite: bool = True) -> None:
+                 max_position_embeddings: float | None = None, check_finite: bool = True,
+                 model_dim: int | None = None) -> None:
         super().__init__()
         self.num_heads = _integer(num_heads, "num_heads")
         self.num_kv_heads = self.num_heads if num_kv_heads is None else _integer(num_kv_heads, "num_kv_heads")
@@ -202,11 +185,31 @@ class Attention(nn.Module):
                                          check_finite=check_finite, rope_scaling=rope_scaling,
                                          max_position_embeddings=max_position_embeddings)
         info = self.encoding._info
-        why = _refusal(info, self.num_heads)
-        if why is not None:
-            raise InputError(why)
         self.spec = self.encoding.spec
         self.head_dim = self.encoding.head_dim
+        why = _op(torch.ops.relpos.attention_refusal, self.spec, self.head_dim, self.num_kv_heads,
+                  self.num_heads)
+        if why:
+            raise InputError(why)
+        # a content-dependent bias: its runtime's parameters, registered under its names
+        content = _op(torch.ops.relpos.content_params, self.spec, self.head_dim, self.num_heads)
+        self._content = json.loads(content) if content else None
+        self._path_bias = any(b["shape"] == "path_integral" for b in info["biases"])
+        if self._content is not None:
+            if self._content["reads_inputs"] and model_dim is None:
+                raise InputError(f"{self.spec!r}: its bias projects the layer's hidden states: "
+                                 "give model_dim (the width of inputs)")
+            dim = 0 if model_dim is None else _integer(model_dim, "model_dim")
+            init = _op(torch.ops.relpos.content_initial, self.spec, self.head_dim,
+                       self.num_heads, dim)
+            for name, t in zip(self._content["names"], init):
+                owner = self
+                *parents, leaf = name.split(".")
+                for part in parents:
+                    if not hasattr(owner, part):
+                        owner.add_module(part, nn.Module())
+                    owner = getattr(owner, part)
+                owner.register_parameter(leaf, nn.Parameter(t))
         self.pair_layout = "half_split" if self.encoding.layout == 1 else "interleaved"
         self.causal, self.window, self.scale = bool(causal), float(window), scale
         self.check_finite = check_finite
@@ -229,7 +232,7 @@ class Attention(nn.Module):
         return (f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}")
 
-    def _check(self, q, k, v, cache) -> None:
+    def _check(self, q, k, v, cache, key_len) -> None:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -261,6 +264,20 @@ class Attention(nn.Module):
                 raise InputError(f"{self.spec!r}: a cache decodes causal attention; this module "
                                  "is non-causal (causal=False)")
             cache._check(k)
+            if self._path_bias:  # the kernel's path runs over key slots: rows of one length
+                if bool((cache.lengths != cache.lengths[0]).any()) or (
+                        key_len is not None and bool((key_len != q.shape[2]).any())):
+                    raise InputError(f"{self.spec!r}: a path-integral bias decodes rows of one "
+                                     "length; the cache rows differ or key_len leaves tokens out")
+
+    def _content_params(self) -> list[torch.Tensor]:
+        out = []
+        for name in self._content["names"]:
+            t = self
+            for part in name.split("."):
+                t = getattr(t, part)
+            out.append(t)
+        return out
 
     def _frames(self, pos: torch.Tensor) -> torch.Tensor:
         return frame_angles(self.spec, self.head_dim, self.num_kv_heads, positions=pos)
@@ -269,11 +286,13 @@ class Attention(nn.Module):
                 positions: torch.Tensor | None = None, key_len: torch.Tensor | None = None,
                 inputs: torch.Tensor | None = None, cache: KVCache | None = None,
                 return_lse: bool = False):
-        self._check(q, k, v, cache)
-        if inputs is not None:
-            raise InputError(f"{self.spec!r} does not depend on the tokens' content: pass "
-                             "inputs=None (content-dependent mechanisms are not yet in "
-                             "relpos.Attention)")
+        self._check(q, k, v, cache, key_len)
+        if inputs is not None and (not isinstance(inputs, torch.Tensor) or inputs.dim() != 3
+                                   or tuple(inputs.shape[:2]) != (q.shape[0], q.shape[2])):
+            # unread by most mechanisms (a model passes them to every layer), but never mismatched
+            got = list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+            raise InputError(f"inputs must be [B, T, model_dim] with q's B and T "
+                             f"({q.shape[0]}, {q.shape[2]}), got {got}")
         B, _, T, _ = q.shape
         if positions is not None and not isinstance(positions, torch.Tensor):
             raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
@@ -301,12 +320,26 @@ class Attention(nn.Module):
             theta = self._frames(qpos)
             if self._journey_values:
                 vt = rotate_pairs(vt, theta, pair_layout=self.pair_layout)
+        extra, side = {}, []
+        if self._content is not None:
+            # the runtime's query-side arguments and the new keys' side tensors
+            outs = _op(torch.ops.relpos.content_bias, self.spec, self.head_dim, self.num_heads,
+                       self._content_params(), inputs, qt, kt, qpos,
+                       [] if cache is None else cache.content,
+                       None if cache is None else cache.lengths)
+            extra = dict(zip(("gq", "cq", "path_q", "path_beta"), outs[:4]))
+            extra["path_scale"] = float(outs[4])
+            side = list(outs[5:])
         if cache is None:
             kv_q, kv_k, kv_v, k_positions = qt, kt, vt, kpos
         else:
-            cache._append(kt, vt, qpos, counts)
+            cache._append(kt, vt, qpos, counts, side)
             kv_q, kv_k, kv_v, k_positions = qt, cache.keys, cache.values, cache.positions
             klen = cache.lengths.clone()
+            side = cache.content
+        if self._content is not None:
+            keys = torch.ops.relpos.content_keys(self.spec, self.head_dim, self.num_heads, side)
+            extra.update(zip(("gk", "ck", "path_k"), keys))
         lag_table = None
         if self.encoding._lag_names:
             # the learned table over every lag of the call (its gradient reaches the parameters)
@@ -314,7 +347,8 @@ class Attention(nn.Module):
                                            self.num_kv_heads, q.dtype)
         out, lse = fused_attention(kv_q, kv_k, kv_v, q_positions=qpos, k_positions=k_positions,
                                    causal=self.causal, window=self.window, key_len=klen,
-                                   scale=self.scale, slopes=slopes, lag_table=lag_table)
+                                   scale=self.scale, slopes=slopes, lag_table=lag_table,
+                                   **extra)
         if self._journey and self._journey_outputs:
             out = rotate_pairs(out, theta, inverse=True, pair_layout=self.pair_layout)
         return (out, lse) if return_lse else out

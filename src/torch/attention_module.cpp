@@ -8,6 +8,7 @@
 #include "core/registry.hpp"
 #include "kernels/attention/mechanism_attention.hpp"
 #include "torch/journey.hpp"
+#include "torch/mechanisms/content_runtime.hpp"
 
 namespace relpos::nn {
 
@@ -25,12 +26,21 @@ std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_hea
         "'{}': a learned lag table has one row per key/value head; grouped-query attention ({} "
         "query heads, {} key/value heads) is not supported with it",
         m.spec, num_heads, m.heads);
-  if (const BiasTerm* b = m.content_bias())
-    return fmt::format(
-        "'{}': bias '{}' is computed from the tokens (per-token gates or probes), which need "
-        "inputs= projections, not yet in Attention; use nn::GrapeAttention or fused_attention "
-        "with them",
-        m.spec, b->name);
+  if (const BiasTerm* b = m.content_bias()) {
+    if (num_heads != m.heads)
+      return fmt::format(
+          "'{}': bias '{}' has per-token terms per query head; grouped-query attention ({} query "
+          "heads, {} key/value heads) is not supported with it",
+          m.spec, b->name, num_heads, m.heads);
+    for (const auto& c : m.biases)
+      if (&c != b && c.content_dependent())
+        return fmt::format("'{}' has two content-dependent biases ({}, {}); a layer takes one",
+                           m.spec, b->name, c.name);
+    if (journey_term(m))
+      return fmt::format(
+          "'{}': bias '{}' composed with journey frames is not supported by Attention", m.spec,
+          b->name);
+  }
   for (const auto& t : m.transforms) {
     if (t.learned_frequencies || t.basis != "none")
       return fmt::format(
@@ -77,6 +87,11 @@ torch::Tensor DecodeCache::values() const {
 torch::Tensor DecodeCache::positions() const {
   return positions_.narrow(1, 0, length());
 }
+std::vector<torch::Tensor> DecodeCache::content() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& c : content_) out.push_back(c.narrow(2, 0, length()));
+  return out;
+}
 void DecodeCache::reset() {
   lengths_.zero_();
 }
@@ -115,17 +130,32 @@ void DecodeCache::check_positions(const torch::Tensor& pos, const torch::Tensor&
 }
 
 void DecodeCache::append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
-                         const torch::Tensor& counts) {
+                         const torch::Tensor& counts, const std::vector<torch::Tensor>& content) {
   const int64_t n = k.size(2);
+  // zeros appended along the time axis (2 for [B, H, T, ...], 1 for positions)
+  const auto grown = [](const torch::Tensor& t, int64_t dim, int64_t extra) {
+    auto shape = t.sizes().vec();
+    shape[static_cast<size_t>(dim)] = extra;
+    return torch::cat({t, torch::zeros(shape, t.options())}, dim);
+  };
+  if (content_.empty())
+    for (const auto& c : content) {
+      auto shape = c.sizes().vec();
+      shape[2] = capacity();
+      content_.push_back(torch::zeros(shape, c.options().requires_grad(false)));
+    }
+  if (content.size() != content_.size())
+    throw InputError(fmt::format("the cache holds {} content tensors per key; this call gives {}",
+                                 content_.size(), content.size()));
   const int64_t need = (lengths_ + n).max().item<int64_t>();
   if (need > capacity()) {
     int64_t cap = std::max<int64_t>(capacity(), 1);
     while (cap < need) cap *= 2;
     const int64_t grow = cap - capacity();
-    namespace F = torch::nn::functional;
-    keys_ = F::pad(keys_, F::PadFuncOptions({0, 0, 0, grow}));
-    values_ = F::pad(values_, F::PadFuncOptions({0, 0, 0, grow}));
-    positions_ = F::pad(positions_, F::PadFuncOptions({0, grow}));
+    keys_ = grown(keys_, 2, grow);
+    values_ = grown(values_, 2, grow);
+    positions_ = grown(positions_, 1, grow);
+    for (auto& c : content_) c = grown(c, 2, grow);
   }
   const torch::NoGradGuard no_grad;
   for (int64_t b = 0; b < batch(); ++b) {
@@ -133,6 +163,8 @@ void DecodeCache::append(const torch::Tensor& k, const torch::Tensor& v, const t
     keys_[b].narrow(1, L, n).copy_(k[b].detach());
     values_[b].narrow(1, L, n).copy_(v[b].detach());
     positions_[b].narrow(0, L, n).copy_(pos[b]);
+    for (size_t i = 0; i < content.size(); ++i)
+      content_[i][b].narrow(1, L, n).copy_(content[i][b].detach());
   }
   lengths_ += counts;
 }
@@ -153,6 +185,15 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
                                    EncodingOptions{options.layout, options.check_finite}));
   const Mechanism& m = encoding->mechanism();
   if (auto why = attention_refusal(m, num_heads_)) throw InputError(*why);
+  if ((content_ = m.content_bias())) {
+    const ContentRuntime& r = content_runtime(*content_);
+    if (r.reads_inputs && options.model_dim < 1)
+      throw InputError(fmt::format(
+          "'{}': bias '{}' projects the layer's hidden states: give model_dim (the width of "
+          "inputs)",
+          m.spec, content_->name));
+    content_params_ = r.create(*content_, *this, options.model_dim, num_heads_, head_dim);
+  }
   if (!options.causal)  // a cached token would never see the later keys its full forward sees
     cache_refusal_ = fmt::format(
         "'{}': a cache decodes causal attention; this module is non-causal (causal = false)",
@@ -194,21 +235,34 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
     for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}})
       if (!torch::isfinite(*t).all().item<bool>())
         throw InputError(fmt::format("{} contains NaN or Inf", name));
-  if (call.inputs.defined())
-    throw InputError(fmt::format(
-        "'{}' does not depend on the tokens' content: pass no inputs (content-dependent "
-        "mechanisms are not yet in Attention)",
-        mechanism().spec));
+  // unread by most mechanisms (a model passes them to every layer), but never mismatched
+  if (call.inputs.defined() && (call.inputs.dim() != 3 || call.inputs.size(0) != q.size(0) ||
+                                call.inputs.size(1) != q.size(2)))
+    throw InputError(fmt::format("inputs must be [B, T, model_dim] with q's B and T ({}, {}), got {}",
+                                 q.size(0), q.size(2), shape_of(call.inputs)));
   if (call.cache) {
     if (cache_refusal_) throw InputError(*cache_refusal_);
     call.cache->check(k);
+    if (content_ && content_->shape == BiasShape::PathIntegral) {
+      // the kernel's path runs over key slots: every row must end where the new tokens begin
+      const auto& L = call.cache->lengths();
+      if (L.numel() > 1 && !(L == L[0]).all().item<bool>())
+        throw InputError(fmt::format(
+            "'{}': a path-integral bias decodes rows of one length; the cache rows differ",
+            mechanism().spec));
+      if (call.key_len.defined() && !(call.key_len == q.size(2)).all().item<bool>())
+        throw InputError(fmt::format(
+            "'{}': a path-integral bias decodes rows of one length; key_len must count every "
+            "new token",
+            mechanism().spec));
+    }
   }
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const AttentionCall& call) {
   check(q, k, v, call);
-  if (call.cache) return decode(q, k, v, call);
+  if (call.cache || content_) return assembled(q, k, v, call);
   AttentionArgs a;
   // one positions tensor for queries and keys (the same object: one transform call)
   a.q_positions =
@@ -221,13 +275,13 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor
   return attention(q, k, v, *encoding, a);
 }
 
-torch::Tensor AttentionImpl::decode(const torch::Tensor& q, const torch::Tensor& k,
-                                    const torch::Tensor& v, const AttentionCall& call) {
-  DecodeCache& cache = *call.cache;
+torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tensor& k,
+                                       const torch::Tensor& v, const AttentionCall& call) {
+  DecodeCache* cache = call.cache;
   const Mechanism& m = mechanism();
   const int64_t B = q.size(0), T = q.size(2), D = q.size(3), g = num_heads_ / num_kv_heads_;
   torch::Tensor counts = torch::full({B}, T, torch::kLong);
-  if (call.key_len.defined()) {
+  if (call.key_len.defined() && cache) {
     const auto& kl = call.key_len;
     if (kl.dim() != 1 || kl.size(0) != B ||
         (kl.scalar_type() != torch::kLong && kl.scalar_type() != torch::kInt))
@@ -239,9 +293,12 @@ torch::Tensor AttentionImpl::decode(const torch::Tensor& q, const torch::Tensor&
     counts = kl.to(torch::kLong);
   }
   torch::Tensor pos = call.positions.defined() ? checked_position_values(call.positions, B, T)
-                                               : cache.next_positions(T);
-  if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();
-  cache.check_positions(pos, counts);
+                    : cache                    ? cache->next_positions(T)
+                                               : torch::arange(T, torch::kDouble);
+  if (cache) {
+    if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();
+    cache->check_positions(pos, counts);
+  }
 
   torch::Tensor qt = q, kt = k, vt = v, q_frame_angles;
   const TransformTerm* journey = journey_term(m);
@@ -260,12 +317,29 @@ torch::Tensor AttentionImpl::decode(const torch::Tensor& q, const torch::Tensor&
     qt = o.q.narrow(2, 0, g * T).reshape({B, num_heads_, T, D});
     kt = o.k.narrow(2, g * T, T);
   }
-  cache.append(kt, vt, pos, counts);
-
   AttentionArgs a;
+  std::vector<torch::Tensor> content;
+  if (content_) {
+    ContentCall c{call.inputs, qt, kt, pos, {}, {}};
+    if (cache) {
+      c.past = cache->content();
+      c.past_lengths = cache->lengths();
+    }
+    content = content_side(*content_, content_params_, c, a);
+  }
   a.q_positions = pos;
-  a.k_positions = cache.positions();
-  a.key_len = cache.lengths().clone();
+  if (cache) {
+    cache->append(kt, vt, pos, counts, content);
+    a.k_positions = cache->positions();
+    a.key_len = cache->lengths().clone();
+    kt = cache->keys();
+    vt = cache->values();
+    if (content_) content = cache->content();
+  } else {
+    a.k_positions = pos;
+    a.key_len = call.key_len;
+  }
+  if (content_) content_runtime(*content_).attach(content, a);
   a.causal = options_.causal;
   a.window = options_.window;
   a.scale = options_.scale;
@@ -282,7 +356,7 @@ torch::Tensor AttentionImpl::decode(const torch::Tensor& q, const torch::Tensor&
         std::clamp(std::ceil(span), 0.0, static_cast<double>(kernels::kMaxLagTable)) + 1);
     a.lag_table = encoding->lag_table(len).to(q.scalar_type());
   }
-  auto out = fused_attention(qt, cache.keys(), cache.values(), a)[0];
+  auto out = fused_attention(qt, kt, vt, a)[0];
   if (journey && journey->roles.outputs)
     out = rotate_pairs(out, Frame::of(q_frame_angles), true, encoding->plan().layout);
   return out;

@@ -3,15 +3,19 @@
 // state-dict names are "encoding.<name>" as in Python) and runs the fused kernel with the
 // mechanism's transforms and biases (nn::attention); with a `DecodeCache` the new tokens' keys
 // are transformed once at their positions, stored, and later queries score against them.
-// Mechanisms the module cannot run from positions alone (content-gated biases, per-token phases,
-// frequencies a model layer learns) are refused at construction; with a cache so are a per-call
-// centre (center=mid) and a dynamic context-extension rule. docs/engine.md.
+// A content-dependent bias (FoX, GRAPE-A, GRAPE-AP) is computed by its runtime
+// (torch/mechanisms/content_runtime.hpp) from the call's `inputs` (the layer's hidden states) with
+// parameters this module owns; the cache keeps its key-side tensors. Mechanisms the module cannot
+// run (per-token phases, frequencies a model layer learns) are refused at construction; with a
+// cache so are a per-call centre (center=mid) and a dynamic context-extension rule.
+// docs/engine.md.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "torch/attention.hpp"
 #include "torch/encoding.hpp"
@@ -40,11 +44,14 @@ class DecodeCache {
   // for Attention: shape/dtype of a call's k, positions that go forward, the append itself
   void check(const torch::Tensor& k) const;
   void check_positions(const torch::Tensor& pos, const torch::Tensor& counts) const;
+  // `content`: the new tokens' content-bias side tensors [B, H, n, ...] (stored like the keys)
   void append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
-              const torch::Tensor& counts);
+              const torch::Tensor& counts, const std::vector<torch::Tensor>& content = {});
+  std::vector<torch::Tensor> content() const;  // [B, H, length, ...] each
 
  private:
   torch::Tensor keys_, values_, positions_, lengths_;
+  std::vector<torch::Tensor> content_;
 };
 
 struct AttentionOptions {
@@ -54,6 +61,7 @@ struct AttentionOptions {
   double window = 0.0;
   double scale = 0.0;  // 0: 1 / sqrt(D)
   bool check_finite = true;
+  int64_t model_dim = 0;  // the width of `inputs` for a content bias that projects them
 };
 
 // One call's inputs besides q, k, v.
@@ -61,7 +69,7 @@ struct AttentionCall {
   torch::Tensor positions =
       {};                      // [T] or [B, T]; default 0..T-1 (or each cached row's continuation)
   torch::Tensor key_len = {};  // int64 [B]: valid keys (with a cache: valid new tokens) per row
-  torch::Tensor inputs = {};   // the layer's hidden states; no mechanism of this module reads them
+  torch::Tensor inputs = {};   // the layer's hidden states [B, T, model_dim] (content biases)
   DecodeCache* cache = nullptr;
 };
 
@@ -79,11 +87,15 @@ class AttentionImpl : public torch::nn::Module {
  private:
   void check(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
              const AttentionCall& call) const;
-  torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                       const AttentionCall& call);
+  // the transforms and biases assembled here (not in nn::attention): with a cache, or with a
+  // content bias
+  torch::Tensor assembled(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const AttentionCall& call);
   int64_t num_heads_, num_kv_heads_;
   AttentionOptions options_;
   std::optional<std::string> cache_refusal_;
+  const BiasTerm* content_ = nullptr;          // the content-dependent bias term, if any
+  std::vector<torch::Tensor> content_params_;  // its parameters (registered on this module)
 };
 TORCH_MODULE(Attention);
 

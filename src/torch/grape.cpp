@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <cfloat>
 #include <cmath>
 
 #include "core/charts.hpp"
@@ -10,6 +9,7 @@
 #include "core/types.hpp"
 #include "torch/grape_generators.hpp"
 #include "torch/journey.hpp"
+#include "torch/mechanisms/content_runtime.hpp"
 #include "torch/scan.hpp"
 
 namespace relpos::nn {
@@ -38,21 +38,11 @@ std::string to_string(KvShift s) {
 
 namespace {
 
-// softplus^{-1}(y) = ln(e^y - 1), for initialising softplus-parameterised scales
-torch::Tensor inverse_softplus(const torch::Tensor& y) {
-  return torch::log(torch::expm1(y));
-}
-
 // x / sqrt(mean(x^2) + eps) over the last axis, computed in float32 at least (the reference's
 // RMSNorm casts to fp32)
 torch::Tensor rms(const torch::Tensor& x, double eps) {
   const auto xf = x.scalar_type() == torch::kDouble ? x : x.to(torch::kFloat);
   return (xf * torch::rsqrt(xf.square().mean(-1, true) + eps)).to(x.scalar_type());
-}
-
-// torch's default RMSNorm eps (eps=None): the dtype's machine epsilon
-double machine_eps(torch::ScalarType t) {
-  return t == torch::kDouble ? DBL_EPSILON : FLT_EPSILON;
 }
 
 torch::Tensor cat_time(const torch::Tensor& cached, const torch::Tensor& fresh) {
@@ -114,37 +104,8 @@ GrapeAttentionImpl::GrapeAttentionImpl(const std::string& spec, int64_t d_model,
       ctx_b_ = register_parameter("ctx_b", torch::full({1}, std::log(std::expm1(1e-3))));
     }
   }
-  if (content_) {
-    const auto m = slopes_.to(torch::kDouble);
-    switch (content_->shape) {
-      case BiasShape::GatedSlope:
-        if (content_->gate != "q")
-          gate_u_ = register_parameter("gate_u", torch::randn({heads, D}) / std::sqrt(double(D)));
-        if (content_->gate != "k")
-          gate_v_ = register_parameter("gate_v", torch::randn({heads, D}) / std::sqrt(double(D)));
-        // reference: omega_h = softplus(rho) m_h, rho = softplus^{-1}(1); paper: omega_h =
-        // softplus(rho), rho = softplus^{-1}(m_h) (both start at omega_h = m_h)
-        gate_rho_ = register_parameter(
-            "gate_rho",
-            inverse_softplus(content_->paper_form ? m : torch::ones({heads}, torch::kDouble))
-                .to(torch::kFloat));
-        break;
-      case BiasShape::Separable:
-        fox_ = register_module("fox", torch::nn::Linear(d_model, heads));
-        torch::nn::init::zeros_(fox_->bias);
-        break;
-      case BiasShape::PathIntegral:
-        probe_ = register_module(
-            "probe",
-            torch::nn::Linear(
-                torch::nn::LinearOptions(d_model, heads * content_->probe_dim).bias(false)));
-        if (content_->paper_form)
-          probe_rho_ = register_parameter("probe_rho", inverse_softplus(m).to(torch::kFloat));
-        break;
-      case BiasShape::LagTable:
-        break;
-    }
-  }
+  if (content_)  // the term's parameters, in the reference's order (the runtime)
+    content_params_ = content_runtime(*content_).create(*content_, *this, d_model, heads, D);
   const auto gate = [&](const char* name) {
     return register_module(name,
                            torch::nn::Linear(torch::nn::LinearOptions(d_model, heads).bias(false)));
@@ -241,45 +202,13 @@ GrapeAttentionImpl::Parts GrapeAttentionImpl::parts(const torch::Tensor& x, cons
   a.causal = true;
   if (mech_.alibi()) a.slopes = slopes_.to(dt);
   if (!content_) return P;
-  const auto slopes = slopes_.to(dt);
-  switch (content_->shape) {
-    case BiasShape::GatedSlope: {
-      // the slope omega_h times softplus gates of the normalised q / k along unit (reference) or
-      // raw (paper) directions; passed pre-multiplied: the kernel adds -(i - j)(gq_i + gk_j)
-      const auto omega = content_->paper_form ? torch::softplus(gate_rho_.to(dt))
-                                              : torch::softplus(gate_rho_.to(dt)) * slopes;
-      const auto gates = [&](const torch::Tensor& dir, const torch::Tensor& y) {
-        auto d = dir.to(dt);
-        if (!content_->paper_form) d = d / d.norm(2, -1, true).clamp_min(1e-6);
-        const auto z = torch::einsum("bhtd,hd->bht", {y, d}) / std::sqrt(double(D));
-        return torch::softplus(z) * omega.view({1, H, 1});
-      };
-      if (gate_u_.defined()) a.gk = gates(gate_u_, P.k);
-      if (gate_v_.defined()) a.gq = gates(gate_v_, P.q);
-      break;
-    }
-    case BiasShape::Separable: {
-      // c_t = c_{t-1} + log f_t in float64: the kernel subtracts c_i - c_j before rounding
-      const auto logf = torch::log_sigmoid(fox_(x)).transpose(1, 2).to(torch::kDouble);
-      const auto c0 = state && state->length > 0 ? state->c.narrow(2, state->length - 1, 1)
-                                                 : torch::zeros({B, H, 1}, torch::kDouble);
-      P.c = c0 + torch::cumsum(logf, 2);
-      a.cq = a.ck = P.c;
-      break;
-    }
-    case BiasShape::PathIntegral: {
-      const int64_t Pd = content_->probe_dim;
-      const auto p = probe_(x).view({B, T, H, Pd}).transpose(1, 2).to(dt);  // [B, H, T, P]
-      const auto angles = pos.to(dt).unsqueeze(-1).expand({T, Pd / 2});     // l rad per plane
-      a.path_k = rotate_pairs(rms(p, machine_eps(dt)), Frame::of(angles), false, Layout::HalfSplit);
-      a.path_q = content_->paper_form ? rms(p, machine_eps(dt)) : p.contiguous();
-      a.path_beta = content_->paper_form ? torch::softplus(probe_rho_.to(dt)) : slopes;
-      a.path_scale = 1.0 / static_cast<double>(Pd);
-      break;
-    }
-    case BiasShape::LagTable:
-      break;
+  ContentCall call{x, P.q, P.k, pos, {}, {}};
+  if (state && state->length > 0) {
+    call.past = state->content;
+    call.past_lengths = torch::full({B}, state->length, torch::kLong);
   }
+  P.content = content_side(*content_, content_params_, call, a);
+  content_runtime(*content_).attach(P.content, a);
   return P;
 }
 
@@ -300,15 +229,17 @@ torch::Tensor GrapeAttentionImpl::step(const torch::Tensor& x, const torch::Tens
   // the new tokens' keys and side state join the cache; the queries are the last T rows
   P.k = cat_time(s.k, P.k);
   P.v = cat_time(s.v, P.v);
-  AttentionArgs& a = P.args;
-  if (a.gk.defined()) a.gk = cat_time(s.gk, a.gk);
-  if (P.c.defined()) a.ck = cat_time(s.c, P.c);
-  if (a.path_k.defined()) a.path_k = cat_time(s.path_k, a.path_k);
   s.k = P.k.detach();
   s.v = P.v.detach();
-  if (a.gk.defined()) s.gk = a.gk.detach();
-  if (P.c.defined()) s.c = a.ck.detach();
-  if (a.path_k.defined()) s.path_k = a.path_k.detach();
+  if (content_) {
+    std::vector<torch::Tensor> keys(P.content.size());
+    s.content.resize(P.content.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      keys[i] = cat_time(s.content[i], P.content[i]);
+      s.content[i] = keys[i].detach();
+    }
+    content_runtime(*content_).attach(keys, P.args);
+  }
   if (P.phase_end.defined()) s.phase = P.phase_end;
   s.prev_k = P.last_k;
   s.prev_v = P.last_v;

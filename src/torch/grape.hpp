@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <vector>
 
 #include "core/mechanism.hpp"
 #include "torch/attention.hpp"
@@ -29,10 +30,10 @@ std::string to_string(KvShift s);
 
 // Everything a layer carries between decode steps (one sequence batch).
 struct GrapeDecodeState {
-  torch::Tensor k, v;            // [B, H, t, D]: post-rotation, post-norm keys; values
-  torch::Tensor gk;              // [B, H, t]: GRAPE-A key gates
-  torch::Tensor c;               // [B, H, t] float64: FoX cumulative log forget gates
-  torch::Tensor path_k;          // [B, H, t, P]: GRAPE-AP rotated key probes
+  torch::Tensor k, v;  // [B, H, t, D]: post-rotation, post-norm keys; values
+  // [B, H, t, ...]: the content bias's key-side tensors (GRAPE-A key gates, FoX cumulative log
+  // forget gates in float64, GRAPE-AP rotated key probes: torch/mechanisms/content_runtime.hpp)
+  std::vector<torch::Tensor> content;
   torch::Tensor phase;           // [B, 1] float64: GRAPE-M-ctx running phase Phi_t
   torch::Tensor prev_k, prev_v;  // [B, H, 1, D]: last raw projections (KV-shift)
   int64_t length = 0;
@@ -57,7 +58,7 @@ class GrapeAttentionImpl : public torch::nn::Module {
   struct Parts {
     torch::Tensor q, k, v;
     AttentionArgs args;
-    torch::Tensor c;               // FoX: [B, H, T] float64 cumulative sums (cq = ck = c)
+    std::vector<torch::Tensor> content;  // the new keys' content side tensors (args has them)
     torch::Tensor phase_end;       // GRAPE-M-ctx: Phi after the last token [B, 1]
     torch::Tensor last_k, last_v;  // raw projections of the last token (KV-shift state)
   };
@@ -85,10 +86,7 @@ class GrapeAttentionImpl : public torch::nn::Module {
   PositionEncoding enc_{nullptr};  // fixed transforms (rope, ...) and ALiBi slopes
   torch::Tensor q_gain_, k_gain_;
   torch::Tensor log_freq_, ctx_w_, ctx_b_, basis_w_;       // GRAPE-M
-  torch::Tensor gate_u_, gate_v_, gate_rho_;               // GRAPE-A
-  torch::nn::Linear fox_{nullptr};                         // FoX forget gates
-  torch::nn::Linear probe_{nullptr};                       // GRAPE-AP probes
-  torch::Tensor probe_rho_;                                // GRAPE-AP paper form: beta_h
+  std::vector<torch::Tensor> content_params_;  // GRAPE-A / FoX / GRAPE-AP (its runtime's)
   torch::Tensor slopes_;                                   // ALiBi slopes m_h [H] (buffer)
   torch::nn::Linear shift_k_{nullptr}, shift_v_{nullptr};  // KV-shift gates
 };

@@ -28,8 +28,8 @@ DIMS = {s: head_dim_for(s) for s in SPECS}
 
 
 def needs_more_than_positions(info):
-    """What the module refuses, read from the model: a bias other than slopes (content gates,
-    path integrals, learned lag tables), a transform not driven by positions alone, or one whose
+    """What the module refuses with grouped heads (HQ > HK), read from the model: a bias other
+    than slopes (content gates, path integrals, learned lag tables: one row per head), a transform not driven by positions alone, or one whose
     frequencies or basis a model's layer learns (the encoding would keep their initial values)."""
     return (any(not (b["shape"] == "lag_table" and b["slopes"]) for b in info["biases"])
             or any(t["time"] != "position" or t["learned_frequencies"] or t["basis"] != "none"
@@ -237,7 +237,7 @@ def test_refused_specs_are_exactly_those_needing_more_than_positions():
                 relpos.Attention(spec, DIMS[spec], HQ, HK)
             named = [b["name"] for b in info["biases"]] + [t["name"] for t in info["transforms"]]
             assert info["name"] in str(e.value) or any(n in str(e.value) for n in named), str(e.value)
-            assert "not yet in relpos.Attention" in str(e.value)
+            assert "not yet in Attention" in str(e.value) or "not supported" in str(e.value)
         else:
             relpos.Attention(spec, DIMS[spec], HQ, HK)
 
@@ -277,8 +277,10 @@ def test_bad_calls_raise_input_errors():
         a(q[:, :2], k, v)
     with pytest.raises(relpos.InputError, match="k has 4 heads"):
         a(q, q, v)
-    with pytest.raises(relpos.InputError, match="inputs=None"):
-        a(q, k, v, inputs=torch.randn(1, 3, 32))
+    # hidden states go to every mechanism (a model passes them uniformly): unread, but checked
+    torch.testing.assert_close(a(q, k, v, inputs=torch.randn(1, 3, 32)), a(q, k, v))
+    with pytest.raises(relpos.InputError, match=r"inputs must be \[B, T, model_dim\]"):
+        a(q, k, v, inputs=torch.randn(1, 4, 32))
     for cache, what in ((relpos.KVCache(2, 2, 8), "batch 2"), (relpos.KVCache(1, 1, 8), "1 key/value"),
                         (relpos.KVCache(1, 2, 8, dtype=torch.float64), "float64")):
         with pytest.raises(relpos.InputError, match=what):

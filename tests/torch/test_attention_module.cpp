@@ -5,6 +5,7 @@
 
 #include "core/registry.hpp"
 #include "torch/attention_module.hpp"
+#include "torch/mechanisms/content_runtime.hpp"
 
 using namespace relpos;
 
@@ -142,7 +143,10 @@ TEST(AttentionModule, BadCallsAreInputErrors) {
   const auto x = inputs(1, 3, D);
   EXPECT_THROW(a->forward(x.k, x.k, x.v), InputError);  // 2 query heads, built for 4
   EXPECT_THROW(a->forward(x.q, x.q, x.v), InputError);  // 4 key heads, built for 2
-  EXPECT_THROW(a->forward(x.q, x.k, x.v, {.inputs = torch::zeros({1, 3, 8})}), InputError);
+  // hidden states go to every mechanism (a model passes them uniformly): unread, but checked
+  EXPECT_TRUE(torch::equal(a->forward(x.q, x.k, x.v, {.inputs = torch::zeros({1, 3, 8})}),
+                           a->forward(x.q, x.k, x.v)));
+  EXPECT_THROW(a->forward(x.q, x.k, x.v, {.inputs = torch::zeros({1, 4, 8})}), InputError);
   nn::DecodeCache other(1, kHk, D, torch::kFloat);
   EXPECT_THROW(a->forward(x.q, x.k, x.v, {.cache = &other}), InputError);  // float32 cache
   nn::DecodeCache cache(1, kHk, D, torch::kDouble);
@@ -192,4 +196,62 @@ TEST(AttentionModule, LearnedLagTablesDecodeWithoutGroupedHeads) {
     EXPECT_LT(max_diff(torch::cat(outs, 2), full.detach()), 1e-12);
   }
   EXPECT_GE(seen, 3);  // pj_bias, t5_bias, kerple
+}
+
+// Content-dependent biases (every catalog mechanism with one, without grouped heads): the
+// parameters are the runtime's (names shared with Python), the gradient reaches each, decoding
+// in chunks equals the full forward, and a later token leaves earlier outputs unchanged.
+TEST(AttentionModule, ContentBiasesRunFromInputs) {
+  const int64_t H = 2, model_dim = 12, B = 2, T = 7;
+  const int D = 8;
+  int content = 0;
+  for (const auto& spec : catalog_specs()) {
+    std::optional<Mechanism> m;
+    try {
+      m = build_mechanism(spec, D, static_cast<int>(H));
+    } catch (const InputError&) {
+      continue;  // needs another head dim: not a content bias (those take any even D)
+    }
+    const BiasTerm* term = m->content_bias();
+    if (!term) continue;
+    SCOPED_TRACE(spec);
+    ++content;
+    torch::manual_seed(5);
+    nn::Attention a(spec, D, H, nn::AttentionOptions{.model_dim = model_dim});
+    a->to(torch::kDouble);
+    {
+      const torch::NoGradGuard no_grad;
+      for (auto& p : a->parameters()) p.add_(0.3 * torch::randn_like(p));
+    }
+    for (const auto& name : nn::content_runtime(*term).names(*term))
+      EXPECT_TRUE(a->named_parameters().contains(name)) << name;
+    torch::manual_seed(9);
+    const auto q = torch::randn({B, H, T, D}, torch::kDouble),
+               k = torch::randn({B, H, T, D}, torch::kDouble),
+               v = torch::randn({B, H, T, D}, torch::kDouble),
+               x = torch::randn({B, T, model_dim}, torch::kDouble);
+    const auto full = a->forward(q, k, v, {.inputs = x});
+    (full * torch::randn_like(full)).sum().backward();
+    for (const auto& p : a->named_parameters())
+      EXPECT_GT(p.value().grad().abs().max().item<double>(), 0.0) << p.key();
+    nn::DecodeCache cache(B, H, D, torch::kDouble, 2);
+    std::vector<torch::Tensor> outs;
+    int64_t t = 0;
+    for (int64_t n : {3, 1, 2, 1}) {
+      const torch::NoGradGuard no_grad;
+      outs.push_back(a->forward(q.narrow(2, t, n), k.narrow(2, t, n), v.narrow(2, t, n),
+                                {.inputs = x.narrow(1, t, n), .cache = &cache}));
+      t += n;
+    }
+    EXPECT_LT(max_diff(torch::cat(outs, 2), full), 1e-12);
+    auto x2 = x.clone();
+    x2.select(1, T - 1).add_(3.0);
+    EXPECT_EQ(max_diff(a->forward(q, k, v, {.inputs = x2}).narrow(2, 0, T - 1),
+                       full.narrow(2, 0, T - 1)),
+              0.0);
+    if (nn::content_runtime(*term).reads_inputs) {
+      EXPECT_THROW(a->forward(q, k, v), InputError);
+    }
+  }
+  EXPECT_GE(content, 3);
 }

@@ -13,7 +13,9 @@ namespace relpos::nn {
 const LagRuntime& lag_runtime(const LagKernel& k) {
   static const std::map<std::string, LagRuntime> runtimes = {
 #define RELPOS_LAG_RUNTIME(NAME) {#NAME, NAME##_lag_runtime()},
+#define RELPOS_CONTENT_RUNTIME(NAME)
 #include "torch/mechanisms/list.inc"
+#undef RELPOS_CONTENT_RUNTIME
 #undef RELPOS_LAG_RUNTIME
   };
   const auto it = runtimes.find(k.term());

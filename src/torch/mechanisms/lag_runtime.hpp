@@ -35,7 +35,9 @@ torch::Tensor lag_table(const LagKernel& k, int heads, const std::vector<torch::
 LagParamValues lag_values(const std::vector<torch::Tensor>& params);
 
 #define RELPOS_LAG_RUNTIME(NAME) LagRuntime NAME##_lag_runtime();
+#define RELPOS_CONTENT_RUNTIME(NAME)
 #include "torch/mechanisms/list.inc"
+#undef RELPOS_CONTENT_RUNTIME
 #undef RELPOS_LAG_RUNTIME
 
 }  // namespace relpos::nn

@@ -1,0 +1,125 @@
+// The content-dependent bias operators of TORCH_LIBRARY(relpos), for the Python Attention: the
+// same runtime as nn::Attention (torch/mechanisms/content_runtime.hpp), so both languages create
+// the same parameters (names, shapes, torch's generator draws in one order) and compute the same
+// kernel arguments. Generic: the spec string picks the term and its runtime.
+//   content_params   JSON {"names": [...], "reads_inputs": bool}, or "" without a content bias
+//   content_initial  the parameters' initial tensors (the C++ module's, drawn in its order)
+//   content_bias     [gq, cq, path_q, path_beta, path_scale (a 0-dim float64 tensor), new keys'
+//                    side tensors...] for the call's tokens (absent entries: None);
+//                    CompositeImplicitAutograd, so autograd runs through the runtime's ops
+//   content_keys     [gk, ck, path_k] from the side tensors of every key the call scores
+// and `attention_refusal`: why relpos.Attention cannot run a mechanism ("" when it can).
+#include <fmt/format.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include "core/registry.hpp"
+#include "torch/attention_module.hpp"
+#include "torch/mechanisms/content_runtime.hpp"
+#include "torch/op_util.hpp"
+
+namespace relpos::nn {
+
+namespace {
+
+Mechanism content_mechanism(const std::string& spec, int64_t head_dim, int64_t heads) {
+  if (head_dim <= 0 || head_dim > kMaxHeadDim || heads <= 0 || heads > kMaxHeads)
+    throw InputError(fmt::format("head dim {} / heads {} out of range", head_dim, heads));
+  return build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(heads));
+}
+
+const BiasTerm& content_term(const Mechanism& m) {
+  const BiasTerm* b = m.content_bias();
+  if (!b) throw InputError(fmt::format("'{}' has no content-dependent bias", m.spec));
+  return *b;
+}
+
+std::string content_params_op(const std::string& spec, int64_t head_dim, int64_t heads) {
+  return op_util::value_errors([&] {
+    const Mechanism m = content_mechanism(spec, head_dim, heads);
+    const BiasTerm* b = m.content_bias();
+    if (!b) return std::string();
+    const ContentRuntime& r = content_runtime(*b);
+    std::vector<std::string> quoted;
+    for (const auto& n : r.names(*b)) quoted.push_back(fmt::format("\"{}\"", n));
+    return fmt::format("{{\"names\": [{}], \"reads_inputs\": {}}}", fmt::join(quoted, ", "),
+                       r.reads_inputs);
+  });
+}
+
+std::vector<torch::Tensor> content_initial_op(const std::string& spec, int64_t head_dim,
+                                              int64_t heads, int64_t model_dim) {
+  return op_util::value_errors([&] {
+    const Mechanism m = content_mechanism(spec, head_dim, heads);
+    const BiasTerm& b = content_term(m);
+    torch::nn::Module owner;
+    std::vector<torch::Tensor> out;
+    for (const auto& t : content_runtime(b).create(b, owner, model_dim, heads, head_dim))
+      out.push_back(t.detach());
+    return out;
+  });
+}
+
+std::vector<torch::Tensor> content_bias_op(const std::string& spec, int64_t head_dim,
+                                           int64_t heads, at::TensorList params,
+                                           const std::optional<torch::Tensor>& inputs,
+                                           const torch::Tensor& q, const torch::Tensor& k,
+                                           const torch::Tensor& positions, at::TensorList past,
+                                           const std::optional<torch::Tensor>& past_lengths) {
+  return op_util::value_errors([&] {
+    const Mechanism m = content_mechanism(spec, head_dim, heads);
+    const BiasTerm& b = content_term(m);
+    if (q.dim() != 4 || k.sizes() != q.sizes() || q.size(1) != heads || q.size(3) != head_dim)
+      throw InputError(fmt::format("content_bias: q and k must be [B, {}, T, {}]", heads,
+                                   head_dim));
+    ContentCall c{inputs.value_or(torch::Tensor()), q, k, positions, past.vec(),
+                  past_lengths.value_or(torch::Tensor())};
+    AttentionArgs a;
+    const auto side = content_side(b, params.vec(), c, a);
+    std::vector<torch::Tensor> out{a.gq, a.cq, a.path_q, a.path_beta,
+                                   torch::tensor(a.path_scale, torch::kDouble)};
+    out.insert(out.end(), side.begin(), side.end());
+    return out;
+  });
+}
+
+std::vector<torch::Tensor> content_keys_op(const std::string& spec, int64_t head_dim,
+                                           int64_t heads, at::TensorList keys) {
+  return op_util::value_errors([&] {
+    const Mechanism m = content_mechanism(spec, head_dim, heads);
+    const BiasTerm& b = content_term(m);
+    AttentionArgs a;
+    content_runtime(b).attach(keys.vec(), a);
+    return std::vector<torch::Tensor>{a.gk, a.ck, a.path_k};
+  });
+}
+
+std::string attention_refusal_op(const std::string& spec, int64_t head_dim, int64_t kv_heads,
+                                 int64_t num_heads) {
+  return op_util::value_errors([&] {
+    return attention_refusal(content_mechanism(spec, head_dim, kv_heads), num_heads)
+        .value_or(std::string());
+  });
+}
+
+}  // namespace
+
+}  // namespace relpos::nn
+
+TORCH_LIBRARY_FRAGMENT(relpos, m) {
+  m.def("content_params(str spec, int head_dim, int heads) -> str",
+        relpos::nn::content_params_op);
+  m.def("content_initial(str spec, int head_dim, int heads, int model_dim) -> Tensor[]",
+        relpos::nn::content_initial_op);
+  m.def(
+      "content_bias(str spec, int head_dim, int heads, Tensor[] params, Tensor? inputs, Tensor q, "
+      "Tensor k, Tensor positions, Tensor[] past, Tensor? past_lengths) -> Tensor[]");
+  m.def("content_keys(str spec, int head_dim, int heads, Tensor[] keys) -> Tensor[]");
+  m.def("attention_refusal(str spec, int head_dim, int kv_heads, int num_heads) -> str",
+        relpos::nn::attention_refusal_op);
+}
+
+TORCH_LIBRARY_IMPL(relpos, CompositeImplicitAutograd, m) {
+  m.impl("content_bias", relpos::nn::content_bias_op);
+  m.impl("content_keys", relpos::nn::content_keys_op);
+}

@@ -1,0 +1,63 @@
+// The torch side of a content-dependent bias (core BiasTerm with content_dependent(): per-token
+// gates or probes computed from the tokens): one runtime per family, in its own file in this
+// folder and named in list.inc, owning the term's parameters (content projections such as FoX's
+// forget gates, GRAPE-A's gate directions, GRAPE-AP's probes), their initialisation, and how a
+// call's inputs become the kernel's bias arguments. nn::Attention, nn::GrapeAttention, the decode
+// caches and the Python ops go through the functions below and never name a family
+// (docs/architecture.md, "Content-dependent biases").
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "core/mechanism.hpp"
+#include "torch/attention.hpp"
+
+namespace relpos::nn {
+
+// One call's tokens as a content bias sees them.
+struct ContentCall {
+  torch::Tensor inputs;     // the layer's hidden states [B, T, model_dim]
+  torch::Tensor q, k;       // the queries and keys the kernel scores [B, H, T, D] (transformed)
+  torch::Tensor positions;  // the new tokens' positions [T] or [B, T], float64
+  // With a decode cache: the key-side tensors of the cached keys (as prepare() returned them,
+  // [B, H, t, ...]) and each row's cached length (int64 [B]); empty without one.
+  std::vector<torch::Tensor> past;
+  torch::Tensor past_lengths;
+};
+
+struct ContentRuntime {
+  // Whether prepare() reads ContentCall::inputs (GRAPE-A's gates read q and k only).
+  bool reads_inputs = true;
+  // The parameters' state-dict names, in creation order ("fox.weight" is a submodule's).
+  std::vector<std::string> (*names)(const BiasTerm& t) = nullptr;
+  // Registers the parameters on `owner` under those names (drawing from torch's generator where
+  // the reference module does) and returns them in the same order.
+  std::vector<torch::Tensor> (*create)(const BiasTerm& t, torch::nn::Module& owner,
+                                       int64_t model_dim, int64_t heads,
+                                       int64_t head_dim) = nullptr;
+  // Sets a's query-side arguments for the call's tokens and returns the new keys' side tensors
+  // ([B, H, T, ...], the order a cache stores them; float64 for prefix sums).
+  std::vector<torch::Tensor> (*prepare)(const BiasTerm& t, const std::vector<torch::Tensor>& params,
+                                        const ContentCall& c, AttentionArgs& a) = nullptr;
+  // Sets a's key-side arguments from the side tensors of every key the call scores.
+  void (*attach)(const std::vector<torch::Tensor>& keys, AttentionArgs& a) = nullptr;
+};
+
+// The runtime of a content-dependent term (std::logic_error naming it when list.inc has none).
+const ContentRuntime& content_runtime(const BiasTerm& t);
+
+// prepare() with the checks every caller needs: the parameters' count, and inputs [B, T, model_dim]
+// with q's batch, tokens and dtype where the runtime reads them; InputError naming what is wrong.
+std::vector<torch::Tensor> content_side(const BiasTerm& t, const std::vector<torch::Tensor>& params,
+                                        const ContentCall& c, AttentionArgs& a);
+
+#define RELPOS_LAG_RUNTIME(NAME)
+#define RELPOS_CONTENT_RUNTIME(NAME) ContentRuntime NAME##_content_runtime();
+#include "torch/mechanisms/list.inc"
+#undef RELPOS_CONTENT_RUNTIME
+#undef RELPOS_LAG_RUNTIME
+
+}  // namespace relpos::nn

@@ -1,0 +1,192 @@
+// GRAPE's content-dependent biases (core/mechanisms/grape.cpp; spec grape-joformer.md 2.5-2.8):
+//   grape_a   gated slopes -(i - j)(gq_i + gk_j): gq_i = omega_h softplus(v_h . q_i / sqrt D),
+//             gk_j = omega_h softplus(u_h . k_j / sqrt D) on the scored q and k (unit u, v in the
+//             reference form, raw in the paper's); omega_h = softplus(rho_h) m_h (reference,
+//             rho = softplus^{-1}(1)) or softplus(rho_h) (paper, rho = softplus^{-1}(m_h))
+//   fox       c_i - c_j with c_t = sum_{s<=t} log sigmoid(w_h . x_s + b_h), b = 0 (float64 sums:
+//             the kernel subtracts them before rounding)
+//   grape_ap  path integral sum_{l=j+1..i} beta_h logsigmoid(p_i . R_l p^_l / P) with probes
+//             p = W_p x, the key probe RMS-normalised and rotated by l rad; beta_h = m_h
+//             (reference) or softplus(rho_h) and the query probe normalised too (paper)
+// The parameters are created in the reference module's order and with its initialisation, so a
+// seeded model draws the same numbers as before this runtime existed.
+#include <fmt/format.h>
+
+#include <cfloat>
+#include <cmath>
+
+#include "core/types.hpp"
+#include "torch/journey.hpp"
+#include "torch/mechanisms/content_runtime.hpp"
+
+namespace relpos::nn {
+
+namespace {
+
+// softplus^{-1}(y) = ln(e^y - 1), for initialising softplus-parameterised scales
+torch::Tensor inverse_softplus(const torch::Tensor& y) {
+  return torch::log(torch::expm1(y));
+}
+
+// ALiBi slopes m_h of the term (a float32 buffer in the reference), in `dt`
+torch::Tensor slopes(const BiasTerm& t, torch::ScalarType dt) {
+  return torch::tensor(t.slopes, torch::kDouble).to(torch::kFloat).to(dt);
+}
+
+// x / sqrt(mean(x^2) + eps) over the last axis, eps = the dtype's machine epsilon (torch's
+// RMSNorm default), computed in float32 at least (the reference's RMSNorm casts to fp32)
+torch::Tensor rms(const torch::Tensor& x) {
+  const bool dbl = x.scalar_type() == torch::kDouble;
+  const auto xf = dbl ? x : x.to(torch::kFloat);
+  const double eps = dbl ? DBL_EPSILON : FLT_EPSILON;
+  return (xf * torch::rsqrt(xf.square().mean(-1, true) + eps)).to(x.scalar_type());
+}
+
+// a Linear(model_dim, out) registered as submodule `name`; its weight (and bias)
+std::vector<torch::Tensor> linear(torch::nn::Module& owner, const char* name, int64_t in,
+                                  int64_t out, bool bias) {
+  auto l = owner.register_module(name,
+                                 torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)));
+  if (!bias) return {l->weight};
+  torch::nn::init::zeros_(l->bias);
+  return {l->weight, l->bias};
+}
+
+// W x (+ b) for inputs [B, T, model_dim], checking model_dim against the weight
+torch::Tensor project(const BiasTerm& t, const torch::Tensor& x, const torch::Tensor& w,
+                      const torch::Tensor& b = {}) {
+  if (x.size(2) != w.size(1))
+    throw InputError(fmt::format("{}: inputs have model_dim {}; the projection was built for {}",
+                                 t.name, x.size(2), w.size(1)));
+  return torch::nn::functional::linear(x, w.to(x.scalar_type()),
+                                       b.defined() ? b.to(x.scalar_type()) : b);
+}
+
+// -------- grape_a
+
+std::vector<std::string> gated_names(const BiasTerm& t) {
+  std::vector<std::string> n;
+  if (t.gate != "q") n.push_back("gate_u");
+  if (t.gate != "k") n.push_back("gate_v");
+  n.push_back("gate_rho");
+  return n;
+}
+
+std::vector<torch::Tensor> gated_create(const BiasTerm& t, torch::nn::Module& owner, int64_t,
+                                        int64_t heads, int64_t D) {
+  std::vector<torch::Tensor> p;
+  if (t.gate != "q")
+    p.push_back(owner.register_parameter("gate_u", torch::randn({heads, D}) / std::sqrt(double(D))));
+  if (t.gate != "k")
+    p.push_back(owner.register_parameter("gate_v", torch::randn({heads, D}) / std::sqrt(double(D))));
+  const auto m = slopes(t, torch::kDouble);
+  p.push_back(owner.register_parameter(
+      "gate_rho",
+      inverse_softplus(t.paper_form ? m : torch::ones({heads}, torch::kDouble)).to(torch::kFloat)));
+  return p;
+}
+
+std::vector<torch::Tensor> gated_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
+                                         const ContentCall& c, AttentionArgs& a) {
+  const auto dt = c.q.scalar_type();
+  const int64_t H = c.q.size(1), D = c.q.size(3);
+  const auto rho = p.back().to(dt);
+  const auto omega =
+      t.paper_form ? torch::softplus(rho) : torch::softplus(rho) * slopes(t, dt);
+  // passed pre-multiplied: the kernel adds -(i - j)(gq_i + gk_j)
+  const auto gates = [&](const torch::Tensor& dir, const torch::Tensor& y) {
+    auto d = dir.to(dt);
+    if (!t.paper_form) d = d / d.norm(2, -1, true).clamp_min(1e-6);
+    const auto z = torch::einsum("bhtd,hd->bht", {y, d}) / std::sqrt(double(D));
+    return torch::softplus(z) * omega.view({1, H, 1});
+  };
+  size_t i = 0;
+  std::vector<torch::Tensor> side;
+  if (t.gate != "q") side.push_back(gates(p[i++], c.k));
+  if (t.gate != "k") a.gq = gates(p[i++], c.q);
+  return side;
+}
+
+void gated_attach(const std::vector<torch::Tensor>& keys, AttentionArgs& a) {
+  if (!keys.empty()) a.gk = keys[0];
+}
+
+// -------- fox
+
+std::vector<std::string> fox_names(const BiasTerm&) {
+  return {"fox.weight", "fox.bias"};
+}
+
+std::vector<torch::Tensor> fox_create(const BiasTerm&, torch::nn::Module& owner, int64_t model_dim,
+                                      int64_t heads, int64_t) {
+  return linear(owner, "fox", model_dim, heads, true);
+}
+
+std::vector<torch::Tensor> fox_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
+                                       const ContentCall& c, AttentionArgs& a) {
+  const auto logf =
+      torch::log_sigmoid(project(t, c.inputs, p[0], p[1])).transpose(1, 2).to(torch::kDouble);
+  const int64_t B = logf.size(0), H = logf.size(1);
+  // c continues from each row's last cached key
+  torch::Tensor c0 = torch::zeros({B, H, 1}, torch::kDouble);
+  if (!c.past.empty() && c.past[0].size(2) > 0) {
+    const auto last = (c.past_lengths - 1).clamp_min(0).view({B, 1, 1}).expand({B, H, 1});
+    c0 = c.past[0].gather(2, last) * (c.past_lengths > 0).view({B, 1, 1});
+  }
+  a.cq = c0 + torch::cumsum(logf, 2);
+  return {a.cq};
+}
+
+void fox_attach(const std::vector<torch::Tensor>& keys, AttentionArgs& a) {
+  a.ck = keys.at(0);
+}
+
+// -------- grape_ap
+
+std::vector<std::string> path_names(const BiasTerm& t) {
+  std::vector<std::string> n{"probe.weight"};
+  if (t.paper_form) n.push_back("probe_rho");
+  return n;
+}
+
+std::vector<torch::Tensor> path_create(const BiasTerm& t, torch::nn::Module& owner,
+                                       int64_t model_dim, int64_t heads, int64_t) {
+  auto p = linear(owner, "probe", model_dim, heads * t.probe_dim, false);
+  if (t.paper_form)
+    p.push_back(owner.register_parameter(
+        "probe_rho", inverse_softplus(slopes(t, torch::kDouble)).to(torch::kFloat)));
+  return p;
+}
+
+std::vector<torch::Tensor> path_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
+                                        const ContentCall& c, AttentionArgs& a) {
+  const auto dt = c.q.scalar_type();
+  const int64_t B = c.q.size(0), H = c.q.size(1), T = c.q.size(2), P = t.probe_dim;
+  const auto probes = project(t, c.inputs, p[0]).view({B, T, H, P}).transpose(1, 2).to(dt);
+  // l rad per plane at each token's position: [T, P/2] or [B, T, P/2]
+  const auto angles = c.positions.to(dt).unsqueeze(-1).expand(
+      c.positions.dim() == 1 ? std::vector<int64_t>{T, P / 2} : std::vector<int64_t>{B, T, P / 2});
+  const auto path_k = rotate_pairs(rms(probes), Frame::of(angles), false, Layout::HalfSplit);
+  a.path_q = t.paper_form ? rms(probes) : probes.contiguous();
+  a.path_beta = t.paper_form ? torch::softplus(p[1].to(dt)) : slopes(t, dt);
+  a.path_scale = 1.0 / static_cast<double>(P);
+  return {path_k};
+}
+
+void path_attach(const std::vector<torch::Tensor>& keys, AttentionArgs& a) {
+  a.path_k = keys.at(0);
+}
+
+}  // namespace
+
+ContentRuntime grape_a_content_runtime() {
+  return {false, gated_names, gated_create, gated_prepare, gated_attach};
+}
+ContentRuntime fox_content_runtime() {
+  return {true, fox_names, fox_create, fox_prepare, fox_attach};
+}
+ContentRuntime grape_ap_content_runtime() {
+  return {true, path_names, path_create, path_prepare, path_attach};
+}
+
+}  // namespace relpos::nn

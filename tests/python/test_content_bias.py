@@ -1,0 +1,210 @@
+"""relpos.Attention with content-dependent biases (every mechanism of the catalog whose bias is
+computed from the tokens, and their options), with no per-mechanism code: the forward against a
+float64 composition from the bias shape's formula in plain torch ops (read from the mechanism
+JSON), decoding through the cache against the full forward, causality, gradients of q, k, v, the
+inputs and every parameter, and the refusals."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import relpos
+
+H, MODEL_DIM = 2, 12
+CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
+
+
+def content_bias_of(spec, d=8):
+    try:
+        info = relpos.mechanism(spec, d, H)
+    except relpos.InputError:
+        return None
+    return next((b for b in info["biases"] if b["shape"] != "lag_table"), None)
+
+
+# the catalog's content-bias mechanisms, their options, and compositions with a transform / slopes
+SPECS = [s for s in CATALOG if content_bias_of(s) is not None] + [
+    "grape_a(gate=k)", "grape_a(gate=q)", "grape_a(form=paper)", "grape_ap(form=paper, probe=4)",
+    "rope + fox", "alibi + grape_a", "rope + grape_ap"]
+D = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def module(spec, jitter=0.3):
+    torch.manual_seed(5)
+    a = relpos.Attention(spec, D, H, model_dim=MODEL_DIM).double()
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(jitter * torch.randn_like(p))
+    return a
+
+
+def tensors(B=2, T=7, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    x = torch.randn(B, T, MODEL_DIM, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, x
+
+
+def rms(x):
+    eps = torch.finfo(x.dtype).eps
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def content_reference(attn, qt, kt, x, pos):
+    """The bias [B, H, T, T] of the mechanism's content term from its shape's formula (GRAPE
+    spec grape-joformer.md 2.5-2.8): parameters in the runtime's order, options from the JSON."""
+    b = content_bias_of(attn.spec, D)
+    params = attn._content_params()
+    m = torch.tensor(b["slopes"], dtype=torch.float64)
+    lag = pos[:, None, :, None] - pos[:, None, None, :]
+    if b["shape"] == "separable":  # c_i - c_j, c_t = sum_{s<=t} log sigmoid(w.x_s + b)
+        c = F.logsigmoid(x @ params[0].T + params[1]).cumsum(1).transpose(1, 2)  # [B, H, T]
+        return c[..., :, None] - c[..., None, :]
+    if b["shape"] == "gated_slope":  # -(p_i - p_j)(gq_i + gk_j)
+        omega = F.softplus(params[-1]) * (1 if b["paper_form"] else m)
+        def gate(direction, y):
+            u = direction if b["paper_form"] else direction / direction.norm(dim=-1, keepdim=True)
+            return omega[None, :, None] * F.softplus(torch.einsum("bhtd,hd->bht", y, u) / math.sqrt(D))
+        gk = gate(params[0], kt) if b["gate"] != "q" else torch.zeros(qt.shape[:3], dtype=qt.dtype)
+        gq = gate(params[1 if b["gate"] == "qk" else 0], qt) if b["gate"] != "k" else torch.zeros_like(gk)
+        return -lag * (gq[..., :, None] + gk[..., None, :])
+    assert b["shape"] == "path_integral"  # sum_{l=j+1..i} beta log sigmoid(p_i . R_l p^_l / P)
+    B, T = x.shape[:2]
+    P = b["probe_dim"]
+    p = (x @ params[0].T).view(B, T, H, P).transpose(1, 2)  # [B, H, T, P]
+    half = P // 2
+    c, s = pos.cos()[:, None, :, None], pos.sin()[:, None, :, None]
+    pk = rms(p)
+    pk = torch.cat([c * pk[..., :half] - s * pk[..., half:], s * pk[..., :half] + c * pk[..., half:]], -1)
+    pq = rms(p) if b["paper_form"] else p
+    beta = F.softplus(params[1]) if b["paper_form"] else m
+    edge = beta[None, :, None, None] * F.logsigmoid(pq @ pk.transpose(-1, -2) / P)  # [B, H, i, l]
+    out = torch.zeros(B, H, T, T, dtype=x.dtype)
+    for i in range(T):
+        for j in range(i):
+            out[:, :, i, j] = edge[:, :, i, j + 1 : i + 1].sum(-1)
+    return out
+
+
+def reference(attn, q, k, v, x, pos):
+    B, _, T, _ = q.shape
+    pos = pos.expand(B, T).to(torch.float64)
+    qt, kt = attn.encoding(q, k, pos)
+    s = qt @ kt.transpose(-1, -2) / math.sqrt(D) + content_reference(attn, qt, kt, x, pos)
+    lag = pos[:, None, :, None] - pos[:, None, None, :]
+    info = relpos.mechanism(attn.spec, D, H)
+    for b in info["biases"]:
+        if b["shape"] == "lag_table" and b["slopes"]:
+            s = s - torch.tensor(b["slopes"], dtype=s.dtype)[None, :, None, None] * lag
+    return torch.softmax(s.masked_fill(lag < 0, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_forward_is_the_formula(spec):
+    attn = module(spec)
+    q, k, v, x = tensors()
+    pos = torch.arange(q.shape[2], dtype=torch.float64)
+    torch.testing.assert_close(attn(q, k, v, inputs=x), reference(attn, q, k, v, x, pos),
+                               rtol=0, atol=1e-11)
+    # float32 parameters and inputs against the same float64 formula
+    a32 = copy.deepcopy(attn).float()
+    q32, k32, v32, x32 = tensors(dtype=torch.float32)
+    torch.testing.assert_close(a32(q32, k32, v32, inputs=x32).double(),
+                               reference(attn, q, k, v, x, pos), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_through_the_cache_is_the_full_forward(spec):
+    attn = module(spec)
+    q, k, v, x = tensors(T=9)
+    full = attn(q, k, v, inputs=x)
+    for chunks in ([1] * 9, [4, 1, 3, 1]):
+        cache = relpos.KVCache(2, H, D, dtype=torch.float64, capacity=2)
+        outs, t = [], 0
+        for n in chunks:
+            sl = slice(t, t + n)
+            outs.append(attn(q[:, :, sl], k[:, :, sl], v[:, :, sl], inputs=x[:, sl], cache=cache))
+            t += n
+        torch.testing.assert_close(torch.cat(outs, 2), full, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_later_token_leaves_earlier_outputs_unchanged(spec):
+    attn = module(spec)
+    q, k, v, x = tensors(T=6)
+    q2, k2, v2, x2 = (t.clone() for t in (q, k, v, x))
+    for t in (q2, k2, v2):
+        t[:, :, -1] += 3.0
+    x2[:, -1] += 3.0
+    torch.testing.assert_close(attn(q2, k2, v2, inputs=x2)[:, :, :-1],
+                               attn(q, k, v, inputs=x)[:, :, :-1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_gradcheck_inputs_and_parameters(spec):
+    attn = module(spec)
+    q, k, v, x = (t.requires_grad_() for t in tensors(B=1, T=4))
+    params = list(attn.parameters())
+    assert torch.autograd.gradcheck(lambda q, k, v, x: attn(q, k, v, inputs=x), (q, k, v, x))
+    # every parameter reaches the output, with the finite-difference gradient
+    out = attn(q, k, v, inputs=x)
+    w = torch.randn_like(out)
+    grads = torch.autograd.grad((out * w).sum(), params)
+    for p, g in zip(params, grads):
+        eps, idx = 1e-6, (0,) * p.dim()
+        with torch.no_grad():
+            p[idx] += eps
+            up = (attn(q, k, v, inputs=x) * w).sum()
+            p[idx] -= 2 * eps
+            down = (attn(q, k, v, inputs=x) * w).sum()
+            p[idx] += eps
+        assert abs(float((up - down) / (2 * eps)) - float(g[idx])) < 1e-6 * max(1.0, abs(float(g[idx])))
+
+
+def test_parameters_are_the_runtimes_with_their_names():
+    a = relpos.Attention("fox", D, H, model_dim=MODEL_DIM)
+    assert sorted(a.state_dict()) == ["fox.bias", "fox.weight"]
+    assert a.fox.weight.shape == (H, MODEL_DIM) and not a.fox.bias.detach().any()
+    # the initial draws come from torch's generator in the runtime's order: seeded, reproducible
+    torch.manual_seed(1)
+    w1 = relpos.Attention("grape_a", D, H).state_dict()
+    torch.manual_seed(1)
+    w2 = relpos.Attention("grape_a", D, H).state_dict()
+    assert list(w1) == ["gate_u", "gate_v", "gate_rho"]
+    assert all(torch.equal(w1[n], w2[n]) for n in w1)
+    assert sorted(relpos.Attention("grape_ap(form=paper)", D, H, model_dim=4).state_dict()) == [
+        "probe.weight", "probe_rho"]
+
+
+def test_bad_calls_raise_input_errors():
+    q, k, v, x = tensors()
+    with pytest.raises(relpos.InputError, match="model_dim"):
+        relpos.Attention("fox", D, H)
+    with pytest.raises(relpos.InputError, match="grouped-query"):
+        relpos.Attention("fox", D, 4, 2, model_dim=MODEL_DIM)
+    fox = relpos.Attention("fox", D, H, model_dim=MODEL_DIM).double()
+    with pytest.raises(relpos.InputError, match="inputs="):
+        fox(q, k, v)
+    with pytest.raises(relpos.InputError, match="model_dim"):
+        fox(q, k, v, inputs=x[..., :5])
+    with pytest.raises(relpos.InputError, match=r"\[B, T, model_dim\]"):
+        fox(q, k, v, inputs=x[:, :3])
+    with pytest.raises(relpos.InputError, match=r"\[B, T, model_dim\]"):
+        relpos.Attention("grape_a", D, H).double()(q, k, v, inputs=x[:1])
+    # a path-integral bias decodes rows of one length
+    ap = relpos.Attention("grape_ap", D, H, model_dim=MODEL_DIM).double()
+    cache = relpos.KVCache(2, H, D, dtype=torch.float64)
+    with pytest.raises(relpos.InputError, match="one length"):
+        ap(q, k, v, inputs=x, cache=cache, key_len=torch.tensor([7, 5]))
+    assert cache.length == 0
