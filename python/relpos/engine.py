@@ -14,7 +14,7 @@ import json
 import torch
 from torch import nn
 
-from .attention import _learned_lag_table, _transform_qk, fused_attention
+from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_attention
 from .encoding import InputError, PositionEncoding, _integer, _op
 from .journey import _journey_info, frame_angles, rotate_pairs
 
@@ -48,6 +48,7 @@ class KVCache:
         self._values = torch.zeros_like(self._keys)
         self._positions = torch.zeros(self.batch, cap, dtype=torch.float64)
         self._content: list[torch.Tensor] = []  # content-bias side tensors [B, H, capacity, ...]
+        self._phase: torch.Tensor | None = None  # per-token phases: each row's after its last token
         self.lengths = torch.zeros(self.batch, dtype=torch.int64)
 
     @property
@@ -80,6 +81,7 @@ class KVCache:
     def reset(self) -> None:
         """Empties every row (the storage is kept)."""
         self.lengths.zero_()
+        self._phase = None
 
     def next_positions(self, n: int) -> torch.Tensor:
         """The default positions of n new tokens per row: ``lengths[b] + 0..n-1``, ``[B, n]``."""
@@ -195,6 +197,19 @@ class Attention(nn.Module):
         content = _op(torch.ops.relpos.content_params, self.spec, self.head_dim, self.num_heads)
         self._content = json.loads(content) if content else None
         self._path_bias = any(b["shape"] == "path_integral" for b in info["biases"])
+        # a rotation with learned frequencies: its runtime's parameters
+        rotation = _op(torch.ops.relpos.rotation_params, self.spec, self.head_dim, self.num_kv_heads)
+        self._rotation = json.loads(rotation) if rotation else None
+        if self._rotation is not None:
+            if self._rotation["reads_inputs"] and model_dim is None:
+                raise InputError(f"{self.spec!r}: its rotation scans phases from the layer's "
+                                 "hidden states: give model_dim (the width of inputs)")
+            init = _op(torch.ops.relpos.rotation_initial, self.spec, self.head_dim,
+                       self.num_kv_heads, 0 if model_dim is None else _integer(model_dim, "model_dim"))
+            for name, t in zip(self._rotation["names"], init):
+                self.register_parameter(name, nn.Parameter(t))
+            s = _alibi_slopes(self.spec, self.head_dim, self.num_heads)
+            self._slopes = None if s is None else torch.tensor(s, dtype=torch.float64)
         if self._content is not None:
             if self._content["reads_inputs"] and model_dim is None:
                 raise InputError(f"{self.spec!r}: its bias projects the layer's hidden states: "
@@ -214,7 +229,7 @@ class Attention(nn.Module):
         self.causal, self.window, self.scale = bool(causal), float(window), scale
         self.check_finite = check_finite
         journey = _journey_info(self.spec, self.head_dim, self.num_kv_heads)
-        self._journey = journey is not None
+        self._journey = journey is not None and self._rotation is None  # (GRAPE-M-ctx: its runtime)
         self._journey_values, self._journey_outputs = (journey[2], journey[3]) if journey else (False, False)
         # with a cache, keys transformed in earlier calls must stay valid
         self._cache_refusal = None
@@ -264,11 +279,24 @@ class Attention(nn.Module):
                 raise InputError(f"{self.spec!r}: a cache decodes causal attention; this module "
                                  "is non-causal (causal=False)")
             cache._check(k)
+            if (self._rotation is not None and self._rotation["reads_inputs"] and key_len is not None
+                    and bool((key_len != q.shape[2]).any())):
+                raise InputError(f"{self.spec!r}: per-token phases continue from each row's last "
+                                 "token; key_len must count every new token")
             if self._path_bias:  # the kernel's path runs over key slots: rows of one length
                 if bool((cache.lengths != cache.lengths[0]).any()) or (
                         key_len is not None and bool((key_len != q.shape[2]).any())):
                     raise InputError(f"{self.spec!r}: a path-integral bias decodes rows of one "
                                      "length; the cache rows differ or key_len leaves tokens out")
+
+    def _rotate(self, q, k, pos, inputs, phase):
+        """q and k turned by the rotation runtime (learned frequencies, basis, phases from the
+        inputs continuing from ``phase``); returns ``(q~, k~, phase after the last token)``."""
+        params = [getattr(self, n) for n in self._rotation["names"]]
+        qt, kt, phase_end = _op(torch.ops.relpos.rotate_learned, self.spec, self.head_dim,
+                                self.num_kv_heads, params, inputs, q, k, pos, phase,
+                                self.encoding.layout)
+        return qt, kt, phase_end
 
     def _content_params(self) -> list[torch.Tensor]:
         out = []
@@ -296,10 +324,17 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         if positions is not None and not isinstance(positions, torch.Tensor):
             raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
+        phase_end = None
         if cache is None:
             # one set of positions for queries and keys (the same object: one transform call)
             pos = torch.arange(T, dtype=torch.float64) if positions is None else positions
-            qt, kt, qpos, kpos, slopes = _transform_qk(self.encoding, q, k, pos, pos)
+            if self._rotation is not None:
+                pos = _op(torch.ops.relpos.encoding_positions, pos, B, T)
+                qt, kt, phase_end = self._rotate(q, k, pos, inputs, None)
+                qpos = kpos = pos
+                slopes = None if self._slopes is None else self._slopes.to(q.dtype)
+            else:
+                qt, kt, qpos, kpos, slopes = _transform_qk(self.encoding, q, k, pos, pos)
             vt, klen = v, key_len
         else:
             counts = self._counts(key_len, B, T)
@@ -313,7 +348,12 @@ class Attention(nn.Module):
                 if pos.dim() == 1:
                     pos = pos.expand(B, T)
             cache._check_positions(pos, counts)
-            qt, kt, qpos, _, slopes = _transform_qk(self.encoding, q, k, pos, pos)
+            if self._rotation is not None:
+                qt, kt, phase_end = self._rotate(q, k, pos, inputs, cache._phase)
+                qpos = pos
+                slopes = None if self._slopes is None else self._slopes.to(q.dtype)
+            else:
+                qt, kt, qpos, _, slopes = _transform_qk(self.encoding, q, k, pos, pos)
             vt = v
         if self._journey:
             # the encoding put q and k into their frames; v goes in too, the output back out
@@ -334,6 +374,8 @@ class Attention(nn.Module):
             kv_q, kv_k, kv_v, k_positions = qt, kt, vt, kpos
         else:
             cache._append(kt, vt, qpos, counts, side)
+            if phase_end is not None:
+                cache._phase = phase_end
             kv_q, kv_k, kv_v, k_positions = qt, cache.keys, cache.values, cache.positions
             klen = cache.lengths.clone()
             side = cache.content

@@ -213,6 +213,7 @@ nlohmann::json mechanism_json(const Mechanism& m) {
                       {"exact", t.exact()},
                       // parameters a model owns beside the encoding (GRAPE-M's frequencies, basis)
                       {"learned_frequencies", t.learned_frequencies},
+                      {"frequency_scale", t.frequency_scale},
                       {"basis", t.basis}};
     if (t.roles.values || t.roles.outputs || t.time == TimeSource::ContentPhase) {
       // a journey term (core/mechanisms/journey.cpp): frame angle of pair m = time * f_m

@@ -42,10 +42,17 @@ std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_hea
           b->name);
   }
   for (const auto& t : m.transforms) {
+    if (rotation_runtime(t)) {  // learned frequencies (and phases): the module's runtime
+      if (m.transforms.size() != 1)
+        return fmt::format("'{}': transform '{}' learns its frequencies; it composes with bias "
+                           "terms only, not with other transforms",
+                           m.spec, t.name);
+      continue;
+    }
     if (t.learned_frequencies || t.basis != "none")
       return fmt::format(
-          "'{}': transform '{}' has frequencies or a basis learned by the model's layer "
-          "(nn::GrapeAttention), which the encoding does not hold; not yet in Attention",
+          "'{}': transform '{}' has frequencies or a basis learned by the model's layer, "
+          "without a runtime; not yet in Attention",
           m.spec, t.name);
     if (t.time != TimeSource::Position)
       return fmt::format(
@@ -94,6 +101,7 @@ std::vector<torch::Tensor> DecodeCache::content() const {
 }
 void DecodeCache::reset() {
   lengths_.zero_();
+  phase_ = torch::Tensor();
 }
 
 torch::Tensor DecodeCache::next_positions(int64_t n) const {
@@ -194,6 +202,16 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
           m.spec, content_->name));
     content_params_ = r.create(*content_, *this, options.model_dim, num_heads_, head_dim);
   }
+  for (const auto& t : m.transforms)
+    if (const RotationRuntime* r = rotation_runtime(t)) {
+      rotation_ = &t;
+      if (t.time == TimeSource::ContentPhase && options.model_dim < 1)
+        throw InputError(fmt::format(
+            "'{}': transform '{}' scans phases from the layer's hidden states: give model_dim (the "
+            "width of inputs)",
+            m.spec, t.name));
+      rotation_params_ = r->create(t, *this, options.model_dim, head_dim);
+    }
   if (!options.causal)  // a cached token would never see the later keys its full forward sees
     cache_refusal_ = fmt::format(
         "'{}': a cache decodes causal attention; this module is non-causal (causal = false)",
@@ -243,6 +261,12 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
   if (call.cache) {
     if (cache_refusal_) throw InputError(*cache_refusal_);
     call.cache->check(k);
+    if (rotation_ && rotation_->time == TimeSource::ContentPhase && call.key_len.defined() &&
+        !(call.key_len == q.size(2)).all().item<bool>())
+      throw InputError(fmt::format(
+          "'{}': per-token phases continue from each row's last token; key_len must count every "
+          "new token",
+          mechanism().spec));
     if (content_ && content_->shape == BiasShape::PathIntegral) {
       // the kernel's path runs over key slots: every row must end where the new tokens begin
       const auto& L = call.cache->lengths();
@@ -262,7 +286,7 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const AttentionCall& call) {
   check(q, k, v, call);
-  if (call.cache || content_) return assembled(q, k, v, call);
+  if (call.cache || content_ || rotation_) return assembled(q, k, v, call);
   AttentionArgs a;
   // one positions tensor for queries and keys (the same object: one transform call)
   a.q_positions =
@@ -302,7 +326,16 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
 
   torch::Tensor qt = q, kt = k, vt = v, q_frame_angles;
   const TransformTerm* journey = journey_term(m);
-  if (journey) {
+  torch::Tensor phase_end;
+  if (rotation_) {
+    const Rotated r =
+        rotate_learned(*rotation_, rotation_params_,
+                       {call.inputs, q, k, pos, cache ? cache->phase() : torch::Tensor(),
+                        options_.layout});
+    qt = r.q;
+    kt = r.k;
+    phase_end = r.phase_end;
+  } else if (journey) {
     // frames from positions: q, k (and v) into them here, the output back below
     q_frame_angles = fixed_frame_angles(*journey, pos, q.scalar_type());
     const Frame f = Frame::of(q_frame_angles);
@@ -330,6 +363,7 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   a.q_positions = pos;
   if (cache) {
     cache->append(kt, vt, pos, counts, content);
+    if (phase_end.defined()) cache->set_phase(phase_end);
     a.k_positions = cache->positions();
     a.key_len = cache->lengths().clone();
     kt = cache->keys();

@@ -48,10 +48,15 @@ class DecodeCache {
   void append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
               const torch::Tensor& counts, const std::vector<torch::Tensor>& content = {});
   std::vector<torch::Tensor> content() const;  // [B, H, length, ...] each
+  // per-token phases (a rotation runtime's): each row's phase after its last token, [B, 1]
+  // float64 (undefined before the first call)
+  const torch::Tensor& phase() const { return phase_; }
+  void set_phase(torch::Tensor phase) { phase_ = std::move(phase); }
 
  private:
   torch::Tensor keys_, values_, positions_, lengths_;
   std::vector<torch::Tensor> content_;
+  torch::Tensor phase_;
 };
 
 struct AttentionOptions {
@@ -96,6 +101,8 @@ class AttentionImpl : public torch::nn::Module {
   std::optional<std::string> cache_refusal_;
   const BiasTerm* content_ = nullptr;          // the content-dependent bias term, if any
   std::vector<torch::Tensor> content_params_;  // its parameters (registered on this module)
+  const TransformTerm* rotation_ = nullptr;     // a transform with learned frequencies, if any
+  std::vector<torch::Tensor> rotation_params_;
 };
 TORCH_MODULE(Attention);
 

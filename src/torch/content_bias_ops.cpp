@@ -8,6 +8,8 @@
 //                    side tensors...] for the call's tokens (absent entries: None);
 //                    CompositeImplicitAutograd, so autograd runs through the runtime's ops
 //   content_keys     [gk, ck, path_k] from the side tensors of every key the call scores
+// and likewise for a rotation with learned frequencies (GRAPE-M): `rotation_params`,
+// `rotation_initial`, `rotate_learned` ([q, k, phase after the last token or None]),
 // and `attention_refusal`: why relpos.Attention cannot run a mechanism ("" when it can).
 #include <fmt/format.h>
 #include <torch/library.h>
@@ -94,6 +96,58 @@ std::vector<torch::Tensor> content_keys_op(const std::string& spec, int64_t head
   });
 }
 
+const TransformTerm& rotation_term(const Mechanism& m) {
+  for (const auto& t : m.transforms)
+    if (rotation_runtime(t)) return t;
+  throw InputError(fmt::format("'{}' has no transform with learned frequencies", m.spec));
+}
+
+std::string rotation_params_op(const std::string& spec, int64_t head_dim, int64_t heads) {
+  return op_util::value_errors([&] {
+    const Mechanism m = content_mechanism(spec, head_dim, heads);
+    for (const auto& t : m.transforms)
+      if (const RotationRuntime* r = rotation_runtime(t)) {
+        std::vector<std::string> quoted;
+        for (const auto& n : r->names(t)) quoted.push_back(fmt::format("\"{}\"", n));
+        return fmt::format("{{\"names\": [{}], \"reads_inputs\": {}}}", fmt::join(quoted, ", "),
+                           t.time == TimeSource::ContentPhase);
+      }
+    return std::string();
+  });
+}
+
+std::vector<torch::Tensor> rotation_initial_op(const std::string& spec, int64_t head_dim,
+                                               int64_t heads, int64_t model_dim) {
+  return op_util::value_errors([&] {
+    const Mechanism m = content_mechanism(spec, head_dim, heads);
+    const TransformTerm& t = rotation_term(m);
+    torch::nn::Module owner;
+    std::vector<torch::Tensor> out;
+    for (const auto& p : rotation_runtime(t)->create(t, owner, model_dim, head_dim))
+      out.push_back(p.detach());
+    return out;
+  });
+}
+
+std::vector<torch::Tensor> rotate_learned_op(const std::string& spec, int64_t head_dim,
+                                             int64_t heads, at::TensorList params,
+                                             const std::optional<torch::Tensor>& inputs,
+                                             const torch::Tensor& q, const torch::Tensor& k,
+                                             const torch::Tensor& positions,
+                                             const std::optional<torch::Tensor>& phase,
+                                             int64_t layout) {
+  return op_util::value_errors([&] {
+    const Mechanism m = content_mechanism(spec, head_dim, heads);
+    if (q.dim() != 4 || k.dim() != 4 || q.size(3) != head_dim || k.size(3) != head_dim)
+      throw InputError(fmt::format("rotate_learned: q and k must be [B, H, T, {}]", head_dim));
+    const Rotated r = rotate_learned(
+        rotation_term(m), params.vec(),
+        {inputs.value_or(torch::Tensor()), q, k, positions, phase.value_or(torch::Tensor()),
+         layout == 1 ? Layout::HalfSplit : Layout::Interleaved});
+    return std::vector<torch::Tensor>{r.q, r.k, r.phase_end};
+  });
+}
+
 std::string attention_refusal_op(const std::string& spec, int64_t head_dim, int64_t kv_heads,
                                  int64_t num_heads) {
   return op_util::value_errors([&] {
@@ -115,6 +169,13 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "content_bias(str spec, int head_dim, int heads, Tensor[] params, Tensor? inputs, Tensor q, "
       "Tensor k, Tensor positions, Tensor[] past, Tensor? past_lengths) -> Tensor[]");
   m.def("content_keys(str spec, int head_dim, int heads, Tensor[] keys) -> Tensor[]");
+  m.def("rotation_params(str spec, int head_dim, int heads) -> str",
+        relpos::nn::rotation_params_op);
+  m.def("rotation_initial(str spec, int head_dim, int heads, int model_dim) -> Tensor[]",
+        relpos::nn::rotation_initial_op);
+  m.def(
+      "rotate_learned(str spec, int head_dim, int heads, Tensor[] params, Tensor? inputs, "
+      "Tensor q, Tensor k, Tensor positions, Tensor? phase, int layout) -> Tensor[]");
   m.def("attention_refusal(str spec, int head_dim, int kv_heads, int num_heads) -> str",
         relpos::nn::attention_refusal_op);
 }
@@ -122,4 +183,5 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
 TORCH_LIBRARY_IMPL(relpos, CompositeImplicitAutograd, m) {
   m.impl("content_bias", relpos::nn::content_bias_op);
   m.impl("content_keys", relpos::nn::content_keys_op);
+  m.impl("rotate_learned", relpos::nn::rotate_learned_op);
 }

@@ -93,16 +93,10 @@ GrapeAttentionImpl::GrapeAttentionImpl(const std::string& spec, int64_t d_model,
   slopes_ = register_buffer(
       "slopes",
       torch::tensor(alibi_slopes(static_cast<int>(heads)), torch::kDouble).to(torch::kFloat));
-  if (learned_) {
-    log_freq_ = register_parameter("log_freq", torch::empty({D / 2}));
-    reset_frequencies();
-    if (learned_->basis != "none")  // E = I at init: GRAPE-M (and RoPE) exactly
-      basis_w_ = register_parameter("basis_w", torch::zeros({D, D}));
-    if (learned_->time == TimeSource::ContentPhase) {
-      // the reference's init: w = 0, b = softplus^{-1}(1e-3), so omega = sigmoid(b / 16) ~ 0.394
-      ctx_w_ = register_parameter("ctx_w", torch::zeros({d_model}));
-      ctx_b_ = register_parameter("ctx_b", torch::full({1}, std::log(std::expm1(1e-3))));
-    }
+  if (learned_) {  // the rotation's parameters (its runtime: learned frequencies, basis, phases)
+    const RotationRuntime* r = rotation_runtime(*learned_);
+    if (!r) throw std::logic_error(fmt::format("{}: no rotation runtime", learned_->name));
+    rotation_params_ = r->create(*learned_, *this, d_model, D);
   }
   if (content_)  // the term's parameters, in the reference's order (the runtime)
     content_params_ = content_runtime(*content_).create(*content_, *this, d_model, heads, D);
@@ -115,18 +109,18 @@ GrapeAttentionImpl::GrapeAttentionImpl(const std::string& spec, int64_t d_model,
 }
 
 void GrapeAttentionImpl::reset_frequencies() {
-  if (!log_freq_.defined()) return;
+  if (!learned_) return;
   // lambda_m = scale * ln theta_m at the initial spectrum (segments store -theta: frame angle
   // = -omega p, journey.hpp), rounded once to the parameter's dtype
   std::vector<double> lam;
   for (const auto& s : learned_->segments)
     for (double w : s.omega) lam.push_back(learned_->frequency_scale * std::log(-w));
   torch::NoGradGuard no_grad;
-  log_freq_.copy_(torch::tensor(lam, torch::kDouble));
+  rotation_params_[0].copy_(torch::tensor(lam, torch::kDouble));
 }
 
 torch::Tensor GrapeAttentionImpl::frequencies() const {
-  return log_freq_.defined() ? torch::exp(log_freq_ / learned_->frequency_scale) : torch::Tensor();
+  return learned_ ? torch::exp(rotation_params_[0] / learned_->frequency_scale) : torch::Tensor();
 }
 
 double GrapeAttentionImpl::gain_pair_gap() const {
@@ -162,35 +156,12 @@ GrapeAttentionImpl::Parts GrapeAttentionImpl::parts(const torch::Tensor& x, cons
   P.v = shift_v_ ? shift(shift_v_, v, state ? state->prev_v : torch::Tensor()) : v;
   // rotation, then QK-RMSNorm (this order: the gains act on rotated coordinates)
   if (learned_) {
-    const auto theta = frequencies().to(dt);
-    torch::Tensor angles;
-    if (learned_->time == TimeSource::ContentPhase) {
-      const auto om = torch::sigmoid(
-          (torch::matmul(x, ctx_w_.to(x.scalar_type())) + ctx_b_.to(x.scalar_type())) /
-          16.0);  // [B, T]
-      const auto phase0 =
-          state && state->phase.defined() ? state->phase : torch::zeros({B, 1}, torch::kDouble);
-      const auto phi = causal_scan(om.unsqueeze(-1), "exclusive");  // [B, T, 1]
-      const auto total = phi.to(torch::kDouble) + phase0.unsqueeze(1);
-      P.phase_end =
-          (phase0 + (phi.select(1, T - 1) + om.narrow(1, T - 1, 1)).to(torch::kDouble)).detach();
-      angles = total.to(dt) * theta;  // [B, T, D/2]
-    } else {
-      angles = pos.to(dt).unsqueeze(-1) * theta;  // [T, D/2]
-    }
-    const Frame f = Frame::of(angles);
-    if (basis_w_.defined()) {
-      // E R E^T with the frame's planes (basis_rotate turns half-split pairs by +angle, as
-      // rotate_pairs does); angles [B, T, D/2] broadcast over heads
-      const auto E = orthogonal_basis(basis_w_.to(dt), learned_->basis == "exp");
-      const auto c = f.cos.dim() == 3 ? f.cos.unsqueeze(1) : f.cos,
-                 s = f.sin.dim() == 3 ? f.sin.unsqueeze(1) : f.sin;
-      qq = basis_rotate(qq, E, c, s);
-      kk = basis_rotate(kk, E, c, s);
-    } else {
-      qq = rotate_pairs(qq, f, false, Layout::HalfSplit);
-      kk = rotate_pairs(kk, f, false, Layout::HalfSplit);
-    }
+    const Rotated r = rotate_learned(
+        *learned_, rotation_params_,
+        {x, qq, kk, pos, state ? state->phase : torch::Tensor(), Layout::HalfSplit});
+    qq = r.q;
+    kk = r.k;
+    P.phase_end = r.phase_end;
   } else if (mech_.has_transform()) {
     const auto o = enc_->forward(qq, kk, pos);
     qq = o.q;

@@ -85,7 +85,7 @@ class GrapeAttentionImpl : public torch::nn::Module {
   std::string attention_;
   PositionEncoding enc_{nullptr};  // fixed transforms (rope, ...) and ALiBi slopes
   torch::Tensor q_gain_, k_gain_;
-  torch::Tensor log_freq_, ctx_w_, ctx_b_, basis_w_;       // GRAPE-M
+  std::vector<torch::Tensor> rotation_params_;  // GRAPE-M (its runtime's; log_freq first)
   std::vector<torch::Tensor> content_params_;  // GRAPE-A / FoX / GRAPE-AP (its runtime's)
   torch::Tensor slopes_;                                   // ALiBi slopes m_h [H] (buffer)
   torch::nn::Linear shift_k_{nullptr}, shift_v_{nullptr};  // KV-shift gates

@@ -255,3 +255,59 @@ TEST(AttentionModule, ContentBiasesRunFromInputs) {
   }
   EXPECT_GE(content, 3);
 }
+
+// Rotations with learned frequencies (every catalog transform with a rotation runtime, also with
+// content phases and a learned basis), grouped heads: the runtime's parameters, a gradient for
+// each, chunked decoding equal to the full forward.
+TEST(AttentionModule, LearnedRotationsRunWithTheirParameters) {
+  const int64_t model_dim = 12, B = 2, T = 7;
+  const int D = 8;
+  int found = 0;
+  for (const auto& base : catalog_specs()) {
+    std::optional<Mechanism> m;
+    try {
+      m = build_mechanism(base, D, kHk);
+    } catch (const InputError&) {
+      continue;
+    }
+    if (m->transforms.empty() || !nn::rotation_runtime(m->transforms[0])) continue;
+    for (const auto& spec : {base, base + "(context=true)", base + "(basis=cayley, context=true)"}) {
+      SCOPED_TRACE(spec);
+      ++found;
+      torch::manual_seed(5);
+      nn::Attention a(spec, D, kHq,
+                      nn::AttentionOptions{
+                          .num_kv_heads = kHk, .layout = Layout::HalfSplit, .model_dim = model_dim});
+      a->to(torch::kDouble);
+      {
+        const torch::NoGradGuard no_grad;
+        for (auto& p : a->parameters()) p.add_(0.3 * torch::randn_like(p));
+      }
+      const auto& t = a->mechanism().transforms[0];
+      for (const auto& name : nn::rotation_runtime(t)->names(t))
+        EXPECT_TRUE(a->named_parameters().contains(name)) << name;
+      torch::manual_seed(9);
+      const auto q = torch::randn({B, kHq, T, D}, torch::kDouble),
+                 k = torch::randn({B, kHk, T, D}, torch::kDouble),
+                 v = torch::randn({B, kHk, T, D}, torch::kDouble),
+                 x = torch::randn({B, T, model_dim}, torch::kDouble);
+      const auto full = a->forward(q, k, v, {.inputs = x});
+      (full * torch::randn_like(full)).sum().backward();
+      for (const auto& p : a->named_parameters())
+        if (!p.key().starts_with("encoding.")) {
+          EXPECT_GT(p.value().grad().abs().max().item<double>(), 0.0) << p.key();
+        }
+      nn::DecodeCache cache(B, kHk, D, torch::kDouble, 2);
+      std::vector<torch::Tensor> outs;
+      int64_t s = 0;
+      for (int64_t n : {3, 1, 2, 1}) {
+        const torch::NoGradGuard no_grad;
+        outs.push_back(a->forward(q.narrow(2, s, n), k.narrow(2, s, n), v.narrow(2, s, n),
+                                  {.inputs = x.narrow(1, s, n), .cache = &cache}));
+        s += n;
+      }
+      EXPECT_LT(max_diff(torch::cat(outs, 2), full), 1e-12);
+    }
+  }
+  EXPECT_GE(found, 3);
+}

@@ -13,9 +13,11 @@ namespace relpos::nn {
 const ContentRuntime& content_runtime(const BiasTerm& t) {
   static const std::map<std::string, ContentRuntime> runtimes = {
 #define RELPOS_LAG_RUNTIME(NAME)
+#define RELPOS_ROTATION_RUNTIME(NAME)
 #define RELPOS_CONTENT_RUNTIME(NAME) {#NAME, NAME##_content_runtime()},
 #include "torch/mechanisms/list.inc"
 #undef RELPOS_CONTENT_RUNTIME
+#undef RELPOS_ROTATION_RUNTIME
 #undef RELPOS_LAG_RUNTIME
   };
   const auto it = runtimes.find(t.name);
@@ -26,27 +28,60 @@ const ContentRuntime& content_runtime(const BiasTerm& t) {
   return it->second;
 }
 
+const RotationRuntime* rotation_runtime(const TransformTerm& t) {
+  static const std::map<std::string, RotationRuntime> runtimes = {
+#define RELPOS_LAG_RUNTIME(NAME)
+#define RELPOS_CONTENT_RUNTIME(NAME)
+#define RELPOS_ROTATION_RUNTIME(NAME) {#NAME, NAME##_rotation_runtime()},
+#include "torch/mechanisms/list.inc"
+#undef RELPOS_ROTATION_RUNTIME
+#undef RELPOS_CONTENT_RUNTIME
+#undef RELPOS_LAG_RUNTIME
+  };
+  const auto it = runtimes.find(t.name);
+  return it == runtimes.end() ? nullptr : &it->second;
+}
+
+namespace {
+
+// inputs [B, T, model_dim] with B and T of `like` [B, H, T, D] and its dtype
+void check_inputs(const std::string& term, const torch::Tensor& x, const torch::Tensor& like) {
+  if (!x.defined())
+    throw InputError(fmt::format(
+        "'{}' computes its terms from the tokens: pass inputs= (the layer's hidden states "
+        "[B, T, model_dim])",
+        term));
+  if (x.dim() != 3 || x.size(0) != like.size(0) || x.size(1) != like.size(2))
+    throw InputError(fmt::format("{}: inputs must be [B, T, model_dim] = [{}, {}, model_dim], got [{}]",
+                                 term, like.size(0), like.size(2), fmt::join(x.sizes(), ", ")));
+  if (x.scalar_type() != like.scalar_type())
+    throw InputError(fmt::format("{}: inputs must have q's dtype ({}), got {}", term,
+                                 c10::toString(like.scalar_type()),
+                                 c10::toString(x.scalar_type())));
+}
+
+void check_count(const std::string& term, size_t given, const std::vector<std::string>& names) {
+  if (given != names.size())
+    throw InputError(fmt::format("{}: {} parameter tensors given, the term has {} ({})", term,
+                                 given, names.size(), fmt::join(names, ", ")));
+}
+
+}  // namespace
+
+Rotated rotate_learned(const TransformTerm& t, const std::vector<torch::Tensor>& params,
+                       const RotationCall& c) {
+  const RotationRuntime* r = rotation_runtime(t);
+  if (!r) throw std::logic_error(fmt::format("{}: no rotation runtime", t.name));
+  check_count(t.name, params.size(), r->names(t));
+  if (t.time == TimeSource::ContentPhase) check_inputs(t.name, c.inputs, c.q);
+  return r->rotate(t, params, c);
+}
+
 std::vector<torch::Tensor> content_side(const BiasTerm& t, const std::vector<torch::Tensor>& params,
                                         const ContentCall& c, AttentionArgs& a) {
   const ContentRuntime& r = content_runtime(t);
-  const auto names = r.names(t);
-  if (params.size() != names.size())
-    throw InputError(fmt::format("{}: {} parameter tensors given, the term has {} ({})", t.name,
-                                 params.size(), names.size(), fmt::join(names, ", ")));
-  const auto& x = c.inputs;
-  if (!r.reads_inputs) return r.prepare(t, params, c, a);
-  if (!x.defined())
-    throw InputError(fmt::format(
-        "'{}' computes its bias from the tokens: pass inputs= (the layer's hidden states "
-        "[B, T, model_dim])",
-        t.name));
-  if (x.dim() != 3 || x.size(0) != c.q.size(0) || x.size(1) != c.q.size(2))
-    throw InputError(fmt::format("{}: inputs must be [B, T, model_dim] = [{}, {}, model_dim], got [{}]",
-                                 t.name, c.q.size(0), c.q.size(2), fmt::join(x.sizes(), ", ")));
-  if (x.scalar_type() != c.q.scalar_type())
-    throw InputError(fmt::format("{}: inputs must have q's dtype ({}), got {}", t.name,
-                                 c10::toString(c.q.scalar_type()),
-                                 c10::toString(x.scalar_type())));
+  check_count(t.name, params.size(), r.names(t));
+  if (r.reads_inputs) check_inputs(t.name, c.inputs, c.q);
   return r.prepare(t, params, c, a);
 }
 

@@ -1,5 +1,6 @@
-// The torch side of a content-dependent bias (core BiasTerm with content_dependent(): per-token
-// gates or probes computed from the tokens): one runtime per family, in its own file in this
+// The torch side of a term a layer computes with its own parameters: a content-dependent bias
+// (core BiasTerm with content_dependent(): per-token gates or probes computed from the tokens) or
+// a rotation with learned frequencies (below): one runtime per family, in its own file in this
 // folder and named in list.inc, owning the term's parameters (content projections such as FoX's
 // forget gates, GRAPE-A's gate directions, GRAPE-AP's probes), their initialisation, and how a
 // call's inputs become the kernel's bias arguments. nn::Attention, nn::GrapeAttention, the decode
@@ -46,6 +47,34 @@ struct ContentRuntime {
   void (*attach)(const std::vector<torch::Tensor>& keys, AttentionArgs& a) = nullptr;
 };
 
+// A rotation whose frequencies a layer learns (and, optionally, a learned basis E R E^T or
+// per-token phases scanned from the layer's hidden states): GRAPE-M. The runtime owns the
+// parameters and turns q and k; it is found by the transform term's name.
+struct RotationCall {
+  torch::Tensor inputs;     // [B, T, model_dim] (per-token phases)
+  torch::Tensor q, k;       // [B, Hq, T, D], [B, Hk, T, D]
+  torch::Tensor positions;  // [T] or [B, T], float64
+  torch::Tensor phase;      // [B, 1] float64: the phase before the first token (decode), or none
+  Layout layout = Layout::HalfSplit;
+};
+struct Rotated {
+  torch::Tensor q, k;
+  torch::Tensor phase_end;  // [B, 1] float64 after the last token (per-token phases), or none
+};
+struct RotationRuntime {  // it reads inputs when the term's time is TimeSource::ContentPhase
+  std::vector<std::string> (*names)(const TransformTerm& t) = nullptr;
+  std::vector<torch::Tensor> (*create)(const TransformTerm& t, torch::nn::Module& owner,
+                                       int64_t model_dim, int64_t head_dim) = nullptr;
+  Rotated (*rotate)(const TransformTerm& t, const std::vector<torch::Tensor>& params,
+                    const RotationCall& c) = nullptr;
+};
+
+// The runtime of a transform term, or null when it has none (a fixed transform).
+const RotationRuntime* rotation_runtime(const TransformTerm& t);
+// rotate() with the parameter count and, where read, the inputs checked (InputError).
+Rotated rotate_learned(const TransformTerm& t, const std::vector<torch::Tensor>& params,
+                       const RotationCall& c);
+
 // The runtime of a content-dependent term (std::logic_error naming it when list.inc has none).
 const ContentRuntime& content_runtime(const BiasTerm& t);
 
@@ -56,7 +85,9 @@ std::vector<torch::Tensor> content_side(const BiasTerm& t, const std::vector<tor
 
 #define RELPOS_LAG_RUNTIME(NAME)
 #define RELPOS_CONTENT_RUNTIME(NAME) ContentRuntime NAME##_content_runtime();
+#define RELPOS_ROTATION_RUNTIME(NAME) RotationRuntime NAME##_rotation_runtime();
 #include "torch/mechanisms/list.inc"
+#undef RELPOS_ROTATION_RUNTIME
 #undef RELPOS_CONTENT_RUNTIME
 #undef RELPOS_LAG_RUNTIME
 

@@ -8,6 +8,10 @@
 //   grape_ap  path integral sum_{l=j+1..i} beta_h logsigmoid(p_i . R_l p^_l / P) with probes
 //             p = W_p x, the key probe RMS-normalised and rotated by l rad; beta_h = m_h
 //             (reference) or softplus(rho_h) and the query probe normalised too (paper)
+//   grape_m   q and k turned by -t theta_m per plane, theta_m = exp(lambda_m / s) learned (s = 16;
+//             1 with context=true), at positions t or at the causal content phase
+//             Phi_t = sum_{s<t} sigmoid((w.x_s + b) / 16); basis=cayley|exp: E R E^T with a learned
+//             orthogonal E (E = I at init: GRAPE-M exactly)
 // The parameters are created in the reference module's order and with its initialisation, so a
 // seeded model draws the same numbers as before this runtime existed.
 #include <fmt/format.h>
@@ -16,8 +20,10 @@
 #include <cmath>
 
 #include "core/types.hpp"
+#include "torch/grape_generators.hpp"
 #include "torch/journey.hpp"
 #include "torch/mechanisms/content_runtime.hpp"
+#include "torch/scan.hpp"
 
 namespace relpos::nn {
 
@@ -177,7 +183,86 @@ void path_attach(const std::vector<torch::Tensor>& keys, AttentionArgs& a) {
   a.path_k = keys.at(0);
 }
 
+// -------- grape_m
+
+std::vector<std::string> rotation_names(const TransformTerm& t) {
+  std::vector<std::string> n{"log_freq"};
+  if (t.basis != "none") n.push_back("basis_w");
+  if (t.time == TimeSource::ContentPhase) {
+    n.push_back("ctx_w");
+    n.push_back("ctx_b");
+  }
+  return n;
+}
+
+std::vector<torch::Tensor> rotation_create(const TransformTerm& t, torch::nn::Module& owner,
+                                           int64_t model_dim, int64_t D) {
+  // lambda_m = s ln theta_m at the initial spectrum (segments store -theta: frame angle
+  // = -omega p, journey.hpp); no random draws
+  std::vector<double> lam;
+  for (const auto& seg : t.segments)
+    for (double w : seg.omega) lam.push_back(t.frequency_scale * std::log(-w));
+  std::vector<torch::Tensor> p{owner.register_parameter(
+      "log_freq", torch::tensor(lam, torch::kDouble).to(torch::kFloat))};
+  if (t.basis != "none")  // E = I at init: GRAPE-M (and RoPE) exactly
+    p.push_back(owner.register_parameter("basis_w", torch::zeros({D, D})));
+  if (t.time == TimeSource::ContentPhase) {
+    // the reference's init: w = 0, b = softplus^{-1}(1e-3), so omega = sigmoid(b / 16) ~ 0.394
+    p.push_back(owner.register_parameter("ctx_w", torch::zeros({model_dim})));
+    p.push_back(owner.register_parameter("ctx_b", torch::full({1}, std::log(std::expm1(1e-3)))));
+  }
+  return p;
+}
+
+Rotated rotation_rotate(const TransformTerm& t, const std::vector<torch::Tensor>& p,
+                        const RotationCall& c) {
+  const auto dt = c.q.scalar_type();
+  const auto theta = torch::exp(p[0] / t.frequency_scale).to(dt);
+  Rotated out;
+  torch::Tensor angles;
+  if (t.time == TimeSource::ContentPhase) {
+    const auto& x = c.inputs;
+    const auto& w = p[p.size() - 2];
+    if (x.size(2) != w.size(0))
+      throw InputError(fmt::format("{}: inputs have model_dim {}; the phase was built for {}",
+                                   t.name, x.size(2), w.size(0)));
+    const int64_t B = x.size(0), T = x.size(1);
+    const auto om = torch::sigmoid(
+        (torch::matmul(x, w.to(x.scalar_type())) + p.back().to(x.scalar_type())) / 16.0);  // [B, T]
+    const auto phase0 = c.phase.defined() ? c.phase : torch::zeros({B, 1}, torch::kDouble);
+    const auto phi = causal_scan(om.unsqueeze(-1), "exclusive");  // [B, T, 1]
+    out.phase_end =
+        (phase0 + (phi.select(1, T - 1) + om.narrow(1, T - 1, 1)).to(torch::kDouble)).detach();
+    angles = (phi.to(torch::kDouble) + phase0.unsqueeze(1)).to(dt) * theta;  // [B, T, D/2]
+  } else {
+    angles = c.positions.to(dt).unsqueeze(-1) * theta;  // [T, D/2] or [B, T, D/2]
+  }
+  const Frame f = Frame::of(angles);
+  if (t.basis != "none") {
+    // E R E^T with the frame's planes (basis_rotate turns half-split pairs by +angle, as
+    // rotate_pairs does); angles [B, T, D/2] broadcast over heads
+    if (c.layout != Layout::HalfSplit)
+      throw InputError(fmt::format(
+          "{}: a learned basis turns half-split planes: build the module with the half-split "
+          "pair layout",
+          t.name));
+    const auto E = orthogonal_basis(p[1].to(dt), t.basis == "exp");
+    const auto cs = f.cos.dim() == 3 ? f.cos.unsqueeze(1) : f.cos,
+               sn = f.sin.dim() == 3 ? f.sin.unsqueeze(1) : f.sin;
+    out.q = basis_rotate(c.q, E, cs, sn);
+    out.k = basis_rotate(c.k, E, cs, sn);
+  } else {
+    out.q = rotate_pairs(c.q, f, false, c.layout);
+    out.k = rotate_pairs(c.k, f, false, c.layout);
+  }
+  return out;
+}
+
 }  // namespace
+
+RotationRuntime grape_m_rotation_runtime() {
+  return {rotation_names, rotation_create, rotation_rotate};
+}
 
 ContentRuntime grape_a_content_runtime() {
   return {false, gated_names, gated_create, gated_prepare, gated_attach};

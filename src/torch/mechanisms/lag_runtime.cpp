@@ -14,7 +14,9 @@ const LagRuntime& lag_runtime(const LagKernel& k) {
   static const std::map<std::string, LagRuntime> runtimes = {
 #define RELPOS_LAG_RUNTIME(NAME) {#NAME, NAME##_lag_runtime()},
 #define RELPOS_CONTENT_RUNTIME(NAME)
+#define RELPOS_ROTATION_RUNTIME(NAME)
 #include "torch/mechanisms/list.inc"
+#undef RELPOS_ROTATION_RUNTIME
 #undef RELPOS_CONTENT_RUNTIME
 #undef RELPOS_LAG_RUNTIME
   };

@@ -36,7 +36,9 @@ LagParamValues lag_values(const std::vector<torch::Tensor>& params);
 
 #define RELPOS_LAG_RUNTIME(NAME) LagRuntime NAME##_lag_runtime();
 #define RELPOS_CONTENT_RUNTIME(NAME)
+#define RELPOS_ROTATION_RUNTIME(NAME)
 #include "torch/mechanisms/list.inc"
+#undef RELPOS_ROTATION_RUNTIME
 #undef RELPOS_CONTENT_RUNTIME
 #undef RELPOS_LAG_RUNTIME
 
