@@ -319,10 +319,8 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   torch::Tensor pos = call.positions.defined() ? checked_position_values(call.positions, B, T)
                     : cache                    ? cache->next_positions(T)
                                                : torch::arange(T, torch::kDouble);
-  if (cache) {
-    if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();
-    cache->check_positions(pos, counts);
-  }
+  if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();  // [B, T] from here on
+  if (cache) cache->check_positions(pos, counts);
 
   torch::Tensor qt = q, kt = k, vt = v, q_frame_angles;
   const TransformTerm* journey = journey_term(m);

@@ -205,7 +205,10 @@ TEST(AttentionModule, ContentBiasesRunFromInputs) {
   const int64_t H = 2, model_dim = 12, B = 2, T = 7;
   const int D = 8;
   int content = 0;
-  for (const auto& spec : catalog_specs()) {
+  auto specs = catalog_specs();
+  for (const char* composed : {"rope + fox", "alibi + grape_a", "rope + grape_ap(form=paper)"})
+    specs.emplace_back(composed);
+  for (const auto& spec : specs) {
     std::optional<Mechanism> m;
     try {
       m = build_mechanism(spec, D, static_cast<int>(H));
