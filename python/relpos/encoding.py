@@ -143,8 +143,9 @@ class PositionEncoding(nn.Module):
         self._params = []
         for p in info["params"]:
             name, shape, nb = p["name"], p["shape"], p["shape"][-1]
-            fixed = torch.tensor(p["init"], dtype=torch.float64).view(shape)
-            bound = torch.tensor(p["bound"], dtype=torch.float64).view(1, nb)
+            # the float32 buffers' values, as the C++ module inverts them (the same raw bits)
+            fixed = torch.tensor(p["init"], dtype=torch.float64).view(shape).float().double()
+            bound = torch.tensor(p["bound"], dtype=torch.float64).view(1, nb).float().double()
             learn = torch.tensor(p["learn"], dtype=torch.float64).view(1, nb)
             if p["reparam"] == "softplus_floor":  # a = log(expm1(max(v - floor, 1e-8)))
                 raw = torch.log(torch.expm1((fixed - bound).clamp_min(1e-8)))

@@ -10,7 +10,8 @@
 //   content_keys     [gk, ck, path_k] from the side tensors of every key the call scores
 // and likewise for a rotation with learned frequencies (GRAPE-M): `rotation_params`,
 // `rotation_initial`, `rotate_learned` ([q, k, phase after the last token or None]),
-// and `attention_refusal`: why relpos.Attention cannot run a mechanism ("" when it can).
+// and `attention_refusal`: why relpos.Attention cannot run a mechanism ("" when it can);
+// `cpp_attention_module`: the C++ nn::Attention on one call, for the parity tests.
 #include <fmt/format.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -148,6 +149,48 @@ std::vector<torch::Tensor> rotate_learned_op(const std::string& spec, int64_t he
   });
 }
 
+// The C++ module on one call (tests: the Python module must give the same outputs and parameter
+// names): nn::Attention created after torch::manual_seed(seed), in q's dtype, run on q, k, v
+// (inputs) without a cache (chunks empty) or through a DecodeCache in `chunks` tokens per call;
+// returns the output, the parameter names (comma-separated) and their values.
+std::tuple<torch::Tensor, std::string, std::vector<torch::Tensor>> cpp_attention_module_op(
+    const std::string& spec, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads,
+    int64_t layout, int64_t model_dim, int64_t seed, const torch::Tensor& q, const torch::Tensor& k,
+    const torch::Tensor& v, const std::optional<torch::Tensor>& inputs, at::IntArrayRef chunks) {
+  return op_util::value_errors([&] {
+    torch::manual_seed(static_cast<uint64_t>(seed));
+    Attention a(spec, head_dim, num_heads,
+                AttentionOptions{.num_kv_heads = num_kv_heads,
+                                 .layout = layout == 1 ? Layout::HalfSplit : Layout::Interleaved,
+                                 .model_dim = model_dim});
+    a->to(q.scalar_type());
+    std::vector<std::string> names;
+    std::vector<torch::Tensor> values;
+    for (const auto& p : a->named_parameters()) {
+      names.push_back(p.key());
+      values.push_back(p.value().detach().clone());
+    }
+    const torch::Tensor x = inputs.value_or(torch::Tensor());
+    torch::Tensor out;
+    if (chunks.empty()) {
+      out = a->forward(q, k, v, {.inputs = x});
+    } else {
+      DecodeCache cache(q.size(0), k.size(1), k.size(3), q.scalar_type(), 1);
+      std::vector<torch::Tensor> outs;
+      int64_t t = 0;
+      for (int64_t n : chunks) {
+        outs.push_back(a->forward(q.narrow(2, t, n), k.narrow(2, t, n), v.narrow(2, t, n),
+                                  {.inputs = x.defined() ? x.narrow(1, t, n) : x,
+                                   .cache = &cache}));
+        t += n;
+      }
+      out = torch::cat(outs, 2);
+    }
+    return std::tuple<torch::Tensor, std::string, std::vector<torch::Tensor>>{
+        out.detach(), fmt::format("{}", fmt::join(names, ",")), values};
+  });
+}
+
 std::string attention_refusal_op(const std::string& spec, int64_t head_dim, int64_t kv_heads,
                                  int64_t num_heads) {
   return op_util::value_errors([&] {
@@ -176,6 +219,11 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
   m.def(
       "rotate_learned(str spec, int head_dim, int heads, Tensor[] params, Tensor? inputs, "
       "Tensor q, Tensor k, Tensor positions, Tensor? phase, int layout) -> Tensor[]");
+  m.def(
+      "cpp_attention_module(str spec, int head_dim, int num_heads, int num_kv_heads, int layout, "
+      "int model_dim, int seed, Tensor q, Tensor k, Tensor v, Tensor? inputs, int[] chunks) -> "
+      "(Tensor, str, Tensor[])",
+      relpos::nn::cpp_attention_module_op);
   m.def("attention_refusal(str spec, int head_dim, int kv_heads, int num_heads) -> str",
         relpos::nn::attention_refusal_op);
 }
