@@ -36,7 +36,8 @@ std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_hea
       if (&c != b && c.content_dependent())
         return fmt::format("'{}' has two content-dependent biases ({}, {}); a layer takes one",
                            m.spec, b->name, c.name);
-    if (journey_term(m))
+    const TransformTerm* j = journey_term(m);
+    if (j && !rotation_runtime(*j))  // (GRAPE-M-ctx's phases are its runtime's, not frames)
       return fmt::format(
           "'{}': bias '{}' composed with journey frames is not supported by Attention", m.spec,
           b->name);

@@ -10,6 +10,9 @@ import relpos
 
 MODEL_DIM = 12
 SPECS = [m["name"] if m["kind"] != "scaling" else f"rope + {m['name']}" for m in relpos.mechanisms()]
+# compositions of the layer-computed terms with transforms and slopes
+COMPOSED = ["rope + fox", "alibi + grape_a(gate=k)", "grape_m(context=true) + fox",
+            "grape_m(basis=cayley) + grape_ap(form=paper)"]
 
 
 def shape_for(spec):
@@ -27,8 +30,8 @@ def shape_for(spec):
     return None
 
 
-SHAPES = {s: shape_for(s) for s in SPECS}
-RUN = [s for s in SPECS if SHAPES[s] is not None]
+SHAPES = {s: shape_for(s) for s in SPECS + COMPOSED}
+RUN = [s for s in SPECS + COMPOSED if SHAPES[s] is not None]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -42,6 +45,7 @@ def one_thread():
 def test_most_of_the_catalog_runs():
     refused = [s for s in SPECS if SHAPES[s] is None]
     assert len(refused) <= 1, refused  # journey(angles=token) only: a table indexed by token ids
+    assert all(SHAPES[s] is not None for s in COMPOSED)
 
 
 @pytest.mark.parametrize("spec", RUN)

@@ -206,7 +206,8 @@ TEST(AttentionModule, ContentBiasesRunFromInputs) {
   const int D = 8;
   int content = 0;
   auto specs = catalog_specs();
-  for (const char* composed : {"rope + fox", "alibi + grape_a", "rope + grape_ap(form=paper)"})
+  for (const char* composed : {"rope + fox", "alibi + grape_a", "rope + grape_ap(form=paper)",
+                               "grape_m(context=true) + fox", "grape_m + grape_a(gate=k)"})
     specs.emplace_back(composed);
   for (const auto& spec : specs) {
     std::optional<Mechanism> m;
