@@ -2,9 +2,12 @@
 
 ``Attention`` owns a mechanism's parameters (``self.encoding``, a :class:`PositionEncoding` over
 the key/value heads, so state-dict names are ``encoding.<name>``) and runs the fused kernel with the
-mechanism's transforms and slope biases (ALiBi), with grouped-query attention, per-sequence
-positions and lengths. With a :class:`KVCache` it decodes: the new tokens' keys are transformed at
-their positions once, stored, and every later query scores against them. docs/engine.md.
+mechanism's transforms and biases, with grouped-query attention, per-sequence positions and
+lengths; terms a layer computes with its own parameters (content-dependent biases, rotations with
+learned frequencies) run through their C++ runtimes via the ``relpos::content_*`` and
+``relpos::rotat*`` ops, so the module has the C++ module's parameters and numbers. With a
+:class:`KVCache` it decodes: the new tokens' keys are transformed at their positions once, stored,
+and every later query scores against them. docs/engine.md.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from .journey import _journey_info, frame_angles, rotate_pairs
 
 class KVCache:
     """The decode state of :class:`Attention`: transformed keys, values (rotated into their
-    frames for journey mechanisms) and their float64 positions, per sequence.
+    frames for journey mechanisms) and their float64 positions, per sequence; for a content bias
+    also its key-side tensors (``content``: key gates, forget-gate sums, rotated probes), and for
+    per-token phases each row's phase after its last token.
 
     ``keys``/``values`` ``[B, Hk, length, D]`` and ``positions`` ``[B, length]`` are views of the
     used storage; row b holds ``lengths[b]`` tokens (rows may differ, e.g. after a padded prefill
