@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import relpos
+from module_checks import check_parameter_gradients, decode_in_chunks
 
 H, MODEL_DIM = 2, 12
 CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
@@ -32,12 +33,7 @@ SPECS = [s for s in CATALOG if content_bias_of(s) is not None] + [
 D = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def module(spec, jitter=0.3):
@@ -130,13 +126,7 @@ def test_decode_through_the_cache_is_the_full_forward(spec):
     q, k, v, x = tensors(T=9)
     full = attn(q, k, v, inputs=x)
     for chunks in ([1] * 9, [4, 1, 3, 1]):
-        cache = relpos.KVCache(2, H, D, dtype=torch.float64, capacity=2)
-        outs, t = [], 0
-        for n in chunks:
-            sl = slice(t, t + n)
-            outs.append(attn(q[:, :, sl], k[:, :, sl], v[:, :, sl], inputs=x[:, sl], cache=cache))
-            t += n
-        torch.testing.assert_close(torch.cat(outs, 2), full, rtol=0, atol=1e-12)
+        torch.testing.assert_close(decode_in_chunks(attn, q, k, v, x, chunks), full, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -155,21 +145,9 @@ def test_a_later_token_leaves_earlier_outputs_unchanged(spec):
 def test_gradcheck_inputs_and_parameters(spec):
     attn = module(spec)
     q, k, v, x = (t.requires_grad_() for t in tensors(B=1, T=4))
-    params = list(attn.parameters())
     assert torch.autograd.gradcheck(lambda q, k, v, x: attn(q, k, v, inputs=x), (q, k, v, x))
     # every parameter reaches the output, with the finite-difference gradient
-    out = attn(q, k, v, inputs=x)
-    w = torch.randn_like(out)
-    grads = torch.autograd.grad((out * w).sum(), params)
-    for p, g in zip(params, grads):
-        eps, idx = 1e-6, (0,) * p.dim()
-        with torch.no_grad():
-            p[idx] += eps
-            up = (attn(q, k, v, inputs=x) * w).sum()
-            p[idx] -= 2 * eps
-            down = (attn(q, k, v, inputs=x) * w).sum()
-            p[idx] += eps
-        assert abs(float((up - down) / (2 * eps)) - float(g[idx])) < 1e-6 * max(1.0, abs(float(g[idx])))
+    check_parameter_gradients(attn, q, k, v, x)
 
 
 def test_parameters_are_the_runtimes_with_their_names():

@@ -54,14 +54,7 @@ def decodes(info):
 DECODED = [s for s in ACCEPTED if decodes(INFO[s])]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: OpenMP's start-up and spinning, not the work, would dominate on a shared
-    machine (a forward takes ~20 ms on two busy threads, ~1 ms on one)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def module(spec, dtype=torch.float64, jitter=0.2, **kw):

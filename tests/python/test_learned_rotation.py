@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import relpos
+from module_checks import check_parameter_gradients, decode_in_chunks
 
 HQ, HK, MODEL_DIM, D = 4, 2, 12, 8
 CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
@@ -29,12 +30,7 @@ SPECS = BASE + [f"{s}(context=true)" for s in BASE] + [f"{s} + alibi" for s in B
 BASIS = [f"{s}(basis=cayley)" for s in BASE] + [f"{s}(basis=exp, context=true)" for s in BASE]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def module(spec, jitter=0.3, **kw):
@@ -99,13 +95,7 @@ def test_decode_through_the_cache_is_the_full_forward(spec):
     q, k, v, x = tensors(T=9)
     full = attn(q, k, v, inputs=x)
     for chunks in ([1] * 9, [4, 1, 3, 1]):
-        cache = relpos.KVCache(2, HK, D, dtype=torch.float64, capacity=2)
-        outs, t = [], 0
-        for n in chunks:
-            sl = slice(t, t + n)
-            outs.append(attn(q[:, :, sl], k[:, :, sl], v[:, :, sl], inputs=x[:, sl], cache=cache))
-            t += n
-        torch.testing.assert_close(torch.cat(outs, 2), full, rtol=0, atol=1e-12)
+        torch.testing.assert_close(decode_in_chunks(attn, q, k, v, x, chunks), full, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("spec", SPECS + BASIS)
@@ -113,18 +103,7 @@ def test_gradients(spec):
     attn = module(spec, pair_layout="half_split")
     q, k, v, x = (t.requires_grad_() for t in tensors(B=1, T=4))
     assert torch.autograd.gradcheck(lambda q, k, v, x: attn(q, k, v, inputs=x), (q, k, v, x))
-    out = attn(q, k, v, inputs=x)
-    w = torch.randn_like(out)
-    params = list(attn.parameters())
-    for p, g in zip(params, torch.autograd.grad((out * w).sum(), params)):
-        idx, eps = (0,) * p.dim(), 1e-6
-        with torch.no_grad():
-            p[idx] += eps
-            up = (attn(q, k, v, inputs=x) * w).sum()
-            p[idx] -= 2 * eps
-            down = (attn(q, k, v, inputs=x) * w).sum()
-            p[idx] += eps
-        assert abs(float((up - down) / (2 * eps)) - float(g[idx])) < 1e-6 * max(1.0, abs(float(g[idx])))
+    check_parameter_gradients(attn, q, k, v, x)
 
 
 def test_initial_frequencies_are_rope_and_names_are_the_runtimes():

@@ -34,12 +34,7 @@ SHAPES = {s: shape_for(s) for s in SPECS + COMPOSED}
 RUN = [s for s in SPECS + COMPOSED if SHAPES[s] is not None]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_most_of_the_catalog_runs():
