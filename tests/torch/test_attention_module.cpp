@@ -54,6 +54,21 @@ double max_diff(const torch::Tensor& a, const torch::Tensor& b) {
   return (a - b).abs().max().item<double>();
 }
 
+// q, k, v (inputs x, 7 tokens) through a fresh cache in chunks of 3, 1, 2, 1 tokens
+torch::Tensor decode_in_chunks(nn::Attention& a, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const torch::Tensor& x) {
+  const torch::NoGradGuard no_grad;
+  nn::DecodeCache cache(q.size(0), k.size(1), k.size(3), q.scalar_type(), 2);
+  std::vector<torch::Tensor> outs;
+  int64_t t = 0;
+  for (int64_t n : {3, 1, 2, 1}) {
+    outs.push_back(a->forward(q.narrow(2, t, n), k.narrow(2, t, n), v.narrow(2, t, n),
+                              {.inputs = x.narrow(1, t, n), .cache = &cache}));
+    t += n;
+  }
+  return torch::cat(outs, 2);
+}
+
 }  // namespace
 
 TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
@@ -238,16 +253,7 @@ TEST(AttentionModule, ContentBiasesRunFromInputs) {
     (full * torch::randn_like(full)).sum().backward();
     for (const auto& p : a->named_parameters())
       EXPECT_GT(p.value().grad().abs().max().item<double>(), 0.0) << p.key();
-    nn::DecodeCache cache(B, H, D, torch::kDouble, 2);
-    std::vector<torch::Tensor> outs;
-    int64_t t = 0;
-    for (int64_t n : {3, 1, 2, 1}) {
-      const torch::NoGradGuard no_grad;
-      outs.push_back(a->forward(q.narrow(2, t, n), k.narrow(2, t, n), v.narrow(2, t, n),
-                                {.inputs = x.narrow(1, t, n), .cache = &cache}));
-      t += n;
-    }
-    EXPECT_LT(max_diff(torch::cat(outs, 2), full), 1e-12);
+    EXPECT_LT(max_diff(decode_in_chunks(a, q, k, v, x), full), 1e-12);
     auto x2 = x.clone();
     x2.select(1, T - 1).add_(3.0);
     EXPECT_EQ(max_diff(a->forward(q, k, v, {.inputs = x2}).narrow(2, 0, T - 1),
@@ -301,16 +307,7 @@ TEST(AttentionModule, LearnedRotationsRunWithTheirParameters) {
         if (!p.key().starts_with("encoding.")) {
           EXPECT_GT(p.value().grad().abs().max().item<double>(), 0.0) << p.key();
         }
-      nn::DecodeCache cache(B, kHk, D, torch::kDouble, 2);
-      std::vector<torch::Tensor> outs;
-      int64_t s = 0;
-      for (int64_t n : {3, 1, 2, 1}) {
-        const torch::NoGradGuard no_grad;
-        outs.push_back(a->forward(q.narrow(2, s, n), k.narrow(2, s, n), v.narrow(2, s, n),
-                                  {.inputs = x.narrow(1, s, n), .cache = &cache}));
-        s += n;
-      }
-      EXPECT_LT(max_diff(torch::cat(outs, 2), full), 1e-12);
+      EXPECT_LT(max_diff(decode_in_chunks(a, q, k, v, x), full), 1e-12);
     }
   }
   EXPECT_GE(found, 3);
