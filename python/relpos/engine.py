@@ -172,7 +172,9 @@ class Attention(nn.Module):
     C++ runtime (the same as ``relpos::nn::Attention``'s, same parameter names and initial draws)
     with parameters this module owns: FoX's forget gates and GRAPE-AP's probes project ``inputs``
     (the layer's hidden states ``[B, T, model_dim]``, so give ``model_dim``), GRAPE-A's gates read
-    the transformed q and k. Other mechanisms take ``inputs=None``. Mechanisms it cannot run
+    the transformed q and k; GRAPE-M's content phases (``context=true``) scan ``inputs`` too.
+    Other mechanisms ignore ``inputs`` (a model may pass them to every layer) but still check
+    their B and T. Mechanisms it cannot run
     honestly raise InputError at construction; with a cache, so do a per-call centre
     (``center=mid``) and a dynamic context-extension rule.
     """
