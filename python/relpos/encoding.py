@@ -138,6 +138,8 @@ class PositionEncoding(nn.Module):
                     f"fixed{i}_m_inv_t", torch.tensor(t["matrix_inv_t"], dtype=torch.float64).view(D, D)
                 )
                 self._terms.append(("fixed", i))
+            elif t["kind"] == "structured":  # vector positions: relpos.Attention's runtime
+                self._terms.append(("vector", i))
             else:
                 self._terms.append(("position", i))
         self._params = []
@@ -290,6 +292,12 @@ class PositionEncoding(nn.Module):
                 if not torch.isfinite(t).all():
                     raise InputError(f"{name} contains NaN or Inf")
         B, H, T, D = q.shape
+        for kind, i in self._terms:
+            if kind == "vector":
+                dc = self._info["transforms"][i]["vector_dims"]
+                raise InputError(f"{self.spec!r} rotates by vector positions [T, {dc}]: run it "
+                                 f"through relpos.Attention with positions [T, {dc}], not "
+                                 "through the encoding")
         if positions is None:
             pos = torch.arange(T, dtype=torch.float64, device=q.device)
         elif eager:

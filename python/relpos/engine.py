@@ -207,6 +207,10 @@ class Attention(nn.Module):
         # a rotation with learned frequencies: its runtime's parameters
         rotation = _op(torch.ops.relpos.rotation_params, self.spec, self.head_dim, self.num_kv_heads)
         self._rotation = json.loads(rotation) if rotation else None
+        # a rotation by vector positions [T, dc] (its runtime turns q and k; the kernel's
+        # causality and window follow the token order)
+        self._vector_dims = next((t["vector_dims"] for t in info["transforms"]
+                                  if t["kind"] == "structured"), None)
         if self._rotation is not None:
             if self._rotation["reads_inputs"] and model_dim is None:
                 raise InputError(f"{self.spec!r}: its rotation scans phases from the layer's "
@@ -332,7 +336,23 @@ class Attention(nn.Module):
         if positions is not None and not isinstance(positions, torch.Tensor):
             raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
         phase_end = None
-        if cache is None:
+        if self._vector_dims is not None:
+            if positions is None:
+                dc = self._vector_dims
+                raise InputError(f"{self.spec!r} rotates by vector positions: pass positions "
+                                 f"[T, {dc}] or [B, T, {dc}] (the kernel's causality and window "
+                                 "follow the token order)")
+            # the runtime checks the vector positions; the kernel scores in token order
+            qt, kt, _ = self._rotate(q, k, positions, inputs, None)
+            slopes = None
+            if cache is None:
+                qpos = kpos = torch.arange(T, dtype=torch.float64)
+                vt, klen = v, key_len
+            else:
+                counts = self._counts(key_len, B, T)
+                qpos = cache.next_positions(T)
+                vt = v
+        elif cache is None:
             # one set of positions for queries and keys (the same object: one transform call)
             pos = torch.arange(T, dtype=torch.float64) if positions is None else positions
             if self._rotation is not None:

@@ -41,6 +41,12 @@ const TransformTerm* Mechanism::position_term() const {
   return nullptr;
 }
 
+const TransformTerm* Mechanism::structured_term() const {
+  for (const auto& t : transforms)
+    if (t.vector_positions()) return &t;
+  return nullptr;
+}
+
 const std::vector<JordanSegment>& Mechanism::segments() const {
   static const std::vector<JordanSegment> none;
   const TransformTerm* t = position_term();

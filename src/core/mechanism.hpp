@@ -71,7 +71,7 @@ struct JordanSegment {
 
 // What drives a transform's "time": integer/real positions, a scanned content phase
 // Phi_t = sum_{s<t} w_s (GRAPE-M contextual, JoFormer per-token angles), or a vector position
-// r in R^{d_c} (structured rotations). Only Position is implemented by the kernels so far.
+// r in R^{d_c} (structured rotations: TransformKind::Structured, a call's positions [T, d_c]).
 enum class TimeSource { Position, ContentPhase, VectorPosition };
 
 // Which tensors a transform acts on: queries get A^{-T}, keys A, values A (journey transforms)
@@ -89,6 +89,10 @@ enum class PhaseScan { Exclusive, ReversedInclusive };
 enum class TransformKind {
   JordanBlocks,  // block-diagonal Jordan family over `segments` (RoPE ... jet spectra)
   FixedLinear,   // a constant D x D map M (no position): keys get M, queries M^{-T}
+  // R(r) = U [ (+)_u R_2(theta_u(r)) ] U^T, theta_u(r) = sum_k lambda_{k,u} r_k, for vector
+  // positions r in R^{d_c} (core/structured.hpp); keys and queries both get R(r) (orthogonal).
+  // U = I on the pair layout's planes at init; a learned U = E P_layout (E = cayley / exp).
+  Structured,
 };
 
 // One position-wise map. Several compose in spec order: k~ = A_n ... A_1 k. At most one term may
@@ -110,9 +114,18 @@ struct TransformTerm {
   double frequency_scale = 1.0;
   // GRAPE-M's learned commuting basis (Alg. 1): "none", or E = "cayley" / "exp" of a learned skew
   // matrix (q, k -> E R E^T q, k; E = I at init)
+  // Structured: "axial" (fixed lambda), "mixed" (learned lambda), "cayley" / "exp" (learned
+  // lambda and a learned basis E of that map)
   std::string basis = "none";
+  // Structured: d_c, the planes M (= D/2: every pair turns), and the initial lambda per head
+  // [H, d_c, M] row-major (axial: the RoPE spectrum per axis group; otherwise RoPE-Mixed's axial
+  // magnitudes along a seeded random direction per head and plane)
+  int vector_dims = 0;
+  int planes = 0;
+  std::vector<double> plane_freqs;
 
   bool position_driven() const { return kind == TransformKind::JordanBlocks; }
+  bool vector_positions() const { return kind == TransformKind::Structured; }
   bool exact() const;             // a group law holds (fixed maps: always)
   bool orthogonal_fixed() const;  // FixedLinear with M^{-T} == M
 };
@@ -182,6 +195,7 @@ struct Mechanism {
   // The position-driven Jordan term's segments (empty when there is none).
   const std::vector<JordanSegment>& segments() const;
   const TransformTerm* position_term() const;
+  const TransformTerm* structured_term() const;  // the vector-position rotation, if any
   const BiasTerm* alibi() const;             // the slope-form lag bias, if any
   const BiasTerm* learned_lag_bias() const;  // the learned lag table (BiasTerm::learned), if any
   const BiasTerm* content_bias() const;      // a content-dependent (GRAPE) bias, if any

@@ -1,5 +1,7 @@
 #include "core/reference.hpp"
 
+#include <fmt/format.h>
+
 #include <unsupported/Eigen/MatrixFunctions>
 
 #include "core/charts.hpp"
@@ -19,6 +21,11 @@ void for_each_block(const Mechanism& m, const ParamValues& p, int head, F&& f) {
 }  // namespace
 
 Eigen::MatrixXd fixed_map(const TransformTerm& t, int D, bool inverse_transpose) {
+  if (t.kind != TransformKind::FixedLinear)  // (a vector-position rotation has no scalar map)
+    throw InputError(fmt::format(
+        "'{}' rotates by vector positions: its maps are structured::Family rotations of r in "
+        "R^{}, not maps of a scalar position",
+        t.name, t.vector_dims));
   const auto& v = inverse_transpose ? t.matrix_inv_t : t.matrix;
   Eigen::MatrixXd M(D, D);
   for (int i = 0; i < D; ++i)

@@ -123,6 +123,14 @@ Mechanism build_mechanism(const std::string& spec_in, int head_dim, int heads) {
     canon.push_back(kv.empty() ? t.name : fmt::format("{}({})", t.name, fmt::join(kv, ", ")));
   }
   if (m.name.empty()) m.name = expanded.front().name;
+  // vector positions [T, d_c] drive the rotation; a scalar lag (for a bias or a Jordan term) is
+  // not defined on them
+  if (const TransformTerm* s = m.structured_term();
+      s && (m.transforms.size() > 1 || !m.biases.empty() || m.rope_scaling.active()))
+    throw InputError(fmt::format(
+        "spec '{}': '{}' rotates by vector positions; it composes with no other term (the other "
+        "terms read scalar positions)",
+        brief(spec_in), s->name));
   apply_rope_scaling(m);  // a context-extension term rescales the rotary frequencies
   m.params = jordan_param_schema(m);
   if (b.next_pair * 2 > head_dim)
@@ -172,7 +180,9 @@ nlohmann::json catalog_json() {
 
 nlohmann::json mechanism_json(const Mechanism& m) {
   const auto kind = [](TransformKind k) {
-    return k == TransformKind::JordanBlocks ? "jordan_blocks" : "fixed_linear";
+    return k == TransformKind::JordanBlocks  ? "jordan_blocks"
+           : k == TransformKind::FixedLinear ? "fixed_linear"
+                                             : "structured";
   };
   const auto reparam = [](Reparam r) {
     switch (r) {
@@ -222,6 +232,11 @@ nlohmann::json mechanism_json(const Mechanism& m) {
         for (double w : sg.omega) f.push_back(-w);
       tj["frame_frequencies"] = f;
       tj["scan"] = t.scan == PhaseScan::Exclusive ? "exclusive" : "reversed_inclusive";
+    }
+    if (t.vector_positions()) {
+      tj["vector_dims"] = t.vector_dims;
+      tj["planes"] = t.planes;
+      tj["plane_freqs"] = t.plane_freqs;  // initial lambda [H, d_c, M], row-major
     }
     if (t.kind == TransformKind::FixedLinear) {
       tj["matrix"] = t.matrix;

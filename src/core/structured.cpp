@@ -211,6 +211,46 @@ Family axial_rope(int d, int dc, double base, int m) {
   return {Mat::Identity(d, d), lambda};
 }
 
+Mat layout_planes(int d, Layout layout) {
+  Mat P = Mat::Zero(d, d);
+  for (int u = 0; u < d / 2; ++u) {
+    const bool split = layout == Layout::HalfSplit;
+    P(split ? u : 2 * u, 2 * u) = 1;
+    P(split ? u + d / 2 : 2 * u + 1, 2 * u + 1) = 1;
+  }
+  return P;
+}
+
+Family term_family(const TransformTerm& t, int head, Layout layout) {
+  if (!t.vector_positions())
+    throw InputError(fmt::format("structured: '{}' is not a vector-position rotation", t.name));
+  const int dc = t.vector_dims, M = t.planes;
+  const auto heads = static_cast<int>(t.plane_freqs.size() / (static_cast<size_t>(dc) * M));
+  if (head < 0 || head >= heads)
+    throw InputError(fmt::format("structured: head {} of {}", head, heads));
+  Mat lambda(dc, M);
+  for (int k = 0; k < dc; ++k)
+    for (int u = 0; u < M; ++u)
+      lambda(k, u) = t.plane_freqs[(static_cast<size_t>(head) * dc + k) * M + u];
+  return {layout_planes(2 * M, layout), lambda};
+}
+
+Family random_term_family(const TransformTerm& t, int head, Layout layout, std::mt19937_64& rng) {
+  Family f = term_family(t, head, layout);
+  if (t.basis == "axial") return f;
+  std::uniform_real_distribution<double> Ul(-1.0, 1.0);
+  for (int k = 0; k < f.lambda.rows(); ++k)
+    for (int u = 0; u < f.lambda.cols(); ++u) f.lambda(k, u) = Ul(rng);
+  if (t.basis == "cayley" || t.basis == "exp") {
+    std::normal_distribution<double> N(0.0, 0.3);
+    Mat W(f.d(), f.d());
+    for (int i = 0; i < f.d(); ++i)
+      for (int j = 0; j < f.d(); ++j) W(i, j) = N(rng);
+    f.U = basis_from(t.basis == "exp" ? BasisMap::Exp : BasisMap::Cayley, W) * f.U;
+  }
+  return f;
+}
+
 Family mixed_rope(int d, int dc, std::mt19937_64& rng, double base, int m) {
   m = planes_or_default(d, m);
   check_dc(dc);

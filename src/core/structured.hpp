@@ -19,6 +19,9 @@
 #include <string>
 #include <vector>
 
+#include "core/mechanism.hpp"
+#include "core/types.hpp"
+
 namespace relpos::structured {
 
 using Mat = Eigen::MatrixXd;
@@ -74,6 +77,16 @@ Family axial_rope(int d, int dc, double base = 100.0, int m = -1);
 // Mixed RoPE (RoPE-Mixed's initialisation): U = I, every plane driven by every axis,
 // lambda_{k,u} = f_u dir_u[k] with f_u = base^(-2u/(2m)) and dir_u a random unit vector in R^dc.
 Family mixed_rope(int d, int dc, std::mt19937_64& rng, double base = 100.0, int m = -1);
+
+// The spec family `structured` (a TransformKind::Structured term, core/mechanisms/structured.cpp)
+// as Families on the pair layout's planes: P's column 2u is the unit vector of plane u's first
+// coordinate, 2u + 1 of its second (interleaved: 2u, 2u + 1; half-split: u, u + D/2).
+Mat layout_planes(int d, Layout layout);
+// Head `head` at the term's initial values: U = P (E = I), lambda its initial [d_c, M].
+Family term_family(const TransformTerm& t, int head, Layout layout);
+// A random draw of what the term learns, for verify: lambda ~ U(-1, 1) (mixed, cayley, exp) and
+// U = basis_from(map, W) P with W ~ N(0, 0.3^2) (cayley, exp); axial learns nothing (its own).
+Family random_term_family(const TransformTerm& t, int head, Layout layout, std::mt19937_64& rng);
 
 // The free parameterisation for near-commuting tests: L_k = family L_k + eps U (E_k (+) 0) U^T
 // with E_k a random 2m x 2m skew matrix of unit spectral norm. The perturbation stays inside the

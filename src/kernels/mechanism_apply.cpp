@@ -1,5 +1,7 @@
 #include "kernels/mechanism_apply.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -30,8 +32,14 @@ void fixed_linear_apply(int D, int64_t rows, const double* M, bool transpose, co
 MechanismPlan MechanismPlan::from(const Mechanism& m, Layout layout) {
   MechanismPlan p;
   p.position = TransformPlan::from(m, layout);
-  for (const auto& t : m.transforms)
+  for (const auto& t : m.transforms) {
+    if (t.vector_positions())
+      throw InputError(fmt::format(
+          "'{}' rotates by vector positions [T, {}]: kernels::structured_forward (the torch "
+          "runtime, relpos.Attention) runs it, not this scalar-position path",
+          t.name, t.vector_dims));
     p.steps.push_back({&t, t.position_driven() ? p.position : TransformPlan{}});
+  }
   return p;
 }
 

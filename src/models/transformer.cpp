@@ -67,6 +67,11 @@ void ModelConfig::validate() const {
   // the mechanism must fit this head shape (raises a named InputError otherwise), and a journey
   // term must be usable by the attention path
   const auto m = build_mechanism(mechanism, static_cast<int>(head_dim()), static_cast<int>(heads));
+  if (const TransformTerm* v = m.structured_term())
+    throw InputError(fmt::format(
+        "model: mechanism '{}' rotates by vector positions ('{}', [T, {}]); the language models "
+        "give tokens scalar positions",
+        mechanism, v->name, v->vector_dims));
   if (preset == Preset::Grape) {
     if (m.has_transform() && head_dim() % 2)
       throw InputError("model: the grape preset's rotations need an even head dim");

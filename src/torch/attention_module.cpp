@@ -211,7 +211,7 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
             "'{}': transform '{}' scans phases from the layer's hidden states: give model_dim (the "
             "width of inputs)",
             m.spec, t.name));
-      rotation_params_ = r->create(t, *this, options.model_dim, head_dim);
+      rotation_params_ = r->create(t, *this, options.model_dim, num_kv_heads_, head_dim);
     }
   if (!options.causal)  // a cached token would never see the later keys its full forward sees
     cache_refusal_ = fmt::format(
@@ -259,6 +259,11 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
                                 call.inputs.size(1) != q.size(2)))
     throw InputError(fmt::format("inputs must be [B, T, model_dim] with q's B and T ({}, {}), got {}",
                                  q.size(0), q.size(2), shape_of(call.inputs)));
+  if (rotation_ && rotation_->vector_positions() && !call.positions.defined())
+    throw InputError(fmt::format(
+        "'{}' rotates by vector positions: pass positions [T, {}] or [B, T, {}] (the kernel's "
+        "causality and window follow the token order)",
+        mechanism().spec, rotation_->vector_dims, rotation_->vector_dims));
   if (call.cache) {
     if (cache_refusal_) throw InputError(*cache_refusal_);
     call.cache->check(k);
@@ -317,9 +322,12 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
           fmt::format("key_len values must be in [0, {}] (the new tokens of each row)", T));
     counts = kl.to(torch::kLong);
   }
-  torch::Tensor pos = call.positions.defined() ? checked_position_values(call.positions, B, T)
-                    : cache                    ? cache->next_positions(T)
-                                               : torch::arange(T, torch::kDouble);
+  // vector positions drive the rotation only; the kernel's positions are then the token order
+  const bool vector = rotation_ && rotation_->vector_positions();
+  torch::Tensor pos = call.positions.defined() && !vector
+                          ? checked_position_values(call.positions, B, T)
+                      : cache ? cache->next_positions(T)
+                              : torch::arange(T, torch::kDouble);
   if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();  // [B, T] from here on
   if (cache) cache->check_positions(pos, counts);
 
@@ -329,8 +337,8 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   if (rotation_) {
     const Rotated r =
         rotate_learned(*rotation_, rotation_params_,
-                       {call.inputs, q, k, pos, cache ? cache->phase() : torch::Tensor(),
-                        options_.layout});
+                       {call.inputs, q, k, vector ? call.positions : pos,
+                        cache ? cache->phase() : torch::Tensor(), options_.layout});
     qt = r.q;
     kt = r.k;
     phase_end = r.phase_end;

@@ -71,8 +71,9 @@ struct AttentionOptions {
 
 // One call's inputs besides q, k, v.
 struct AttentionCall {
-  torch::Tensor positions =
-      {};                      // [T] or [B, T]; default 0..T-1 (or each cached row's continuation)
+  // [T] or [B, T]; default 0..T-1 (or each cached row's continuation). A rotation by vector
+  // positions (structured) takes [T, d_c] or [B, T, d_c] here, and the kernel the token order.
+  torch::Tensor positions = {};
   torch::Tensor key_len = {};  // int64 [B]: valid keys (with a cache: valid new tokens) per row
   torch::Tensor inputs = {};   // the layer's hidden states [B, T, model_dim] (content biases)
   DecodeCache* cache = nullptr;

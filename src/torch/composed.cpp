@@ -1,5 +1,7 @@
 #include "torch/composed.hpp"
 
+#include <fmt/format.h>
+
 #include "core/charts.hpp"
 
 namespace relpos::nn {
@@ -127,6 +129,9 @@ std::vector<torch::Tensor> composed_transform_qk(const Mechanism& m, Layout layo
                                                  const torch::Tensor& positions, double center) {
   torch::Tensor qq = q, kk = k;
   for (const auto& t : m.transforms) {
+    if (t.vector_positions())
+      throw InputError(fmt::format("composed: '{}' rotates by vector positions, not scalar ones",
+                                   t.name));
     if (t.position_driven()) {
       auto out = jordan_qk(m, layout, kp, qq, kk, positions, center);
       qq = out[0];

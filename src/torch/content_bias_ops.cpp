@@ -124,7 +124,7 @@ std::vector<torch::Tensor> rotation_initial_op(const std::string& spec, int64_t 
     const TransformTerm& t = rotation_term(m);
     torch::nn::Module owner;
     std::vector<torch::Tensor> out;
-    for (const auto& p : rotation_runtime(t)->create(t, owner, model_dim, head_dim))
+    for (const auto& p : rotation_runtime(t)->create(t, owner, model_dim, heads, head_dim))
       out.push_back(p.detach());
     return out;
   });
@@ -156,7 +156,8 @@ std::vector<torch::Tensor> rotate_learned_op(const std::string& spec, int64_t he
 std::tuple<torch::Tensor, std::string, std::vector<torch::Tensor>> cpp_attention_module_op(
     const std::string& spec, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads,
     int64_t layout, int64_t model_dim, int64_t seed, const torch::Tensor& q, const torch::Tensor& k,
-    const torch::Tensor& v, const std::optional<torch::Tensor>& inputs, at::IntArrayRef chunks) {
+    const torch::Tensor& v, const std::optional<torch::Tensor>& inputs, at::IntArrayRef chunks,
+    const std::optional<torch::Tensor>& positions) {
   return op_util::value_errors([&] {
     torch::manual_seed(static_cast<uint64_t>(seed));
     Attention a(spec, head_dim, num_heads,
@@ -170,17 +171,18 @@ std::tuple<torch::Tensor, std::string, std::vector<torch::Tensor>> cpp_attention
       names.push_back(p.key());
       values.push_back(p.value().detach().clone());
     }
-    const torch::Tensor x = inputs.value_or(torch::Tensor());
+    const torch::Tensor x = inputs.value_or(torch::Tensor()), p = positions.value_or(torch::Tensor());
     torch::Tensor out;
     if (chunks.empty()) {
-      out = a->forward(q, k, v, {.inputs = x});
+      out = a->forward(q, k, v, {.positions = p, .inputs = x});
     } else {
       DecodeCache cache(q.size(0), k.size(1), k.size(3), q.scalar_type(), 1);
       std::vector<torch::Tensor> outs;
       int64_t t = 0;
       for (int64_t n : chunks) {
         outs.push_back(a->forward(q.narrow(2, t, n), k.narrow(2, t, n), v.narrow(2, t, n),
-                                  {.inputs = x.defined() ? x.narrow(1, t, n) : x,
+                                  {.positions = p.defined() ? p.narrow(1, t, n) : p,
+                                   .inputs = x.defined() ? x.narrow(1, t, n) : x,
                                    .cache = &cache}));
         t += n;
       }
@@ -221,8 +223,8 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "Tensor q, Tensor k, Tensor positions, Tensor? phase, int layout) -> Tensor[]");
   m.def(
       "cpp_attention_module(str spec, int head_dim, int num_heads, int num_kv_heads, int layout, "
-      "int model_dim, int seed, Tensor q, Tensor k, Tensor v, Tensor? inputs, int[] chunks) -> "
-      "(Tensor, str, Tensor[])",
+      "int model_dim, int seed, Tensor q, Tensor k, Tensor v, Tensor? inputs, int[] chunks, Tensor? positions=None) "
+      "-> (Tensor, str, Tensor[])",
       relpos::nn::cpp_attention_module_op);
   m.def("attention_refusal(str spec, int head_dim, int kv_heads, int num_heads) -> str",
         relpos::nn::attention_refusal_op);

@@ -60,7 +60,7 @@ PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head
   // fixed linear terms: M and M^{-T} as buffers (they move with .to(dtype))
   for (size_t i = 0; i < mech_.transforms.size(); ++i) {
     const auto& t = mech_.transforms[i];
-    if (t.position_driven()) continue;
+    if (t.kind != TransformKind::FixedLinear) continue;
     const int64_t D = head_dim;
     fixed_maps_.push_back(
         {register_buffer(fmt::format("fixed{}_m", i),
@@ -303,7 +303,12 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
   const auto pos = checked_positions(mech_, q, k, positions, options_.check_finite);
   if (!mech_.has_transform() || q.numel() == 0) return {q, k};
   for (const auto& t : mech_.transforms)
-    if (t.time == TimeSource::ContentPhase)
+    if (t.vector_positions())
+      throw InputError(fmt::format(
+          "{}: term '{}' rotates by vector positions [T, {}]: run it through nn::Attention "
+          "(relpos.Attention) with positions [T, {}], not through the encoding",
+          mech_.spec, t.name, t.vector_dims, t.vector_dims));
+    else if (t.time == TimeSource::ContentPhase)
       throw InputError(fmt::format(
           "{}: term '{}' is driven by per-token angles, not positions: call nn::attention with "
           "the content frames (AttentionArgs::k_frame) instead of the encoding",

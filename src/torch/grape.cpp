@@ -62,7 +62,12 @@ GrapeAttentionImpl::GrapeAttentionImpl(const std::string& spec, int64_t d_model,
     throw InputError(
         fmt::format("grape: attention must be fused or composed, got '{}'", attention_));
   for (const auto& t : mech_.transforms) {
-    if (t.learned_frequencies) {
+    if (t.vector_positions()) {
+      throw InputError(fmt::format(
+          "grape: mechanism '{}' rotates by vector positions ('{}'); a GRAPE block has scalar "
+          "token positions",
+          mech_.spec, t.name));
+    } else if (t.learned_frequencies) {
       learned_ = &t;
     } else if (t.roles.values || t.roles.outputs || t.time != TimeSource::Position) {
       throw InputError(fmt::format(
@@ -96,7 +101,7 @@ GrapeAttentionImpl::GrapeAttentionImpl(const std::string& spec, int64_t d_model,
   if (learned_) {  // the rotation's parameters (its runtime: learned frequencies, basis, phases)
     const RotationRuntime* r = rotation_runtime(*learned_);
     if (!r) throw std::logic_error(fmt::format("{}: no rotation runtime", learned_->name));
-    rotation_params_ = r->create(*learned_, *this, d_model, D);
+    rotation_params_ = r->create(*learned_, *this, d_model, heads, D);
   }
   if (content_)  // the term's parameters, in the reference's order (the runtime)
     content_params_ = content_runtime(*content_).create(*content_, *this, d_model, heads, D);

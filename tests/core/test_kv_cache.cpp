@@ -41,9 +41,12 @@ std::vector<std::string> all_specs() {
   // tested against the full forward in tests/torch/test_journey.cpp
   // GRAPE's content-gated biases come from the tokens: the model's GrapeAttention::step decodes
   // them (tests/torch/test_grape.cpp)
+  // rotations by vector positions run through nn::Attention's runtime (tests/torch,
+  // tests/python), the kernel-level path refuses them
   const auto content_gated = [](const std::string& name) {
     try {
-      return build_mechanism(name, 96, 2).content_bias() != nullptr;
+      const Mechanism m = build_mechanism(name, 96, 2);
+      return m.content_bias() != nullptr || m.structured_term() != nullptr;
     } catch (const InputError&) {
       return false;
     }

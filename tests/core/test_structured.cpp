@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/registry.hpp"
 #include "core/structured.hpp"
 #include "core/types.hpp"
 #include "kernels/structured.hpp"
@@ -574,4 +575,42 @@ TEST(StructuredErrors, BadInputIsNamed) {
   bent.U(0, 0) += 0.1;
   expect_error([&] { check_family(bent); }, "not orthogonal");
   expect_error([&] { leaky_post(rope_1d(8).U, 4, 0.1, rng); }, "null space");
+}
+
+// The spec family: axial at its defaults is core's axial RoPE on the pair layout's planes; mixed
+// starts at the same magnitudes along unit directions (seeded: the same spec, the same values);
+// the terms refuse what they cannot honour.
+TEST(StructuredFamily, InitialValuesFollowTheFormulas) {
+  const Mechanism ax = build_mechanism("structured(dims=2, theta=100)", 16, 3);
+  const TransformTerm& t = *ax.structured_term();
+  EXPECT_EQ(t.vector_dims, 2);
+  EXPECT_EQ(t.planes, 8);
+  EXPECT_FALSE(t.learned_frequencies);
+  const structured::Family want = structured::axial_rope(16, 2, 100.0);
+  for (int h = 0; h < 3; ++h) {
+    const auto f = structured::term_family(t, h, Layout::HalfSplit);
+    EXPECT_LT((f.lambda - want.lambda).cwiseAbs().maxCoeff(), 1e-15);
+    // plane u is the half-split pair (u, u + 8)
+    for (int u = 0; u < 8; ++u) {
+      EXPECT_EQ(f.U(u, 2 * u), 1.0);
+      EXPECT_EQ(f.U(u + 8, 2 * u + 1), 1.0);
+    }
+    EXPECT_LT((f.U.transpose() * f.U - structured::Mat::Identity(16, 16)).norm(), 1e-15);
+  }
+  const Mechanism mx = build_mechanism("structured(dims=3, basis=mixed, seed=4)", 12, 2);
+  const Mechanism mx2 = build_mechanism("structured(dims=3, basis=mixed, seed=4)", 12, 2);
+  EXPECT_EQ(mx.structured_term()->plane_freqs, mx2.structured_term()->plane_freqs);
+  EXPECT_TRUE(mx.structured_term()->learned_frequencies);
+  const structured::Family axial3 = structured::axial_rope(12, 3, 100.0);
+  for (int h = 0; h < 2; ++h) {
+    const auto f = structured::term_family(*mx.structured_term(), h, Layout::Interleaved);
+    for (int u = 0; u < 6; ++u)
+      EXPECT_NEAR(f.lambda.col(u).norm(), axial3.lambda.col(u).norm(), 1e-14) << u;
+    EXPECT_EQ(f.U, structured::Mat::Identity(12, 12));  // interleaved planes: P = I
+  }
+  EXPECT_THROW(build_mechanism("structured(dims=4)", 16, 1), InputError);
+  EXPECT_THROW(build_mechanism("structured(dims=3)", 4, 1), InputError);  // 2 planes, 3 axes
+  EXPECT_THROW(build_mechanism("structured + alibi", 16, 2), InputError);
+  EXPECT_THROW(build_mechanism("rope + structured", 16, 2), InputError);
+  EXPECT_THROW(build_mechanism("structured(basis=diagonal)", 16, 2), InputError);
 }

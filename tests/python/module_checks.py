@@ -6,31 +6,35 @@ import torch
 import relpos
 
 
-def decode_in_chunks(attn, q, k, v, x, chunks, capacity=2):
-    """The module's outputs for q, k, v (inputs x) fed through a fresh cache `chunks` tokens at a
-    time, concatenated along time."""
+def decode_in_chunks(attn, q, k, v, x, chunks, capacity=2, positions=None):
+    """The module's outputs for q, k, v (inputs x, positions [B, T, ...] or none) fed through a
+    fresh cache `chunks` tokens at a time, concatenated along time."""
     cache = relpos.KVCache(q.shape[0], k.shape[1], k.shape[3], dtype=q.dtype, capacity=capacity)
     outs, t = [], 0
     for n in chunks:
         sl = slice(t, t + n)
-        outs.append(attn(q[:, :, sl], k[:, :, sl], v[:, :, sl], inputs=x[:, sl], cache=cache))
+        pos = None if positions is None else positions[:, sl]
+        outs.append(attn(q[:, :, sl], k[:, :, sl], v[:, :, sl], inputs=x[:, sl], positions=pos,
+                         cache=cache))
         t += n
     return torch.cat(outs, 2)
 
 
-def check_parameter_gradients(attn, q, k, v, x, eps=1e-6, tol=1e-6):
+def check_parameter_gradients(attn, q, k, v, x, eps=1e-6, tol=1e-6, positions=None):
     """Each parameter's first entry: autograd's gradient of a random projection of the output
     equals the central difference."""
-    out = attn(q, k, v, inputs=x)
+    out = attn(q, k, v, inputs=x, positions=positions)
     w = torch.randn_like(out)
     params = list(attn.parameters())
+    if not params:  # (nothing learned: a fixed map)
+        return
     for p, g in zip(params, torch.autograd.grad((out * w).sum(), params)):
         idx = (0,) * p.dim()
         with torch.no_grad():
             p[idx] += eps
-            up = (attn(q, k, v, inputs=x) * w).sum()
+            up = (attn(q, k, v, inputs=x, positions=positions) * w).sum()
             p[idx] -= 2 * eps
-            down = (attn(q, k, v, inputs=x) * w).sum()
+            down = (attn(q, k, v, inputs=x, positions=positions) * w).sum()
             p[idx] += eps
         fd = float((up - down) / (2 * eps))
         assert abs(fd - float(g[idx])) < tol * max(1.0, abs(float(g[idx]))), (p.shape, fd, float(g[idx]))

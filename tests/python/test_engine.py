@@ -37,8 +37,9 @@ def needs_more_than_positions(info):
 
 
 def learns_its_rotation(info):
-    """A rotation whose frequencies the module learns (test_learned_rotation.py)."""
-    return any(t["learned_frequencies"] for t in info["transforms"])
+    """A rotation the module's runtime turns: frequencies it learns (test_learned_rotation.py) or
+    vector positions (test_vector_positions.py)."""
+    return any(t["learned_frequencies"] or t["time"] == "vector_position" for t in info["transforms"])
 
 
 INFO = {s: relpos.mechanism(s, DIMS[s], HQ) for s in SPECS}

@@ -54,16 +54,32 @@ double max_diff(const torch::Tensor& a, const torch::Tensor& b) {
   return (a - b).abs().max().item<double>();
 }
 
-// q, k, v (inputs x, 7 tokens) through a fresh cache in chunks of 3, 1, 2, 1 tokens
+// A call's positions for the mechanism's kind of time: real vector positions [B, T, d_c] for a
+// rotation by vector positions, else none (0..T-1, or each cached row's continuation).
+torch::Tensor call_positions(const Mechanism& m, int64_t B, int64_t T) {
+  const TransformTerm* s = m.structured_term();
+  if (!s) return {};
+  const auto g = at::detail::createCPUGenerator(13);
+  return 3.0 * torch::randn({B, T, s->vector_dims}, g, torch::kDouble);
+}
+torch::Tensor tokens(const torch::Tensor& positions, int64_t t, int64_t n) {
+  return positions.defined() ? positions.narrow(1, t, n) : positions;
+}
+
+// q, k, v (inputs x, 7 tokens, positions p or none) through a fresh cache in chunks of 3, 1, 2,
+// 1 tokens
 torch::Tensor decode_in_chunks(nn::Attention& a, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const torch::Tensor& x) {
+                               const torch::Tensor& v, const torch::Tensor& x,
+                               const torch::Tensor& p = {}) {
   const torch::NoGradGuard no_grad;
   nn::DecodeCache cache(q.size(0), k.size(1), k.size(3), q.scalar_type(), 2);
   std::vector<torch::Tensor> outs;
   int64_t t = 0;
   for (int64_t n : {3, 1, 2, 1}) {
     outs.push_back(a->forward(q.narrow(2, t, n), k.narrow(2, t, n), v.narrow(2, t, n),
-                              {.inputs = x.narrow(1, t, n), .cache = &cache}));
+                              {.positions = tokens(p, t, n),
+                               .inputs = x.narrow(1, t, n),
+                               .cache = &cache}));
     t += n;
   }
   return torch::cat(outs, 2);
@@ -90,26 +106,28 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
     nn::Attention& a = *made;
     const int64_t B = 2, T = 6;
     const auto x = inputs(B, T, D);
-    const auto full = a->forward(x.q, x.k, x.v);
+    const auto P = call_positions(a->mechanism(), B, T);
+    const auto full = a->forward(x.q, x.k, x.v, {.positions = P});
     // causality: a later token leaves the earlier outputs unchanged
     auto k2 = x.k.clone();
     k2.narrow(2, T - 1, 1).add_(1.0);
-    const auto changed = a->forward(x.q, k2, x.v);
+    const auto changed = a->forward(x.q, k2, x.v, {.positions = P});
     EXPECT_LT(max_diff(changed.narrow(2, 0, T - 1), full.narrow(2, 0, T - 1)), 1e-12);
     const Mechanism& m = a->mechanism();
     if (m.center == CenterMode::Mid || m.rope_scaling.dynamic()) {
       nn::DecodeCache cache(B, kHk, D, torch::kDouble);
-      EXPECT_THROW(a->forward(x.q, x.k, x.v, {.cache = &cache}), InputError);
+      EXPECT_THROW(a->forward(x.q, x.k, x.v, {.positions = P, .cache = &cache}), InputError);
       continue;
     }
     ++decoded;
     // a prefill of 3 tokens, then one token at a time
     nn::DecodeCache cache(B, kHk, D, torch::kDouble, 2);
     std::vector<torch::Tensor> outs = {a->forward(x.q.narrow(2, 0, 3), x.k.narrow(2, 0, 3),
-                                                  x.v.narrow(2, 0, 3), {.cache = &cache})};
+                                                  x.v.narrow(2, 0, 3),
+                                                  {.positions = tokens(P, 0, 3), .cache = &cache})};
     for (int64_t t = 3; t < T; ++t)
       outs.push_back(a->forward(x.q.narrow(2, t, 1), x.k.narrow(2, t, 1), x.v.narrow(2, t, 1),
-                                {.cache = &cache}));
+                                {.positions = tokens(P, t, 1), .cache = &cache}));
     EXPECT_LT(max_diff(torch::cat(outs, 2), full), 1e-12);
     EXPECT_EQ(cache.length(), T);
     EXPECT_GE(cache.capacity(), T);  // grown from 2
@@ -281,7 +299,13 @@ TEST(AttentionModule, LearnedRotationsRunWithTheirParameters) {
       continue;
     }
     if (m->transforms.empty() || !nn::rotation_runtime(m->transforms[0])) continue;
-    for (const auto& spec : {base, base + "(context=true)", base + "(basis=cayley, context=true)"}) {
+    for (const auto& spec : {base, base + "(context=true)", base + "(basis=cayley, context=true)",
+                             base + "(basis=cayley)", base + "(dims=3, basis=exp)"}) {
+      try {  // the options the family has
+        build_mechanism(spec, D, kHk);
+      } catch (const InputError&) {
+        continue;
+      }
       SCOPED_TRACE(spec);
       ++found;
       torch::manual_seed(5);
@@ -301,13 +325,46 @@ TEST(AttentionModule, LearnedRotationsRunWithTheirParameters) {
                  k = torch::randn({B, kHk, T, D}, torch::kDouble),
                  v = torch::randn({B, kHk, T, D}, torch::kDouble),
                  x = torch::randn({B, T, model_dim}, torch::kDouble);
-      const auto full = a->forward(q, k, v, {.inputs = x});
+      const auto P = call_positions(a->mechanism(), B, T);
+      const auto full = a->forward(q, k, v, {.positions = P, .inputs = x});
       (full * torch::randn_like(full)).sum().backward();
       for (const auto& p : a->named_parameters())
         if (!p.key().starts_with("encoding.")) {
           EXPECT_GT(p.value().grad().abs().max().item<double>(), 0.0) << p.key();
         }
-      EXPECT_LT(max_diff(decode_in_chunks(a, q, k, v, x), full), 1e-12);
+      EXPECT_LT(max_diff(decode_in_chunks(a, q, k, v, x, P), full), 1e-12);
+    }
+  }
+  EXPECT_GE(found, 6);
+}
+
+// A rotation by vector positions: non-causal scores depend on r_j - r_i only (every position
+// moved by one vector leaves the output unchanged), with grouped heads and a learned basis, and
+// a call without positions, or with scalar ones, is an InputError naming what it needs.
+TEST(AttentionModule, VectorPositionRotationsAreTranslationInvariant) {
+  int found = 0;
+  for (const auto& base : catalog_specs()) {
+    const int D = head_dim_for(base);
+    if (!D || !build_mechanism(base, D, kHk).structured_term()) continue;
+    for (const auto& spec : {base, base + "(basis=cayley)", base + "(dims=3, basis=mixed)"}) {
+      SCOPED_TRACE(spec);
+      ++found;
+      torch::manual_seed(5);
+      nn::Attention a(spec, D, kHq, nn::AttentionOptions{.num_kv_heads = kHk, .causal = false});
+      a->to(torch::kDouble);
+      {
+        const torch::NoGradGuard no_grad;
+        for (auto& p : a->parameters()) p.add_(0.3 * torch::randn_like(p));
+      }
+      const auto x = inputs(2, 9, D);
+      const auto P = call_positions(a->mechanism(), 2, 9);
+      const auto shift = torch::randn({P.size(-1)}, torch::kDouble) * 50;
+      const auto out = a->forward(x.q, x.k, x.v, {.positions = P});
+      EXPECT_LT(max_diff(a->forward(x.q, x.k, x.v, {.positions = P + shift}), out), 1e-11);
+      // the positions matter (not a silent no-op)
+      EXPECT_GT(max_diff(a->forward(x.q, x.k, x.v, {.positions = 2 * P}), out), 1e-3);
+      EXPECT_THROW(a->forward(x.q, x.k, x.v), InputError);
+      EXPECT_THROW(a->forward(x.q, x.k, x.v, {.positions = torch::arange(9.0)}), InputError);
     }
   }
   EXPECT_GE(found, 3);

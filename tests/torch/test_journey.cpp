@@ -303,6 +303,9 @@ TEST(Journey, CausalityOverEveryMechanismAndTheReferenceLeak) {
         EXPECT_TRUE(causal(c)) << "the paper's scan is causal (" << weights << ")";
       }
       c.weights = "softmax";
+    } else if (build_mechanism(c.mechanism, 24, 2).structured_term()) {
+      // vector positions: the language models refuse them by name
+      EXPECT_THROW(c.validate(), InputError) << c.mechanism;
     } else if (info.name.starts_with("grape") || info.name == "fox") {
       // GRAPE forms: in their own block (the Llama/GRAPE preset; tests/torch/test_grape.cpp)
       models::ModelConfig g = c;

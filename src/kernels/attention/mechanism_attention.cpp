@@ -78,7 +78,7 @@ void check_attention_support(const Mechanism& m) {
           "nn::attention (torch/journey.hpp) and decodes with kernels::JourneyCache, not through "
           "this path",
           t.name, t.roles.str()));
-    if (t.position_driven() && t.time != TimeSource::Position)
+    if ((t.position_driven() || t.vector_positions()) && t.time != TimeSource::Position)
       throw InputError(fmt::format(
           "attention: term '{}' is driven by a {}: not yet supported by the attention path", t.name,
           t.time == TimeSource::ContentPhase ? "content phase" : "vector position"));

@@ -48,12 +48,14 @@ struct ContentRuntime {
 };
 
 // A rotation whose frequencies a layer learns (and, optionally, a learned basis E R E^T or
-// per-token phases scanned from the layer's hidden states): GRAPE-M. The runtime owns the
-// parameters and turns q and k; it is found by the transform term's name.
+// per-token phases scanned from the layer's hidden states): GRAPE-M; or one driven by vector
+// positions (structured rotations). The runtime owns the parameters and turns q and k; it is
+// found by the transform term's name.
 struct RotationCall {
   torch::Tensor inputs;     // [B, T, model_dim] (per-token phases)
   torch::Tensor q, k;       // [B, Hq, T, D], [B, Hk, T, D]
-  torch::Tensor positions;  // [T] or [B, T], float64
+  // [T] or [B, T], float64; vector positions (TimeSource::VectorPosition) [T, dc] or [B, T, dc]
+  torch::Tensor positions;
   torch::Tensor phase;      // [B, 1] float64: the phase before the first token (decode), or none
   Layout layout = Layout::HalfSplit;
 };
@@ -63,8 +65,10 @@ struct Rotated {
 };
 struct RotationRuntime {  // it reads inputs when the term's time is TimeSource::ContentPhase
   std::vector<std::string> (*names)(const TransformTerm& t) = nullptr;
+  // kv_heads: the key/value heads (per-head parameters are theirs; a query head uses its group's)
   std::vector<torch::Tensor> (*create)(const TransformTerm& t, torch::nn::Module& owner,
-                                       int64_t model_dim, int64_t head_dim) = nullptr;
+                                       int64_t model_dim, int64_t kv_heads,
+                                       int64_t head_dim) = nullptr;
   Rotated (*rotate)(const TransformTerm& t, const std::vector<torch::Tensor>& params,
                     const RotationCall& c) = nullptr;
 };

@@ -196,7 +196,7 @@ std::vector<std::string> rotation_names(const TransformTerm& t) {
 }
 
 std::vector<torch::Tensor> rotation_create(const TransformTerm& t, torch::nn::Module& owner,
-                                           int64_t model_dim, int64_t D) {
+                                           int64_t model_dim, int64_t /*kv_heads*/, int64_t D) {
   // lambda_m = s ln theta_m at the initial spectrum (segments store -theta: frame angle
   // = -omega p, journey.hpp); no random draws
   std::vector<double> lam;
