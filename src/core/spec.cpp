@@ -219,6 +219,8 @@ std::string expand_reference_alias(const std::string& name_in) {
     if (g.empty())
       throw InputError(
           fmt::format("reference method name '{}' has no gate tokens gGGG", brief(name_in)));
+  } else if (name == "axial_rope" || name == "mixed_rope") {  // (2-D RoPE-Mixed's names)
+    out = fmt::format("structured(basis={})", name == "axial_rope" ? "axial" : "mixed");
   } else if (!suffix.empty() && (name == "damped_rope" || name == "real_jordan" ||
                                  name == "direct_sum" || name == "nope")) {
     out = name;

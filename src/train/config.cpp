@@ -323,7 +323,7 @@ void TrainConfig::validate() const {
   check_range(eval.batch_size, 1, int64_t{1} << 20, "eval.batch_size");
   for (auto l : eval.lengths) check_range(l, 2, int64_t{1} << 22, "eval.lengths[]");
   if (task.kind == "grid2d") {
-    validate_grid2d(*this);  // its model is models/grid2d.hpp, not a registry mechanism
+    validate_grid2d(*this);  // its model is models/grid2d.hpp (2-D vector positions)
     return;
   }
   auto m = model;

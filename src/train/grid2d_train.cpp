@@ -228,7 +228,7 @@ RunResult run_grid2d_training(const TrainConfig& c, const RunOptions& o) {
   // how far the learned bases moved from U = I (structured; 0 for the others)
   double basis_dev = 0;
   for (auto& b : model->blocks())
-    if (const auto U = b->rotation()->basis(); U.defined())
+    if (const auto U = b->learned_basis(); U.defined())
       basis_dev =
           std::max(basis_dev, (U - torch::eye(U.size(-1), U.options())).abs().max().item<double>());
   model->to(torch::kDouble);

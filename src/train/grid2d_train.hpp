@@ -2,8 +2,9 @@
 // models/grid2d.hpp; the structured-2d experiment of issue 15): run_training hands a grid2d
 // configuration here. Same configuration keys, AdamW, schedule, clipping and files as the
 // language-model loop (trainer.hpp), with what a grid of vector positions needs instead:
-//   - model.mechanism is one of models::grid2d_mechanisms() (nope, axial_rope, mixed_rope,
-//     structured), not a registry spec; model.d_model / heads / layers / mlp_ratio as usual;
+//   - model.mechanism is a registry spec that rotates by 2-D vector positions (structured,
+//     axial_rope, mixed_rope, structured(basis=exp), ...) or reads none (nope), run by the
+//     model's nn::Attention; model.d_model / heads / layers / mlp_ratio as usual;
 //   - eval.lengths are cell counts of square grids (64 = 8 x 8, 144 = 12 x 12);
 //   - at the end, on the training grid's evaluation set: the accuracy with every position moved by
 //     task.eval_offset (a grid translated beyond the training range), and translation equivariance:

@@ -581,7 +581,12 @@ TEST(StructuredErrors, BadInputIsNamed) {
 // starts at the same magnitudes along unit directions (seeded: the same spec, the same values);
 // the terms refuse what they cannot honour.
 TEST(StructuredFamily, InitialValuesFollowTheFormulas) {
-  const Mechanism ax = build_mechanism("structured(dims=2, theta=100)", 16, 3);
+  const Mechanism ax = build_mechanism("structured(dims=2, basis=axial, theta=100)", 16, 3);
+  // the reference names of the structured-2d experiment
+  EXPECT_EQ(build_mechanism("axial_rope", 16, 3).spec, ax.spec);
+  EXPECT_EQ(build_mechanism("mixed_rope", 16, 3).spec,
+            build_mechanism("structured(basis=mixed)", 16, 3).spec);
+  EXPECT_TRUE(build_mechanism("structured", 16, 3).structured_term()->basis == "cayley");
   const TransformTerm& t = *ax.structured_term();
   EXPECT_EQ(t.vector_dims, 2);
   EXPECT_EQ(t.planes, 8);

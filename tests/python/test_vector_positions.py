@@ -26,7 +26,7 @@ def vector_term(spec):
 
 
 BASE = [s for s in CATALOG if vector_term(s) is not None]
-SPECS = [v for s in BASE for v in (s, f"{s}(basis=mixed)", f"{s}(basis=cayley)",
+SPECS = [v for s in BASE for v in (s, f"{s}(basis=mixed)", f"{s}(basis=axial)",
                                    f"{s}(dims=3, basis=exp)", f"{s}(dims=1, basis=mixed)")]
 LAYOUTS = ["interleaved", "half_split"]
 
@@ -139,7 +139,7 @@ def test_scores_are_relative_in_the_positions(spec):
 
 def test_parameters_are_the_runtimes_and_seeded():
     for spec in BASE:
-        assert [n for n, _ in relpos.Attention(spec, D, HQ, HK).named_parameters()] == []
+        assert [n for n, _ in relpos.Attention(f"{spec}(basis=axial)", D, HQ, HK).named_parameters()] == []
         assert [n for n, _ in relpos.Attention(f"{spec}(basis=mixed)", D, HQ, HK).named_parameters()] == ["freqs"]
         cay = relpos.Attention(f"{spec}(basis=cayley)", D, HQ, HK)
         assert sorted(n for n, _ in cay.named_parameters()) == ["basis_w", "freqs"]

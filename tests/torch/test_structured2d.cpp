@@ -11,8 +11,10 @@
 #include <numbers>
 #include <set>
 
+#include "core/registry.hpp"
 #include "core/types.hpp"
 #include "models/grid2d.hpp"
+#include "torch/mechanisms/content_runtime.hpp"
 #include "tasks/grid2d.hpp"
 #include "train/config.hpp"
 #include "train/grid2d_train.hpp"
@@ -86,14 +88,23 @@ TEST(Structured2d, TaskIsDeterministicBalancedAndTheTeachersSum) {
             std::string::npos);
 }
 
+// The grid model's mechanisms are catalog specs turned by their rotation runtime: axial RoPE on
+// the half-split planes equals a hand-written rotation, and the learned-basis and mixed forms with
+// the axial lambda (and W = 0, U = I) are the same map.
 TEST(Structured2d, AxialRotationMatchesAHandWrittenOneAndUIsTheIdentityAtInit) {
   torch::manual_seed(0);
   const int64_t H = 2, D = 8, T = 5;
   const double theta = 100;
-  models::PlaneRotation2d axial(models::parse_grid2d_mechanism("axial_rope(theta=100)"), H, D);
+  const auto turn = [&](const std::string& spec, const std::vector<torch::Tensor>& params,
+                        const torch::Tensor& x, const torch::Tensor& pos) {
+    const Mechanism m = build_mechanism(spec, D, H);
+    return nn::rotate_learned(*m.structured_term(), params,
+                              {{}, x, x, pos, {}, Layout::HalfSplit})
+        .k;
+  };
   const auto x = torch::randn({1, H, T, D}, torch::kDouble);
   const auto pos = torch::randn({T, 2}, torch::kDouble) * 5;
-  const auto y = axial(x, pos);
+  const auto y = turn("axial_rope", {}, x, pos);
   auto want = x.clone();
   const auto xa = x.accessor<double, 4>();
   auto wa = want.accessor<double, 4>();
@@ -101,9 +112,8 @@ TEST(Structured2d, AxialRotationMatchesAHandWrittenOneAndUIsTheIdentityAtInit) {
   for (int64_t h = 0; h < H; ++h)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t u = 0; u < D / 2; ++u) {
-        // planes 0, 1 turn with the row at 1, theta^(-1/2); planes 2, 3 with the column (the
-        // module keeps its frequencies in float32)
-        const double w = static_cast<float>(std::pow(theta, -static_cast<double>(u % 2) / 2.0));
+        // planes 0, 1 turn with the row at 1, theta^(-1/2); planes 2, 3 with the column
+        const double w = std::pow(theta, -static_cast<double>(u % 2) / 2.0);
         const double phi = (u < 2 ? pa[t][0] : pa[t][1]) * w;
         const double a = xa[0][h][t][u], b = xa[0][h][t][u + D / 2];
         wa[0][h][t][u] = a * std::cos(phi) - b * std::sin(phi);
@@ -111,30 +121,25 @@ TEST(Structured2d, AxialRotationMatchesAHandWrittenOneAndUIsTheIdentityAtInit) {
       }
   EXPECT_LT((y - want).abs().max().item<double>(), 1e-14);
 
-  // the structured rotation with W = 0 (its initialisation) and axial lambda is the same map,
-  // through the Cayley basis and basis_rotate
-  models::PlaneRotation2d structured(models::parse_grid2d_mechanism("structured"), H, D);
-  {
-    torch::NoGradGuard no_grad;
-    structured->named_parameters()["lambda"].copy_(axial->lambda());
-  }
-  EXPECT_EQ((structured->basis() - torch::eye(D)).abs().max().item<double>(), 0.0);
-  EXPECT_LT((structured(x, pos) - want).abs().max().item<double>(), 1e-14);
-  // mixed RoPE with the axial lambda too
-  models::PlaneRotation2d mixed(models::parse_grid2d_mechanism("mixed_rope"), H, D);
-  {
-    torch::NoGradGuard no_grad;
-    mixed->named_parameters()["lambda"].copy_(axial->lambda());
-  }
-  EXPECT_LT((mixed(x, pos) - want).abs().max().item<double>(), 1e-14);
+  // the learned-basis rotation with W = 0 (its initialisation) and the axial lambda is the same
+  // map, and so is mixed RoPE with the axial lambda
+  auto lambda = torch::zeros({H, 2, D / 2}, torch::kDouble);
+  for (int64_t u = 0; u < D / 2; ++u)
+    lambda.select(1, u < 2 ? 0 : 1).select(1, u).fill_(std::pow(theta, -(u % 2) / 2.0));
+  EXPECT_LT((turn("structured", {lambda, torch::zeros({H, D, D}, torch::kDouble)}, x, pos) - want)
+                .abs()
+                .max()
+                .item<double>(),
+            1e-14);
+  EXPECT_LT((turn("mixed_rope", {lambda}, x, pos) - want).abs().max().item<double>(), 1e-14);
 
-  EXPECT_NE(error_of([] { models::parse_grid2d_mechanism("rope"); }).find("unknown mechanism"),
+  // a mechanism of scalar positions, or of 3-D ones, is refused by name
+  EXPECT_NE(error_of([] { small("rope").validate(); }).find("2-D vector positions"),
             std::string::npos);
-  EXPECT_NE(error_of([] { models::parse_grid2d_mechanism("axial_rope(base=3)"); }).find("theta"),
+  EXPECT_NE(error_of([] { small("structured(dims=3)").validate(); }).find("2-D vector positions"),
             std::string::npos);
-  auto c = small("axial_rope");
-  c.d_model = 12;  // head dim 6
-  EXPECT_NE(error_of([&] { c.validate(); }).find("divisible by 4"), std::string::npos);
+  EXPECT_NE(error_of([] { small("axial_rope(base=3)").validate(); }).find("axial_rope"),
+            std::string::npos);
 }
 
 TEST(Structured2d, LogitsAreInvariantToATranslationOfAllPositions) {
@@ -144,8 +149,8 @@ TEST(Structured2d, LogitsAreInvariantToATranslationOfAllPositions) {
     models::Grid2dNet net(small(mech));
     if (mech == "structured") {  // a basis away from the identity, exercising Cayley(W - W^T)
       torch::NoGradGuard no_grad;
-      for (auto& b : net->blocks()) b->rotation()->named_parameters()["W"].normal_(0, 0.5);
-      ASSERT_GT((net->blocks()[0]->rotation()->basis() - torch::eye(8)).abs().max().item<double>(),
+      for (auto& b : net->blocks()) b->attention()->named_parameters()["basis_w"].normal_(0, 0.5);
+      ASSERT_GT((net->blocks()[0]->learned_basis() - torch::eye(8)).abs().max().item<double>(),
                 0.1);
     }
     net->eval();
@@ -220,7 +225,7 @@ TEST(Structured2d, ThirtyTrainingStepsReduceTheLoss) {
   EXPECT_NE(error_of([&] { bad.validate(); }).find("task.equivariance_shift"), std::string::npos);
   bad = c;
   bad.model.mechanism = "rope";
-  EXPECT_NE(error_of([&] { bad.validate(); }).find("unknown mechanism 'rope'"), std::string::npos);
+  EXPECT_NE(error_of([&] { bad.validate(); }).find("2-D vector positions"), std::string::npos);
   bad = c;
   bad.task.benchmark = "mixed_raw";
   EXPECT_NE(error_of([&] { bad.validate(); }).find("task.benchmark"), std::string::npos);

@@ -8,7 +8,10 @@
 //   mixed   U = I, every plane turned by every axis, lambda learned (RoPE-Mixed), initialised at
 //           the axial magnitudes along a seeded random direction per head and plane
 //   cayley, exp   mixed's lambda and a learned basis U = E P, E = cayley / exp of W - W^T per head
-//           (W = 0 at init: U = I), P the pair layout's planes
+//           (W = 0 at init: U = P), P the pair layout's planes; cayley (the paper's learned-basis
+//           rotation) is the default
+// Reference names: axial_rope = structured(basis=axial), mixed_rope = structured(basis=mixed)
+// (the structured-2d experiment's method names; core/spec.cpp).
 // A call gives positions [T, d_c] or [B, T, d_c]; the torch runtime
 // (torch/mechanisms/structured.cpp) owns lambda and W and turns q and k with the fast kernel
 // (kernels/structured.hpp).
@@ -24,15 +27,15 @@ std::vector<TermDef> structured_family() {
   d.push_back({{"structured",
                 "transform",
                 "rotation by vector positions r in R^dims: U [(+)_u R_2(sum_k lambda_ku r_k)] U^T; "
-                "basis axial (fixed axial RoPE), mixed (learned lambda, RoPE-Mixed), cayley / exp "
-                "(learned lambda and basis U)",
+                "basis cayley / exp (learned lambda and basis U), mixed (learned lambda, "
+                "RoPE-Mixed), axial (fixed axial RoPE)",
                 "exact (Theorem 1: relative in r_j - r_i for a commuting family)",
                 "Structured rotations 2, Lemmas 1-3, Theorem 1",
                 {{"dims", "2", "d_c: the components of a position (1, 2 or 3)"},
-                 {"basis", "axial", "axial, mixed, cayley or exp"},
+                 {"basis", "cayley", "cayley, exp, mixed or axial"},
                  {"theta", "100", "frequency base of the per-axis spectrum"},
-                 {"seed", "0", "seed of mixed's initial directions"}},
-                {}},
+                 {"seed", "0", "seed of the initial directions (mixed, cayley, exp)"}},
+                {"axial_rope", "mixed_rope"}},
                [](const Args& a, TermBuilder& b) {
                  const int D = b.m.head_dim, H = b.m.heads, dc = a.integer("dims", 1, 3);
                  require_divisible(a, D, 2, "rotation planes");
