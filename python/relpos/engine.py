@@ -174,16 +174,25 @@ class Attention(nn.Module):
     (the layer's hidden states ``[B, T, model_dim]``, so give ``model_dim``), GRAPE-A's gates read
     the transformed q and k; GRAPE-M's content phases (``context=true``) scan ``inputs`` too.
     Other mechanisms ignore ``inputs`` (a model may pass them to every layer) but still check
-    their B and T. Mechanisms it cannot run
-    honestly raise InputError at construction; with a cache, so do a per-call centre
-    (``center=mid``) and a dynamic context-extension rule.
+    their B and T. A rotation by vector positions (``structured``) takes ``positions [T, d_c]``
+    or ``[B, T, d_c]``; the kernel's causality and the cache then follow the token order.
+    Mechanisms it cannot run honestly raise InputError at construction; with a cache, so do a
+    per-call centre (``center=mid``) and a dynamic context-extension rule.
+
+    ``backend="favor"`` replaces the softmax kernel by FAVOR+ linear attention
+    (:func:`relpos.favor_attention`) on ``features`` (default 4 x head_dim) positive orthogonal
+    random features of the transformed q and k, drawn from ``feature_seed`` into the buffer
+    ``favor_projection`` (the same values as C++): time linear in T, the softmax weights in
+    expectation. It takes mechanisms that act on q and k only (no logit biases, no journey
+    frames), no window, key_len or cache; causal in the token order.
     """
 
     def __init__(self, spec: str, head_dim: int, num_heads: int, num_kv_heads: int | None = None, *,
                  pair_layout: str = "interleaved", causal: bool = True, window: float = 0.0,
                  scale: float | None = None, rope_scaling: dict | None = None,
                  max_position_embeddings: float | None = None, check_finite: bool = True,
-                 model_dim: int | None = None) -> None:
+                 model_dim: int | None = None, backend: str = "softmax", features: int | None = None,
+                 feature_seed: int = 0) -> None:
         super().__init__()
         self.num_heads = _integer(num_heads, "num_heads")
         self.num_kv_heads = self.num_heads if num_kv_heads is None else _integer(num_kv_heads, "num_kv_heads")
@@ -236,6 +245,26 @@ class Attention(nn.Module):
                         owner.add_module(part, nn.Module())
                     owner = getattr(owner, part)
                 owner.register_parameter(leaf, nn.Parameter(t))
+        # backend "favor": FAVOR+ linear attention on random features of the transformed q, k
+        if backend not in ("softmax", "favor"):
+            raise InputError(f"backend must be softmax or favor, got {backend!r}")
+        self.backend = backend
+        if backend == "favor":
+            why = _op(torch.ops.relpos.favor_refusal, self.spec, self.head_dim, self.num_kv_heads)
+            if why:
+                raise InputError(why)
+            if float(window) > 0:
+                raise InputError(f"{self.spec!r}: backend favor has no sliding window")
+            m = 4 * self.head_dim if features is None else _integer(features, "features")
+            if m < 1:
+                raise InputError(f"features must be >= 1, got {m}")
+            # the same draw as C++ nn::Attention's buffer (float32, as created there)
+            self.register_buffer("favor_projection", _op(
+                torch.ops.relpos.random_projection, m, self.head_dim, True,
+                _integer(feature_seed, "feature_seed")).float())
+        elif features is not None or feature_seed != 0:
+            raise InputError("features and feature_seed are options of backend favor; this module "
+                             "is backend softmax")
         self.pair_layout = "half_split" if self.encoding.layout == 1 else "interleaved"
         self.causal, self.window, self.scale = bool(causal), float(window), scale
         self.check_finite = check_finite
@@ -244,7 +273,10 @@ class Attention(nn.Module):
         self._journey_values, self._journey_outputs = (journey[2], journey[3]) if journey else (False, False)
         # with a cache, keys transformed in earlier calls must stay valid
         self._cache_refusal = None
-        if info["center"] == "mid":
+        if backend == "favor":  # the features' prefix sums are not kept between calls
+            self._cache_refusal = (f"{self.spec!r}: backend favor has no decode cache; decode with "
+                                   "backend softmax")
+        elif info["center"] == "mid":
             self._cache_refusal = (f"{self.spec!r}: center=mid puts the centre in the middle of "
                                    "each call, so keys cached in earlier calls would be off by the "
                                    "change; use a fixed centre (center=auto or a number) to decode")
@@ -387,6 +419,8 @@ class Attention(nn.Module):
             theta = self._frames(qpos)
             if self._journey_values:
                 vt = rotate_pairs(vt, theta, pair_layout=self.pair_layout)
+        if self.backend == "favor":
+            return self._favor(qt, kt, vt, qpos, key_len, return_lse)
         extra, side = {}, []
         if self._content is not None:
             # the runtime's query-side arguments and the new keys' side tensors
@@ -421,6 +455,22 @@ class Attention(nn.Module):
         if self._journey and self._journey_outputs:
             out = rotate_pairs(out, theta, inverse=True, pair_layout=self.pair_layout)
         return (out, lse) if return_lse else out
+
+    def _favor(self, qt, kt, vt, qpos, key_len, return_lse):
+        """FAVOR+ on the transformed q and k (key/value heads repeated for their query groups)."""
+        if key_len is not None:
+            raise InputError(f"{self.spec!r}: backend favor takes no key_len (no padding mask)")
+        if return_lse:
+            raise InputError(f"{self.spec!r}: backend favor has no log-sum-exp to return")
+        if self.causal and qpos.shape[-1] > 1 and not bool((qpos[..., 1:] > qpos[..., :-1]).all()):
+            raise InputError(f"{self.spec!r}: backend favor is causal in the token order; positions "
+                             "must increase along each sequence")
+        g = self.num_heads // self.num_kv_heads
+        kf, vf = (kt, vt) if g == 1 else (kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1))
+        # its scale multiplies q and k: the square root of the logits' scale
+        scale = 0.0 if self.scale is None else float(self.scale) ** 0.5
+        return _op(torch.ops.relpos.favor_attention, qt, kf, vf, self.favor_projection, self.causal,
+                   scale)
 
     @staticmethod
     def _counts(key_len, B: int, T: int) -> torch.Tensor:

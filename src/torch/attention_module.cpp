@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/parse.hpp"
 #include "core/registry.hpp"
 #include "kernels/attention/mechanism_attention.hpp"
 #include "torch/journey.hpp"
+#include "torch/linear_attention.hpp"
 #include "torch/mechanisms/content_runtime.hpp"
 
 namespace relpos::nn {
@@ -62,6 +64,21 @@ std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_hea
           m.spec, t.name);
   }
   journey_term(m);  // a journey term composed with other transforms: InputError
+  return std::nullopt;
+}
+
+std::optional<std::string> favor_refusal(const Mechanism& m) {
+  for (const auto& b : m.biases)
+    return fmt::format(
+        "'{}': backend favor approximates exp(q.k) by random features of q and k; bias '{}' adds "
+        "to the logits and has no such form: use backend softmax",
+        m.spec, b.name);
+  for (const auto& t : m.transforms)
+    if (t.roles.values || t.roles.outputs)
+      return fmt::format(
+          "'{}': term '{}' rotates values and outputs by frames; backend favor takes maps of q and "
+          "k only: use backend softmax",
+          m.spec, t.name);
   return std::nullopt;
 }
 
@@ -213,7 +230,29 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
             m.spec, t.name));
       rotation_params_ = r->create(t, *this, options.model_dim, num_kv_heads_, head_dim);
     }
-  if (!options.causal)  // a cached token would never see the later keys its full forward sees
+  if (options.backend == "favor") {
+    if (auto why = favor_refusal(m)) throw InputError(*why);
+    if (options.window > 0)
+      throw InputError(fmt::format("'{}': backend favor has no sliding window", m.spec));
+    if (options.features < 0)
+      throw InputError(fmt::format("features must be >= 0 (0: 4 x head dim), got {}",
+                                   options.features));
+    favor_projection_ = register_buffer(
+        "favor_projection",
+        random_projection(options.features ? options.features : 4 * head_dim, head_dim, true,
+                          options.feature_seed)
+            .to(torch::kFloat));
+  } else if (options.backend != "softmax") {
+    throw InputError(
+        fmt::format("backend must be softmax or favor, got '{}'", brief(options.backend)));
+  } else if (options.features != 0 || options.feature_seed != 0) {
+    throw InputError(
+        "features and feature_seed are options of backend favor; this module is backend softmax");
+  }
+  if (favor_projection_.defined())  // the features' prefix sums are not kept between calls
+    cache_refusal_ = fmt::format(
+        "'{}': backend favor has no decode cache; decode with backend softmax", m.spec);
+  else if (!options.causal)  // a cached token would never see the later keys its full forward sees
     cache_refusal_ = fmt::format(
         "'{}': a cache decodes causal attention; this module is non-causal (causal = false)",
         m.spec);
@@ -264,6 +303,9 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
         "'{}' rotates by vector positions: pass positions [T, {}] or [B, T, {}] (the kernel's "
         "causality and window follow the token order)",
         mechanism().spec, rotation_->vector_dims, rotation_->vector_dims));
+  if (favor_projection_.defined() && call.key_len.defined())
+    throw InputError(fmt::format("'{}': backend favor takes no key_len (no padding mask)",
+                                 mechanism().spec));
   if (call.cache) {
     if (cache_refusal_) throw InputError(*cache_refusal_);
     call.cache->check(k);
@@ -292,7 +334,8 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const AttentionCall& call) {
   check(q, k, v, call);
-  if (call.cache || content_ || rotation_) return assembled(q, k, v, call);
+  if (call.cache || content_ || rotation_ || favor_projection_.defined())
+    return assembled(q, k, v, call);
   AttentionArgs a;
   // one positions tensor for queries and keys (the same object: one transform call)
   a.q_positions =
@@ -356,6 +399,19 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
     const auto o = encoding->forward(both, both, torch::cat({pos.repeat({1, g}), pos}, 1));
     qt = o.q.narrow(2, 0, g * T).reshape({B, num_heads_, T, D});
     kt = o.k.narrow(2, g * T, T);
+  }
+  if (favor_projection_.defined()) {  // the random-feature kernel on the transformed q and k
+    // its causality is the token order, the softmax kernel's the positions: they must agree
+    if (options_.causal && T > 1 && !(pos.slice(1, 1) > pos.slice(1, 0, -1)).all().item<bool>())
+      throw InputError(fmt::format(
+          "'{}': backend favor is causal in the token order; positions must increase along each "
+          "sequence",
+          m.spec));
+    const auto kf = g == 1 ? kt : kt.repeat_interleave(g, 1),
+               vf = g == 1 ? vt : vt.repeat_interleave(g, 1);
+    // its scale multiplies q and k: the square root of the logits' scale
+    return favor_attention(qt, kf, vf, favor_projection_, options_.causal,
+                           options_.scale > 0 ? std::sqrt(options_.scale) : 0.0);
   }
   AttentionArgs a;
   std::vector<torch::Tensor> content;

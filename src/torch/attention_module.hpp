@@ -67,6 +67,13 @@ struct AttentionOptions {
   double scale = 0.0;  // 0: 1 / sqrt(D)
   bool check_finite = true;
   int64_t model_dim = 0;  // the width of `inputs` for a content bias that projects them
+  // "softmax" (the fused kernel) or "favor": FAVOR+ linear attention on positive orthogonal
+  // random features of the transformed q and k (time linear in T; the softmax weights in
+  // expectation), for mechanisms that act on q and k only (favor_refusal); no window, key_len
+  // or cache
+  std::string backend = "softmax";
+  int64_t features = 0;      // favor: random features m (0: 4 D)
+  int64_t feature_seed = 0;  // favor: the projection's seed (buffer "favor_projection" [m, D])
 };
 
 // One call's inputs besides q, k, v.
@@ -104,11 +111,15 @@ class AttentionImpl : public torch::nn::Module {
   std::vector<torch::Tensor> content_params_;  // its parameters (registered on this module)
   const TransformTerm* rotation_ = nullptr;     // a transform with learned frequencies, if any
   std::vector<torch::Tensor> rotation_params_;
+  torch::Tensor favor_projection_;  // backend favor: W [m, D]
 };
 TORCH_MODULE(Attention);
 
 // Why Attention cannot run this mechanism (built for the key/value heads) with `num_heads` query
 // heads from positions alone (empty: it can).
 std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_heads);
+// Why the favor backend cannot run this mechanism (empty: it can): it takes maps of q and k only,
+// not logit biases nor frames of values and outputs.
+std::optional<std::string> favor_refusal(const Mechanism& m);
 
 }  // namespace relpos::nn

@@ -157,13 +157,14 @@ std::tuple<torch::Tensor, std::string, std::vector<torch::Tensor>> cpp_attention
     const std::string& spec, int64_t head_dim, int64_t num_heads, int64_t num_kv_heads,
     int64_t layout, int64_t model_dim, int64_t seed, const torch::Tensor& q, const torch::Tensor& k,
     const torch::Tensor& v, const std::optional<torch::Tensor>& inputs, at::IntArrayRef chunks,
-    const std::optional<torch::Tensor>& positions) {
+    const std::optional<torch::Tensor>& positions, const std::string& backend) {
   return op_util::value_errors([&] {
     torch::manual_seed(static_cast<uint64_t>(seed));
     Attention a(spec, head_dim, num_heads,
                 AttentionOptions{.num_kv_heads = num_kv_heads,
                                  .layout = layout == 1 ? Layout::HalfSplit : Layout::Interleaved,
-                                 .model_dim = model_dim});
+                                 .model_dim = model_dim,
+                                 .backend = backend});
     a->to(q.scalar_type());
     std::vector<std::string> names;
     std::vector<torch::Tensor> values;
@@ -201,6 +202,12 @@ std::string attention_refusal_op(const std::string& spec, int64_t head_dim, int6
   });
 }
 
+std::string favor_refusal_op(const std::string& spec, int64_t head_dim, int64_t heads) {
+  return op_util::value_errors([&] {
+    return favor_refusal(content_mechanism(spec, head_dim, heads)).value_or(std::string());
+  });
+}
+
 }  // namespace
 
 }  // namespace relpos::nn
@@ -223,9 +230,10 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "Tensor q, Tensor k, Tensor positions, Tensor? phase, int layout) -> Tensor[]");
   m.def(
       "cpp_attention_module(str spec, int head_dim, int num_heads, int num_kv_heads, int layout, "
-      "int model_dim, int seed, Tensor q, Tensor k, Tensor v, Tensor? inputs, int[] chunks, Tensor? positions=None) "
-      "-> (Tensor, str, Tensor[])",
+      "int model_dim, int seed, Tensor q, Tensor k, Tensor v, Tensor? inputs, int[] chunks, "
+      "Tensor? positions=None, str backend=\"softmax\") -> (Tensor, str, Tensor[])",
       relpos::nn::cpp_attention_module_op);
+  m.def("favor_refusal(str spec, int head_dim, int heads) -> str", relpos::nn::favor_refusal_op);
   m.def("attention_refusal(str spec, int head_dim, int kv_heads, int num_heads) -> str",
         relpos::nn::attention_refusal_op);
 }

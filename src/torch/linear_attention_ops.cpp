@@ -12,6 +12,7 @@
 #include <array>
 
 #include "kernels/random_features.hpp"
+#include "torch/linear_attention.hpp"
 #include "torch/op_util.hpp"
 
 namespace relpos::nn {
@@ -169,6 +170,19 @@ torch::Tensor random_projection_op(int64_t m, int64_t d, bool orthogonal, int64_
 }
 
 }  // namespace
+
+torch::Tensor favor_attention(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, const torch::Tensor& projection, bool causal,
+                              double scale) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("relpos::favor_attention", "")
+                             .typed<decltype(favor_cpu)>();
+  return op.call(q, k, v, projection, causal, scale);
+}
+
+torch::Tensor random_projection(int64_t m, int64_t d, bool orthogonal, int64_t seed) {
+  return random_projection_op(m, d, orthogonal, seed);
+}
 
 }  // namespace relpos::nn
 

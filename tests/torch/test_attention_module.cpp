@@ -5,6 +5,7 @@
 
 #include "core/registry.hpp"
 #include "torch/attention_module.hpp"
+#include "torch/linear_attention.hpp"
 #include "torch/mechanisms/content_runtime.hpp"
 
 using namespace relpos;
@@ -368,4 +369,40 @@ TEST(AttentionModule, VectorPositionRotationsAreTranslationInvariant) {
     }
   }
   EXPECT_GE(found, 3);
+}
+
+// backend favor: FAVOR+ on the encoding's q~ and k~ (grouped heads: each query head with its
+// key/value head's keys), the projection a buffer drawn from the seed, and the refusals.
+TEST(AttentionModule, FavorBackendIsTheRandomFeatureKernelOnTheTransformedQueriesAndKeys) {
+  const int D = 8;
+  nn::Attention a("rope", D, kHq,
+                  nn::AttentionOptions{.num_kv_heads = kHk, .backend = "favor", .features = 24});
+  a->to(torch::kDouble);
+  const auto x = inputs(2, 6, D);
+  const auto out = a->forward(x.q, x.k, x.v);
+  const auto W = a->named_buffers()["favor_projection"];
+  EXPECT_EQ(W.sizes(), (std::vector<int64_t>{24, D}));
+  EXPECT_TRUE(torch::equal(W, nn::random_projection(24, D, true, 0).to(torch::kFloat).to(W.dtype())));
+  // q~ per query group and k~ through the encoding (RoPE is orthogonal: one centre or another)
+  const auto pos = torch::arange(6, torch::kDouble);
+  const auto qt = a->encoding->forward(x.q.reshape({2, kHk, 2 * 6, D}), x.q.reshape({2, kHk, 12, D}),
+                                       pos.repeat({2}))
+                      .q.reshape({2, kHq, 6, D});
+  const auto kt = a->encoding->forward(x.k, x.k, pos).k;
+  const auto want = nn::favor_attention(qt, kt.repeat_interleave(2, 1),
+                                        x.v.repeat_interleave(2, 1), W, true, 0.0);
+  EXPECT_LT(max_diff(out, want), 1e-12);
+  // refused: logit biases, frames of values, windows, key_len, a cache, unknown backends
+  for (const char* spec : {"alibi", "rope + kerple", "journey"})
+    EXPECT_THROW(nn::Attention(spec, D, 2, nn::AttentionOptions{.backend = "favor"}), InputError)
+        << spec;
+  EXPECT_THROW(nn::Attention("rope", D, 2, nn::AttentionOptions{.window = 3, .backend = "favor"}),
+               InputError);
+  EXPECT_THROW(nn::Attention("rope", D, 2, nn::AttentionOptions{.backend = "linear"}), InputError);
+  EXPECT_THROW(nn::Attention("rope", D, 2, nn::AttentionOptions{.features = 64}), InputError);
+  EXPECT_THROW(a->forward(x.q, x.k, x.v, {.key_len = torch::full({2}, 3, torch::kLong)}),
+               InputError);
+  nn::DecodeCache cache(2, kHk, D, torch::kDouble);
+  EXPECT_THROW(a->forward(x.q, x.k, x.v, {.cache = &cache}), InputError);
+  EXPECT_EQ(cache.length(), 0);
 }
