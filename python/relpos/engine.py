@@ -19,7 +19,7 @@ from torch import nn
 
 from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_attention
 from .encoding import InputError, PositionEncoding, _integer, _op
-from .journey import _journey_info, frame_angles, rotate_pairs
+from .journey import rotate_pairs
 
 class KVCache:
     """The decode state of :class:`Attention`: transformed keys, values (rotated into their
@@ -268,9 +268,9 @@ class Attention(nn.Module):
         self.pair_layout = "half_split" if self.encoding.layout == 1 else "interleaved"
         self.causal, self.window, self.scale = bool(causal), float(window), scale
         self.check_finite = check_finite
-        journey = _journey_info(self.spec, self.head_dim, self.num_kv_heads)
-        self._journey = journey is not None and self._rotation is None  # (GRAPE-M-ctx: its runtime)
-        self._journey_values, self._journey_outputs = (journey[2], journey[3]) if journey else (False, False)
+        # frames the runtime returns (journey) turn values in and outputs back out
+        term = info["transforms"][0] if self._rotation is not None else {}
+        self._frame_values, self._frame_outputs = term.get("values", False), term.get("outputs", False)
         # with a cache, keys transformed in earlier calls must stay valid
         self._cache_refusal = None
         if backend == "favor":  # the features' prefix sums are not kept between calls
@@ -333,13 +333,14 @@ class Attention(nn.Module):
                                      "length; the cache rows differ or key_len leaves tokens out")
 
     def _rotate(self, q, k, pos, inputs, phase):
-        """q and k turned by the rotation runtime (learned frequencies, basis, phases from the
-        inputs continuing from ``phase``); returns ``(q~, k~, phase after the last token)``."""
+        """q and k turned by the rotation runtime (frames, learned frequencies, basis, vector
+        positions, phases from the inputs continuing from ``phase``); returns ``(q~, k~, phase
+        after the last token, frame angles that turn values and outputs or None)``."""
         params = [getattr(self, n) for n in self._rotation["names"]]
-        qt, kt, phase_end = _op(torch.ops.relpos.rotate_learned, self.spec, self.head_dim,
-                                self.num_kv_heads, params, inputs, q, k, pos, phase,
-                                self.encoding.layout)
-        return qt, kt, phase_end
+        qt, kt, phase_end, frames = _op(torch.ops.relpos.rotate_learned, self.spec, self.head_dim,
+                                        self.num_kv_heads, params, inputs, q, k, pos, phase,
+                                        self.encoding.layout)
+        return qt, kt, phase_end, frames
 
     def _content_params(self) -> list[torch.Tensor]:
         out = []
@@ -349,9 +350,6 @@ class Attention(nn.Module):
                 t = getattr(t, part)
             out.append(t)
         return out
-
-    def _frames(self, pos: torch.Tensor) -> torch.Tensor:
-        return frame_angles(self.spec, self.head_dim, self.num_kv_heads, positions=pos)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 positions: torch.Tensor | None = None, key_len: torch.Tensor | None = None,
@@ -367,7 +365,7 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         if positions is not None and not isinstance(positions, torch.Tensor):
             raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
-        phase_end = None
+        phase_end = frames = None
         if self._vector_dims is not None:
             if positions is None:
                 dc = self._vector_dims
@@ -375,7 +373,7 @@ class Attention(nn.Module):
                                  f"[T, {dc}] or [B, T, {dc}] (the kernel's causality and window "
                                  "follow the token order)")
             # the runtime checks the vector positions; the kernel scores in token order
-            qt, kt, _ = self._rotate(q, k, positions, inputs, None)
+            qt, kt, _, _ = self._rotate(q, k, positions, inputs, None)
             slopes = None
             if cache is None:
                 qpos = kpos = torch.arange(T, dtype=torch.float64)
@@ -389,7 +387,7 @@ class Attention(nn.Module):
             pos = torch.arange(T, dtype=torch.float64) if positions is None else positions
             if self._rotation is not None:
                 pos = _op(torch.ops.relpos.encoding_positions, pos, B, T)
-                qt, kt, phase_end = self._rotate(q, k, pos, inputs, None)
+                qt, kt, phase_end, frames = self._rotate(q, k, pos, inputs, None)
                 qpos = kpos = pos
                 slopes = None if self._slopes is None else self._slopes.to(q.dtype)
             else:
@@ -408,17 +406,14 @@ class Attention(nn.Module):
                     pos = pos.expand(B, T)
             cache._check_positions(pos, counts)
             if self._rotation is not None:
-                qt, kt, phase_end = self._rotate(q, k, pos, inputs, cache._phase)
+                qt, kt, phase_end, frames = self._rotate(q, k, pos, inputs, cache._phase)
                 qpos = pos
                 slopes = None if self._slopes is None else self._slopes.to(q.dtype)
             else:
                 qt, kt, qpos, _, slopes = _transform_qk(self.encoding, q, k, pos, pos)
             vt = v
-        if self._journey:
-            # the encoding put q and k into their frames; v goes in too, the output back out
-            theta = self._frames(qpos)
-            if self._journey_values:
-                vt = rotate_pairs(vt, theta, pair_layout=self.pair_layout)
+        if frames is not None and self._frame_values:  # v into its key's frame
+            vt = rotate_pairs(vt, frames, pair_layout=self.pair_layout)
         if self.backend == "favor":
             return self._favor(qt, kt, vt, qpos, key_len, return_lse)
         extra, side = {}, []
@@ -452,8 +447,8 @@ class Attention(nn.Module):
                                    causal=self.causal, window=self.window, key_len=klen,
                                    scale=self.scale, slopes=slopes, lag_table=lag_table,
                                    **extra)
-        if self._journey and self._journey_outputs:
-            out = rotate_pairs(out, theta, inverse=True, pair_layout=self.pair_layout)
+        if frames is not None and self._frame_outputs:  # the output back out of the query's
+            out = rotate_pairs(out, frames, inverse=True, pair_layout=self.pair_layout)
         return (out, lse) if return_lse else out
 
     def _favor(self, qt, kt, vt, qpos, key_len, return_lse):

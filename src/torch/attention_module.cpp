@@ -38,18 +38,24 @@ std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_hea
       if (&c != b && c.content_dependent())
         return fmt::format("'{}' has two content-dependent biases ({}, {}); a layer takes one",
                            m.spec, b->name, c.name);
-    const TransformTerm* j = journey_term(m);
-    if (j && !rotation_runtime(*j))  // (GRAPE-M-ctx's phases are its runtime's, not frames)
-      return fmt::format(
-          "'{}': bias '{}' composed with journey frames is not supported by Attention", m.spec,
-          b->name);
+    for (const auto& t : m.transforms)
+      if (t.roles.values || t.roles.outputs)
+        return fmt::format(
+            "'{}': bias '{}' composed with frames that turn values and outputs is not supported "
+            "by Attention",
+            m.spec, b->name);
   }
   for (const auto& t : m.transforms) {
-    if (rotation_runtime(t)) {  // learned frequencies (and phases): the module's runtime
+    if (rotation_runtime(t)) {  // frames, learned frequencies, phases: the module's runtime
       if (m.transforms.size() != 1)
-        return fmt::format("'{}': transform '{}' learns its frequencies; it composes with bias "
+        return fmt::format("'{}': transform '{}' runs in its own runtime; it composes with bias "
                            "terms only, not with other transforms",
                            m.spec, t.name);
+      if (t.scan != PhaseScan::Exclusive)
+        return fmt::format(
+            "'{}': the reversed inclusive scan reads later tokens (the reference code's leak); "
+            "Attention runs the causal exclusive scan",
+            m.spec);
       continue;
     }
     if (t.learned_frequencies || t.basis != "none")
@@ -374,8 +380,7 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();  // [B, T] from here on
   if (cache) cache->check_positions(pos, counts);
 
-  torch::Tensor qt = q, kt = k, vt = v, q_frame_angles;
-  const TransformTerm* journey = journey_term(m);
+  torch::Tensor qt = q, kt = k, vt = v, frames;
   torch::Tensor phase_end;
   if (rotation_) {
     const Rotated r =
@@ -385,13 +390,10 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
     qt = r.q;
     kt = r.k;
     phase_end = r.phase_end;
-  } else if (journey) {
-    // frames from positions: q, k (and v) into them here, the output back below
-    q_frame_angles = fixed_frame_angles(*journey, pos, q.scalar_type());
-    const Frame f = Frame::of(q_frame_angles);
-    qt = rotate_pairs(q, f, false, encoding->plan().layout);
-    kt = rotate_pairs(k, f, false, encoding->plan().layout);
-    if (journey->roles.values) vt = rotate_pairs(v, f, false, encoding->plan().layout);
+    // frames that turn values into the key's frame here, and the output back below
+    if (r.frames.defined()) frames = r.frames;
+    if (frames.defined() && rotation_->roles.values)
+      vt = rotate_pairs(v, frames, false, options_.layout);
   } else if (m.has_transform()) {
     // queries grouped onto their key/value head and keys in one call at the same positions (one
     // centre for both), as nn::attention
@@ -454,8 +456,8 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
     a.lag_table = encoding->lag_table(len).to(q.scalar_type());
   }
   auto out = fused_attention(qt, kt, vt, a)[0];
-  if (journey && journey->roles.outputs)
-    out = rotate_pairs(out, Frame::of(q_frame_angles), true, encoding->plan().layout);
+  if (frames.defined() && rotation_->roles.outputs)
+    out = rotate_pairs(out, frames, true, options_.layout);
   return out;
 }
 

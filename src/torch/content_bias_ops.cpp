@@ -9,7 +9,7 @@
 //                    CompositeImplicitAutograd, so autograd runs through the runtime's ops
 //   content_keys     [gk, ck, path_k] from the side tensors of every key the call scores
 // and likewise for a rotation with learned frequencies (GRAPE-M): `rotation_params`,
-// `rotation_initial`, `rotate_learned` ([q, k, phase after the last token or None]),
+// `rotation_initial`, `rotate_learned` ([q, k, phase after the last token or None, frames of values and outputs or None]),
 // and `attention_refusal`: why relpos.Attention cannot run a mechanism ("" when it can);
 // `cpp_attention_module`: the C++ nn::Attention on one call, for the parity tests.
 #include <fmt/format.h>
@@ -145,7 +145,7 @@ std::vector<torch::Tensor> rotate_learned_op(const std::string& spec, int64_t he
         rotation_term(m), params.vec(),
         {inputs.value_or(torch::Tensor()), q, k, positions, phase.value_or(torch::Tensor()),
          layout == 1 ? Layout::HalfSplit : Layout::Interleaved});
-    return std::vector<torch::Tensor>{r.q, r.k, r.phase_end};
+    return std::vector<torch::Tensor>{r.q, r.k, r.phase_end, r.frames};
   });
 }
 

@@ -301,7 +301,8 @@ TEST(AttentionModule, LearnedRotationsRunWithTheirParameters) {
     }
     if (m->transforms.empty() || !nn::rotation_runtime(m->transforms[0])) continue;
     for (const auto& spec : {base, base + "(context=true)", base + "(basis=cayley, context=true)",
-                             base + "(basis=cayley)", base + "(dims=3, basis=exp)"}) {
+                             base + "(basis=cayley)", base + "(dims=3, basis=exp)",
+                             base + "(angles=token)", base + "(angles=token, values=false)"}) {
       try {  // the options the family has
         build_mechanism(spec, D, kHk);
       } catch (const InputError&) {
@@ -336,7 +337,7 @@ TEST(AttentionModule, LearnedRotationsRunWithTheirParameters) {
       EXPECT_LT(max_diff(decode_in_chunks(a, q, k, v, x, P), full), 1e-12);
     }
   }
-  EXPECT_GE(found, 6);
+  EXPECT_GE(found, 9);
 }
 
 // A rotation by vector positions: non-causal scores depend on r_j - r_i only (every position

@@ -56,12 +56,16 @@ struct RotationCall {
   torch::Tensor q, k;       // [B, Hq, T, D], [B, Hk, T, D]
   // [T] or [B, T], float64; vector positions (TimeSource::VectorPosition) [T, dc] or [B, T, dc]
   torch::Tensor positions;
-  torch::Tensor phase;      // [B, 1] float64: the phase before the first token (decode), or none
+  torch::Tensor phase;  // float64 [B, 1] or [B, P]: the phase before the first token (decode)
   Layout layout = Layout::HalfSplit;
 };
 struct Rotated {
   torch::Tensor q, k;
-  torch::Tensor phase_end;  // [B, 1] float64 after the last token (per-token phases), or none
+  // after the last token (per-token phases), float64 [B, 1] or [B, P]; the next call's `phase`
+  torch::Tensor phase_end;
+  // frames that turn values too (the term's roles.values) and outputs back (roles.outputs):
+  // their angles [T, P] or [B, T, P] in q's dtype (journey transforms); undefined otherwise
+  torch::Tensor frames;
 };
 struct RotationRuntime {  // it reads inputs when the term's time is TimeSource::ContentPhase
   std::vector<std::string> (*names)(const TransformTerm& t) = nullptr;
