@@ -129,79 +129,38 @@ class PositionEncoding(nn.Module):
         # the once-per-module warnings (docs/errors.md), issued by the op the C++ module shares
         self._warned = 0  # bits of torch.ops.relpos.encoding_warnings
         self._last_center: float | None = None
-        self._terms = []  # ("position", None) or ("fixed", index)
+        self._terms = []  # ("position" | "fixed" | "vector", index of the term)
         for i, t in enumerate(info["transforms"]):
-            if t["kind"] == "fixed_linear":
-                D = self.head_dim
-                self.register_buffer(f"fixed{i}_m", torch.tensor(t["matrix"], dtype=torch.float64).view(D, D))
-                self.register_buffer(
-                    f"fixed{i}_m_inv_t", torch.tensor(t["matrix_inv_t"], dtype=torch.float64).view(D, D)
-                )
-                self._terms.append(("fixed", i))
-            elif t["kind"] == "structured":  # vector positions: relpos.Attention's runtime
-                self._terms.append(("vector", i))
+            kind = {"fixed_linear": "fixed", "structured": "vector"}.get(t["kind"], "position")
+            self._terms.append((kind, i))
+        # the C++ module's parameters and buffers as it creates them (fixed maps fixed<i>_m, the
+        # schema's raw_<name> / <name>_fixed / _bound / _learn, a learned lag table's tensors drawn
+        # from torch's generator in the same order): the same names and bits
+        state, values = _op(torch.ops.relpos.encoding_state, self.spec, head_dim, num_heads)
+        state = json.loads(state)
+        learnable = set(state["parameters"])
+        for name, t in zip(state["names"], values):
+            if name in learnable:
+                self.register_parameter(name, nn.Parameter(t))
             else:
-                self._terms.append(("position", i))
-        self._params = []
-        for p in info["params"]:
-            name, shape, nb = p["name"], p["shape"], p["shape"][-1]
-            # the float32 buffers' values, as the C++ module inverts them (the same raw bits)
-            fixed = torch.tensor(p["init"], dtype=torch.float64).view(shape).float().double()
-            bound = torch.tensor(p["bound"], dtype=torch.float64).view(1, nb).float().double()
-            learn = torch.tensor(p["learn"], dtype=torch.float64).view(1, nb)
-            if p["reparam"] == "softplus_floor":  # a = log(expm1(max(v - floor, 1e-8)))
-                raw = torch.log(torch.expm1((fixed - bound).clamp_min(1e-8)))
-            elif p["reparam"] == "bounded_tanh":
-                raw = torch.atanh((fixed / bound).clamp(-0.999999, 0.999999))
-            else:  # softmax_simplex
-                raw = torch.log(fixed)
-            self.register_buffer(f"{name}_fixed", fixed.float())
-            self.register_buffer(f"{name}_bound", bound.float())
-            self.register_buffer(f"{name}_learn", learn.float())
-            if any(p["learn"]):
-                self.register_parameter(f"raw_{name}", nn.Parameter(raw.float()))
-            else:
-                self.register_buffer(f"raw_{name}", raw.float())
-            self._params.append((name, p["slot"], p["reparam"]))
+                self.register_buffer(name, t)
+        self._schema = [f"{pre}{p['name']}{post}" for p in info["params"]
+                        for pre, post in (("raw_", ""), ("", "_fixed"), ("", "_bound"), ("", "_learn"))]
         self._center_mode = info["center"]
         self._center_value = float(info["center_value"])
         self._max_exp = float(info["max_exp"])
-        # a learned lag table: its parameters under the C++ module's names and shapes, initialised
-        # by the op the C++ module's runtime uses (it may draw from torch's generator)
         self._lag_names = [p["name"] for b in info["biases"] for p in b.get("lag_params", [])]
-        if self._lag_names:
-            init = torch.ops.relpos.lag_initial(self.spec, head_dim, num_heads)
-            for name, t in zip(self._lag_names, init):
-                self.register_parameter(name, nn.Parameter(t))
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}"
 
     def kernel_params(self) -> dict[str, torch.Tensor]:
-        """gamma, eta, alpha0 [H, NB] and gates [rows, H, NB] as the kernels take them."""
-        out: dict[str, torch.Tensor] = {}
-        for name, slot, reparam in self._params:
-            raw = getattr(self, f"raw_{name}")
-            bound = getattr(self, f"{name}_bound")
-            if reparam == "softplus_floor":
-                v = nn.functional.softplus(raw) + bound
-            elif reparam == "bounded_tanh":
-                v = bound * torch.tanh(raw)
-            else:
-                v = torch.softmax(raw, 0)
-            v = torch.where(getattr(self, f"{name}_learn") > 0, v, getattr(self, f"{name}_fixed"))
-            if slot == "spectrum":
-                out["alpha0"], out["gates"] = v[0], v[1:]
-            else:
-                out[slot] = v
-        ref = out.get("gamma")
-        if ref is None:
-            ref = torch.zeros(self.num_heads, 0)
-        out.setdefault("gamma", ref)
-        out.setdefault("eta", torch.zeros_like(ref))
-        out.setdefault("gates", ref.new_zeros(0))
-        out.setdefault("alpha0", torch.ones_like(ref))
-        return out
+        """gamma, eta, alpha0 [H, NB] and gates [rows, H, NB] as the kernels take them: the C++
+        reparameterisation (softplus + floor, bounded tanh, softmax) of the schema's tensors,
+        differentiable in the raw parameters."""
+        gamma, eta, gates, alpha0 = torch.ops.relpos.encoding_kernel_params(
+            self.spec, self.head_dim, self.num_heads, [getattr(self, n) for n in self._schema])
+        return {"gamma": gamma, "eta": eta, "gates": gates, "alpha0": alpha0}
 
     def lag_table(self, length: int) -> torch.Tensor | None:
         """The learned lag table ``b_h(d)``, ``d = 0..length-1``: float64 ``[H, length]``,

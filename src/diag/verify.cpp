@@ -300,11 +300,9 @@ std::string join(const std::vector<std::string>& parts) {
   return s;
 }
 
+// A row's description of what is verified: the spec as given and built, its declared exactness.
 template <class T>
-VerifyRow run_one(const std::string& spec, const Mechanism& m, const ParamValues& pv,
-                  const VerifyOptions& o, const std::vector<double>& pos,
-                  const std::vector<double>& q, const std::vector<double>& k,
-                  const std::vector<double>& qn, const std::vector<double>& kn) {
+VerifyRow row_of(const std::string& spec, const Mechanism& m) {
   VerifyRow row;
   row.spec = spec;
   row.canonical = m.spec;
@@ -312,6 +310,15 @@ VerifyRow run_one(const std::string& spec, const Mechanism& m, const ParamValues
   row.declared = m.exactness();
   row.transform_exact = m.transform_exact();
   row.dtype = sizeof(T) == 8 ? "f64" : "f32";
+  return row;
+}
+
+template <class T>
+VerifyRow run_one(const std::string& spec, const Mechanism& m, const ParamValues& pv,
+                  const VerifyOptions& o, const std::vector<double>& pos,
+                  const std::vector<double>& q, const std::vector<double>& k,
+                  const std::vector<double>& qn, const std::vector<double>& kn) {
+  VerifyRow row = row_of<T>(spec, m);
   const int D = m.head_dim;
   const double pmin = pos.front(), pmax = pos.back(), C = o.shift;
   row.center = m.window_center(pmin, pmax);
@@ -527,13 +534,7 @@ VerifyRow run_structured(const std::string& spec, const Mechanism& m,
                          const std::vector<double>& pos, const std::vector<double>& q,
                          const std::vector<double>& k, const std::vector<double>& qn,
                          const std::vector<double>& kn) {
-  VerifyRow row;
-  row.spec = spec;
-  row.canonical = m.spec;
-  row.head_dim = m.head_dim;
-  row.declared = m.exactness();
-  row.transform_exact = m.transform_exact();
-  row.dtype = sizeof(T) == 8 ? "f64" : "f32";
+  VerifyRow row = row_of<T>(spec, m);
   const TransformTerm& term = *m.structured_term();
   const int D = m.head_dim, H = m.heads, dc = term.vector_dims, M = term.planes;
   const auto K = static_cast<int64_t>(pos.size());

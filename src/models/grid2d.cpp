@@ -86,8 +86,8 @@ torch::Tensor Grid2dBlockImpl::learned_basis() {
 torch::Tensor Grid2dBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions) {
   const int64_t B = x.size(0), T = x.size(1), d = x.size(2);
   const auto qkv = qkv_(ln1_(x)).view({B, T, 3, heads_, head_dim_}).permute({2, 0, 3, 1, 4});
-  const auto o = attn_->forward(qkv[0], qkv[1], qkv[2],
-                                {.positions = vector_ ? positions : torch::Tensor()});
+  const auto o =
+      attn_->forward(qkv[0], qkv[1], qkv[2], {.positions = vector_ ? positions : torch::Tensor()});
   auto h = x + proj_(o.transpose(1, 2).reshape({B, T, d}));
   return h + down_(torch::gelu(up_(ln2_(h))));
 }

@@ -122,24 +122,29 @@ LagParamValues PositionEncodingImpl::lag_values() const {
   return nn::lag_values(lag_params_);
 }
 
-KernelParams PositionEncodingImpl::kernel_params() const {
+KernelParams schema_kernel_params(const Mechanism& m, const std::vector<torch::Tensor>& schema) {
+  if (schema.size() != 4 * m.params.size())
+    throw InputError(fmt::format("'{}': {} schema tensors given, the mechanism has {} ({} x raw, "
+                                 "fixed, bound, learn)",
+                                 m.spec, schema.size(), 4 * m.params.size(), m.params.size()));
   KernelParams p;
-  if (mech_.params.empty()) return p;
-  for (const auto& st : schema_) {
-    const ParamSpec& ps = mech_.params[st.index];
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    const ParamSpec& ps = m.params[i];
+    const auto &raw = schema[4 * i], &fixed = schema[4 * i + 1], &bound = schema[4 * i + 2],
+               &learn = schema[4 * i + 3];
     torch::Tensor v;
     switch (ps.reparam) {
       case Reparam::SoftplusFloor:
-        v = torch::nn::functional::softplus(st.raw) + st.bound;
+        v = torch::nn::functional::softplus(raw) + bound;
         break;
       case Reparam::BoundedTanh:
-        v = st.bound * torch::tanh(st.raw);
+        v = bound * torch::tanh(raw);
         break;
       case Reparam::SoftmaxSimplex:
-        v = torch::softmax(st.raw, 0);
+        v = torch::softmax(raw, 0);
         break;
     }
-    v = torch::where(st.learn > 0, v, st.fixed);
+    v = torch::where(learn > 0, v, fixed);
     switch (ps.slot) {
       case BlockParam::Gamma:
         p.gamma = v;
@@ -159,9 +164,19 @@ KernelParams PositionEncodingImpl::kernel_params() const {
         break;
     }
   }
+  if (!p.gamma.defined()) p.gamma = torch::zeros({m.heads, 0});
+  if (!p.eta.defined()) p.eta = torch::zeros_like(p.gamma);
   if (!p.gates.defined()) p.gates = torch::empty({0}, p.gamma.options());
   if (!p.alpha0.defined()) p.alpha0 = torch::ones_like(p.gamma);
   return p;
+}
+
+KernelParams PositionEncodingImpl::kernel_params() const {
+  if (mech_.params.empty()) return {};
+  std::vector<torch::Tensor> schema;
+  for (const auto& st : schema_)
+    for (const auto* t : {&st.raw, &st.fixed, &st.bound, &st.learn}) schema.push_back(*t);
+  return schema_kernel_params(mech_, schema);
 }
 
 ParamValues PositionEncodingImpl::param_values() const {

@@ -30,6 +30,13 @@ struct EncodingOptions {
 // gamma, eta, alpha0 [H, NB]; gates [gate_rows, H, NB]; empty where the mechanism has none.
 using KernelParams = BlockParamSet<torch::Tensor>;
 
+// The kernels' per-head per-block parameters from a mechanism's schema tensors (the
+// reparameterisation, declared once): `schema` holds raw, fixed, bound and learn for each entry of
+// m.params in order (the module's raw_<name>, <name>_fixed, <name>_bound, <name>_learn).
+// Differentiable in the raw tensors. Mechanisms without a schema give gamma, eta [H, 0], gates [0]
+// and alpha0 [H, 0].
+KernelParams schema_kernel_params(const Mechanism& m, const std::vector<torch::Tensor>& schema);
+
 class PositionEncodingImpl : public torch::nn::Module {
  public:
   PositionEncodingImpl(const std::string& spec, int64_t head_dim, int64_t heads,
@@ -44,7 +51,7 @@ class PositionEncodingImpl : public torch::nn::Module {
   Output forward(const torch::Tensor& q, const torch::Tensor& k,
                  const torch::Tensor& positions = {});
 
-  KernelParams kernel_params() const;
+  KernelParams kernel_params() const;  // schema_kernel_params over this module's tensors
   ParamValues param_values() const;  // float64 snapshot of kernel_params()
   // ALiBi slopes [H] (undefined tensor when the mechanism has no ALiBi term).
   torch::Tensor alibi_slopes() const;

@@ -1,9 +1,29 @@
-"""Checks shared by the relpos.Attention test files: decoding in chunks through a KVCache, and
-every parameter's gradient against a central finite difference."""
+"""Checks shared by the relpos.Attention test files: the catalog's terms of a kind, decoding in
+chunks through a KVCache against the full forward, and every parameter's gradient against a
+central finite difference."""
 
 import torch
 
 import relpos
+
+
+def catalog_term(spec, head_dim, heads, wanted):
+    """The first transform term of the spec's JSON for which ``wanted(term)`` holds; None when
+    there is none or the spec does not build at this head shape."""
+    try:
+        info = relpos.mechanism(spec, head_dim, heads)
+    except relpos.InputError:
+        return None
+    return next((t for t in info["transforms"] if wanted(t)), None)
+
+
+def check_decoding(attn, q, k, v, x, positions=None):
+    """Decoding the 9 tokens one at a time and in chunks of 4, 1, 3, 1 equals the full forward
+    (1e-12)."""
+    full = attn(q, k, v, inputs=x, positions=positions)
+    for chunks in ([1] * 9, [4, 1, 3, 1]):
+        got = decode_in_chunks(attn, q, k, v, x, chunks, positions=positions)
+        torch.testing.assert_close(got, full, rtol=0, atol=1e-12)
 
 
 def decode_in_chunks(attn, q, k, v, x, chunks, capacity=2, positions=None):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import relpos
-from module_checks import check_parameter_gradients, decode_in_chunks
+from module_checks import check_decoding, check_parameter_gradients
 
 H, MODEL_DIM = 2, 12
 CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
@@ -122,11 +122,7 @@ def test_forward_is_the_formula(spec):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_through_the_cache_is_the_full_forward(spec):
-    attn = module(spec)
-    q, k, v, x = tensors(T=9)
-    full = attn(q, k, v, inputs=x)
-    for chunks in ([1] * 9, [4, 1, 3, 1]):
-        torch.testing.assert_close(decode_in_chunks(attn, q, k, v, x, chunks), full, rtol=0, atol=1e-12)
+    check_decoding(module(spec), *tensors(T=9))
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -11,20 +11,16 @@ import pytest
 import torch
 
 import relpos
-from module_checks import check_parameter_gradients, decode_in_chunks
+from module_checks import catalog_term, check_decoding, check_parameter_gradients
 
 HQ, HK, MODEL_DIM, D = 4, 2, 12, 8
 CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
 
 
 def learned(spec):
-    try:
-        info = relpos.mechanism(spec, D, HK)
-    except relpos.InputError:
-        return None
     # (learned rotations of vector positions: test_vector_positions.py)
-    return next((t for t in info["transforms"]
-                 if t["learned_frequencies"] and t["time"] != "vector_position"), None)
+    return catalog_term(spec, D, HK,
+                        lambda t: t["learned_frequencies"] and t["time"] != "vector_position")
 
 
 BASE = [s for s in CATALOG if learned(s) is not None]
@@ -93,11 +89,7 @@ def test_forward_is_the_formula(spec):
 
 @pytest.mark.parametrize("spec", SPECS + BASIS)
 def test_decode_through_the_cache_is_the_full_forward(spec):
-    attn = module(spec, pair_layout="half_split")
-    q, k, v, x = tensors(T=9)
-    full = attn(q, k, v, inputs=x)
-    for chunks in ([1] * 9, [4, 1, 3, 1]):
-        torch.testing.assert_close(decode_in_chunks(attn, q, k, v, x, chunks), full, rtol=0, atol=1e-12)
+    check_decoding(module(spec, pair_layout="half_split"), *tensors(T=9))
 
 
 @pytest.mark.parametrize("spec", SPECS + BASIS)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import relpos
-from module_checks import check_parameter_gradients, decode_in_chunks
+from module_checks import catalog_term, check_decoding, check_parameter_gradients
 
 HQ, HK, MODEL_DIM, D = 4, 2, 12, 8
 CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
@@ -18,12 +18,8 @@ CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
 
 def token_term(spec):
     """The term of per-token frames (a content phase that may turn values and outputs)."""
-    try:
-        info = relpos.mechanism(spec, D, HK)
-    except relpos.InputError:
-        return None
-    return next((t for t in info["transforms"] if t["time"] == "content_phase"
-                 and "frame_frequencies" in t and not t["learned_frequencies"]), None)
+    return catalog_term(spec, D, HK, lambda t: t["time"] == "content_phase"
+                        and "frame_frequencies" in t and not t["learned_frequencies"])
 
 
 BASE = [f"{s}(angles=token)" for s in CATALOG
@@ -84,11 +80,7 @@ def test_forward_is_the_formula(spec):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_through_the_cache_is_the_full_forward(spec):
-    attn = module(spec)
-    q, k, v, x = tensors(T=9)
-    full = attn(q, k, v, inputs=x)
-    for chunks in ([1] * 9, [4, 1, 3, 1]):
-        torch.testing.assert_close(decode_in_chunks(attn, q, k, v, x, chunks), full, rtol=0, atol=1e-12)
+    check_decoding(module(spec), *tensors(T=9))
 
 
 @pytest.mark.parametrize("spec", SPECS)

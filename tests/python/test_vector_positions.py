@@ -11,18 +11,14 @@ import pytest
 import torch
 
 import relpos
-from module_checks import check_parameter_gradients, decode_in_chunks
+from module_checks import catalog_term, check_decoding, check_parameter_gradients
 
 HQ, HK, D = 4, 2, 12
 CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
 
 
 def vector_term(spec):
-    try:
-        info = relpos.mechanism(spec, D, HK)
-    except relpos.InputError:
-        return None
-    return next((t for t in info["transforms"] if t["time"] == "vector_position"), None)
+    return catalog_term(spec, D, HK, lambda t: t["time"] == "vector_position")
 
 
 BASE = [s for s in CATALOG if vector_term(s) is not None]
@@ -107,13 +103,8 @@ def test_forward_is_the_formula(spec, layout):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_through_the_cache_is_the_full_forward(spec):
-    attn = module(spec, "half_split")
     q, k, v, r = tensors(spec, T=9)
-    x = torch.zeros(2, 9, 1, dtype=torch.float64)
-    full = attn(q, k, v, positions=r)
-    for chunks in ([1] * 9, [4, 1, 3, 1]):
-        torch.testing.assert_close(decode_in_chunks(attn, q, k, v, x, chunks, positions=r), full,
-                                   rtol=0, atol=1e-12)
+    check_decoding(module(spec, "half_split"), q, k, v, torch.zeros(2, 9, 1, dtype=torch.float64), r)
 
 
 @pytest.mark.parametrize("spec", SPECS)

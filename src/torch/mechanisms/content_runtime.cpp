@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/types.hpp"
+#include "torch/scan.hpp"
 
 namespace relpos::nn {
 
@@ -67,6 +68,15 @@ void check_count(const std::string& term, size_t given, const std::vector<std::s
 }
 
 }  // namespace
+
+Phases continued_phases(const torch::Tensor& increments, const torch::Tensor& phase0) {
+  const int64_t B = increments.size(0), T = increments.size(1);
+  const auto p0 =
+      phase0.defined() ? phase0 : torch::zeros({B, increments.size(2)}, torch::kDouble);
+  const auto phi = causal_scan(increments, "exclusive");  // sum_{s<t} a_s
+  return {phi.to(torch::kDouble) + p0.unsqueeze(1),
+          (p0 + (phi.select(1, T - 1) + increments.select(1, T - 1)).to(torch::kDouble)).detach()};
+}
 
 Rotated rotate_learned(const TransformTerm& t, const std::vector<torch::Tensor>& params,
                        const RotationCall& c) {

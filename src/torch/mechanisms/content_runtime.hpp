@@ -77,6 +77,14 @@ struct RotationRuntime {  // it reads inputs when the term's time is TimeSource:
                     const RotationCall& c) = nullptr;
 };
 
+// Per-token phases of a call continuing a cached row's: Phi_t = phase0 + sum_{s<t} a_s (exclusive)
+// for increments a [B, T, P] (phase0 float64 [B, P], zeros when undefined): the phases float64
+// [B, T, P] and the phase after the last token [B, P] (detached), what the cache keeps.
+struct Phases {
+  torch::Tensor phases, end;
+};
+Phases continued_phases(const torch::Tensor& increments, const torch::Tensor& phase0);
+
 // The runtime of a transform term, or null when it has none (a fixed transform).
 const RotationRuntime* rotation_runtime(const TransformTerm& t);
 // rotate() with the parameter count and, where read, the inputs checked (InputError).

@@ -226,14 +226,11 @@ Rotated rotation_rotate(const TransformTerm& t, const std::vector<torch::Tensor>
     if (x.size(2) != w.size(0))
       throw InputError(fmt::format("{}: inputs have model_dim {}; the phase was built for {}",
                                    t.name, x.size(2), w.size(0)));
-    const int64_t B = x.size(0), T = x.size(1);
     const auto om = torch::sigmoid(
         (torch::matmul(x, w.to(x.scalar_type())) + p.back().to(x.scalar_type())) / 16.0);  // [B, T]
-    const auto phase0 = c.phase.defined() ? c.phase : torch::zeros({B, 1}, torch::kDouble);
-    const auto phi = causal_scan(om.unsqueeze(-1), "exclusive");  // [B, T, 1]
-    out.phase_end =
-        (phase0 + (phi.select(1, T - 1) + om.narrow(1, T - 1, 1)).to(torch::kDouble)).detach();
-    angles = (phi.to(torch::kDouble) + phase0.unsqueeze(1)).to(dt) * theta;  // [B, T, D/2]
+    const Phases ph = continued_phases(om.unsqueeze(-1), c.phase);                        // [B, T, 1]
+    out.phase_end = ph.end;
+    angles = ph.phases.to(dt) * theta;  // [B, T, D/2]
   } else {
     angles = c.positions.to(dt).unsqueeze(-1) * theta;  // [T, D/2] or [B, T, D/2]
   }

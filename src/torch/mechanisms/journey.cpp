@@ -8,12 +8,12 @@
 //                  table; one-hot inputs give its rows); decoding continues from each row's phase
 // The reference code's reversed inclusive scan reads later tokens: nn::attention_refusal refuses
 // it here (the JoFormer model keeps it, torch/journey.hpp).
+#include "torch/journey.hpp"
+
 #include <fmt/format.h>
 
 #include "core/types.hpp"
-#include "torch/journey.hpp"
 #include "torch/mechanisms/content_runtime.hpp"
-#include "torch/scan.hpp"
 
 namespace relpos::nn {
 
@@ -46,14 +46,10 @@ Rotated journey_rotate(const TransformTerm& t, const std::vector<torch::Tensor>&
     if (x.size(2) != p.at(0).size(0))
       throw InputError(fmt::format("{}: inputs have model_dim {}; the angle table was built for {}",
                                    t.name, x.size(2), p.at(0).size(0)));
-    const int64_t B = x.size(0), T = x.size(1);
-    const auto inc = torch::matmul(x, p[0].to(x.scalar_type()));  // [B, T, P]
-    const auto phase0 =
-        c.phase.defined() ? c.phase : torch::zeros({B, inc.size(2)}, torch::kDouble);
-    const auto phi = content_frame_angles(t, inc);  // exclusive: sum_{s<t} a_s
-    out.phase_end =
-        (phase0 + (phi.select(1, T - 1) + inc.select(1, T - 1)).to(torch::kDouble)).detach();
-    out.frames = (phi.to(torch::kDouble) + phase0.unsqueeze(1)).to(dt);
+    // (attention_refusal keeps the reference's reversed scan out: the phases are exclusive)
+    const Phases ph = continued_phases(torch::matmul(x, p[0].to(x.scalar_type())), c.phase);
+    out.phase_end = ph.end;
+    out.frames = ph.phases.to(dt);
   } else {
     out.frames = fixed_frame_angles(t, c.positions, dt);
   }
