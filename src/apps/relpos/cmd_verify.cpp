@@ -172,8 +172,10 @@ void add_verify_command(CLI::App& app) {
       } else {
         std::cout << fmt::format(
             "relative law over positions in [0, {}] (lags up to {}), all pairs of {} sampled "
-            "positions; exact mechanisms must keep relative and shift residuals below {:g} in "
-            "fp64; a non-finite number or a bound exponent clamp fails any row (see reason)\n\n",
+            "positions (rotations by vector positions: the cells of those raster indices on a "
+            "grid of side ceil((max_lag + 1)^(1/d_c)), every pair); exact mechanisms must keep "
+            "relative and shift residuals below {:g} in fp64; a non-finite number or a bound "
+            "exponent clamp fails any row (see reason)\n\n",
             o.max_lag, o.max_lag, o.positions, o.exact_tol);
         t.write_markdown(std::cout);
         std::cout << fmt::format("\n{} of {} rows failed\n", failed, rows.size());
