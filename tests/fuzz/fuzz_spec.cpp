@@ -99,6 +99,13 @@ void check_mechanism(const relpos::Mechanism& m, int head_dim, int heads) {
       FUZZ_CHECK(t.matrix_inv_t.size() == t.matrix.size(), w, m.spec);
       for (double x : t.matrix) FUZZ_CHECK(std::isfinite(x), w, m.spec);
     }
+    if (t.vector_positions()) {  // alone, every pair a plane, lambda [heads, d_c, planes] finite
+      FUZZ_CHECK(m.transforms.size() == 1 && m.biases.empty(), w, m.spec);
+      FUZZ_CHECK(t.vector_dims >= 1 && t.vector_dims <= 3 && 2 * t.planes == head_dim, w, m.spec);
+      FUZZ_CHECK(t.plane_freqs.size() == static_cast<size_t>(heads) * t.vector_dims * t.planes, w,
+                 m.spec);
+      for (double x : t.plane_freqs) FUZZ_CHECK(std::isfinite(x), w, m.spec);
+    }
   }
   FUZZ_CHECK(driven <= 1, w, m.spec);
   for (const auto& p : m.params) {
