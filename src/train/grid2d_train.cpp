@@ -1,15 +1,10 @@
 #include "train/grid2d_train.hpp"
 
 #include <fmt/format.h>
-#include <omp.h>
 
-#include <chrono>
 #include <cmath>
 #include <nlohmann/json.hpp>
-#include <sstream>
-#include <thread>
 
-#include "core/files.hpp"
 #include "core/types.hpp"
 
 namespace relpos::train {
@@ -122,143 +117,82 @@ std::pair<double, double> evaluate_set(models::Grid2dNetImpl& model,
   return {loss / n, acc / n};
 }
 
-std::vector<EvalResult> evaluate(models::Grid2dNetImpl& model, const tasks::Grid2dConfig& g,
-                                 int64_t seed, const std::vector<int64_t>& lengths, int64_t step) {
-  model.eval();
-  std::vector<EvalResult> out;
-  for (const int64_t L : lengths) {
-    const auto [loss, acc] =
-        evaluate_set(model, tasks::grid2d_eval_set(g, seed, tasks::grid2d_side(L)));
-    out.push_back({step, L, loss, acc, std::exp(loss)});
+// The 2-D grid task as the training loop takes it: targets are the cells' labels (2 classes).
+class Grid2dTask : public Task {
+ public:
+  explicit Grid2dTask(const TrainConfig& c)
+      : g_(grid2d_task_config(c)), seed_(c.seed), stream_(g_, c.seed) {}
+  int64_t vocab() const override { return tasks::kGrid2dVocab; }
+  int64_t classes() const override { return 2; }
+  bool language_model() const override { return false; }
+  Batch next_train_batch(int64_t batch) override {
+    const auto t = to_tensors(stream_.next(batch));
+    return {t.tokens, t.labels};
   }
-  model.train();
-  return out;
-}
+  std::vector<Batch> eval_set(int64_t length) override {
+    std::vector<Batch> out;
+    for (const auto& b : tasks::grid2d_eval_set(g_, seed_, tasks::grid2d_side(length))) {
+      const auto t = to_tensors(b);
+      out.push_back({t.tokens, t.labels});
+    }
+    return out;
+  }
 
-constexpr const char* kCsvHeader =
-    "step,split,length,loss,accuracy,perplexity,lr,grad_norm,tokens_per_s,elapsed_s";
+ private:
+  tasks::Grid2dConfig g_;
+  int64_t seed_;
+  tasks::Grid2dTrainStream stream_;
+};
+
+// The grid model: every parameter decays (the experiment's protocol); the summary's "extra" holds
+// the trained model's checks on the training grid's evaluation set (header comment).
+class Grid2dModel : public TrainModel {
+ public:
+  explicit Grid2dModel(const TrainConfig& c) : c_(c), model_(grid2d_model_config(c)) {}
+  torch::nn::Module& module() override { return *model_; }
+  torch::Tensor forward(const torch::Tensor& tokens) override { return model_->forward(tokens); }
+  std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> decay_groups() override {
+    return {model_->parameters(), {}};
+  }
+  int64_t parameter_count() override { return model_->parameter_count(); }
+  void summarize(nlohmann::json& s) override {
+    const auto g = grid2d_task_config(c_);
+    model_->eval();
+    const auto train_set = tasks::grid2d_eval_set(g, c_.seed, g.side);
+    const auto [shift_loss, shift_acc] =
+        evaluate_set(*model_, train_set, c_.task.eval_offset[0], c_.task.eval_offset[1]);
+    const auto probe = to_tensors(train_set.front()).tokens;
+    const auto& sh = c_.task.equivariance_shift;
+    const auto eq32 = grid2d_equivariance(*model_, probe, g.side, sh[0], sh[1]);
+    // how far the learned bases moved from U = I (a learned basis; 0 for the others)
+    double basis_dev = 0;
+    for (auto& b : model_->blocks())
+      if (const auto U = b->learned_basis(); U.defined())
+        basis_dev = std::max(basis_dev,
+                             (U - torch::eye(U.size(-1), U.options())).abs().max().item<double>());
+    model_->to(torch::kDouble);
+    const auto eq64 = grid2d_equivariance(*model_, probe, g.side, sh[0], sh[1]);
+    s["task"] = "grid2d";
+    s["extra"] = {{"accuracy_shifted", shift_acc},    {"loss_shifted", shift_loss},
+                  {"equivariance_rel_f32", eq32.rel}, {"equivariance_abs_f32", eq32.max_abs},
+                  {"equivariance_rel_f64", eq64.rel}, {"max_abs_logit", eq32.max_logit},
+                  {"basis_max_dev", basis_dev},       {"eval_offset", c_.task.eval_offset},
+                  {"equivariance_shift", sh}};
+  }
+
+ private:
+  TrainConfig c_;
+  models::Grid2dNet model_;
+};
 
 }  // namespace
 
-RunResult run_grid2d_training(const TrainConfig& c, const RunOptions& o) {
-  // ---- setup: everything that can fail on bad input fails here
-  c.validate();
-  if (o.replicas.world > 1)
-    throw InputError("task.kind = grid2d trains in one process (no data parallel)");
-  const int threads = configure_threads(c);
-  const auto g = grid2d_task_config(c);
-  tasks::Grid2dTrainStream stream(g, c.seed);
-  torch::manual_seed(static_cast<uint64_t>(c.seed));  // the model's initialisation
-  models::Grid2dNet model(grid2d_model_config(c));
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(c.optim.lr)
-                                                   .betas({c.optim.beta1, c.optim.beta2})
-                                                   .eps(c.optim.eps)
-                                                   .weight_decay(c.optim.weight_decay));
-  fs::create_directories(o.out);
-  write_file_atomic(o.out / "config.toml", c.to_toml());
+std::unique_ptr<Task> grid2d_task(const TrainConfig& c) {
+  return std::make_unique<Grid2dTask>(c);
+}
 
-  // ---- the loop
-  const auto params = model->parameters();
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto elapsed = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  std::vector<std::string> rows;
-  RunResult result;
-  double loss_sum = 0, grad_norm = 0;
-  int64_t loss_count = 0, tokens = 0;
-  model->train();
-  for (int64_t step = 0; step < c.optim.steps; ++step) {
-    const double lr = learning_rate(c.optim, step);
-    for (auto& group : opt.param_groups()) group.options().set_lr(lr);
-    const auto batch = to_tensors(stream.next(c.optim.batch));
-    const auto loss = loss_of(model->forward(batch.tokens), batch.labels);
-    opt.zero_grad();
-    loss.backward();
-    grad_norm = c.optim.clip > 0 ? torch::nn::utils::clip_grad_norm_(params, c.optim.clip) : 0.0;
-    opt.step();
-    loss_sum += loss.item<double>();
-    ++loss_count;
-    tokens += batch.tokens.numel();
-    const int64_t done = step + 1;
-    const bool last = done == c.optim.steps;
-    if (done % c.log_every == 0 || last) {
-      const double tps = static_cast<double>(tokens) / std::max(elapsed(), 1e-9);
-      rows.push_back(fmt::format("{},train,{},{:.9g},,,{:.9g},{:.6g},{:.1f},{:.3f}", done,
-                                 c.task.train_length, loss_sum / loss_count, lr, grad_norm, tps,
-                                 elapsed()));
-      if (o.progress)
-        fmt::print(stderr, "step {}/{}  loss {:.4f}  {:.0f} cells/s\n", done, c.optim.steps,
-                   loss_sum / loss_count, tps);
-      loss_sum = 0;
-      loss_count = 0;
-    }
-    if ((c.eval.every > 0 && done % c.eval.every == 0) || last) {
-      const auto ev = evaluate(*model, g, c.seed, c.eval.lengths, done);
-      for (const auto& e : ev)
-        rows.push_back(fmt::format("{},eval,{},{:.9g},{:.9g},{:.9g},,,,{:.3f}", e.step, e.length,
-                                   e.loss, e.accuracy, e.perplexity, elapsed()));
-      if (last) result.final_eval = ev;
-    }
-  }
-  result.steps = c.optim.steps;
-  result.wall_s = elapsed();
-  result.tokens_per_s = static_cast<double>(tokens) / std::max(result.wall_s, 1e-9);
-  result.parameters = model->parameter_count();
-
-  // ---- the trained model: translated grid, equivariance (float32, then float64)
-  model->eval();
-  const auto train_set = tasks::grid2d_eval_set(g, c.seed, g.side);
-  const auto [shift_loss, shift_acc] =
-      evaluate_set(*model, train_set, c.task.eval_offset[0], c.task.eval_offset[1]);
-  const auto probe = to_tensors(train_set.front()).tokens;
-  const auto& s = c.task.equivariance_shift;
-  const auto eq32 = grid2d_equivariance(*model, probe, g.side, s[0], s[1]);
-  {
-    std::string csv = std::string(kCsvHeader) + "\n";
-    for (const auto& r : rows) csv += r + "\n";
-    write_file_atomic(o.out / "metrics.csv", csv);
-    torch::serialize::OutputArchive archive;
-    model->save(archive);
-    std::ostringstream bytes;
-    archive.save_to(bytes);
-    fs::create_directories(o.out / "checkpoints");
-    write_checked_file(o.out / "checkpoints" / "last.pt", bytes.str());
-  }
-  // how far the learned bases moved from U = I (structured; 0 for the others)
-  double basis_dev = 0;
-  for (auto& b : model->blocks())
-    if (const auto U = b->learned_basis(); U.defined())
-      basis_dev =
-          std::max(basis_dev, (U - torch::eye(U.size(-1), U.options())).abs().max().item<double>());
-  model->to(torch::kDouble);
-  const auto eq64 = grid2d_equivariance(*model, probe, g.side, s[0], s[1]);
-
-  nlohmann::json j;
-  j["name"] = c.name;
-  j["task"] = "grid2d";
-  j["mechanism"] = c.model.mechanism;
-  j["seed"] = c.seed;
-  j["steps"] = result.steps;
-  j["parameters"] = result.parameters;
-  j["wall_s"] = result.wall_s;
-  j["tokens_per_s"] = result.tokens_per_s;
-  j["threads"] = threads;
-  j["workers"] = 1;
-  nlohmann::json ev = nlohmann::json::array();
-  for (const auto& e : result.final_eval)
-    ev.push_back({{"length", e.length},
-                  {"loss", e.loss},
-                  {"accuracy", e.accuracy},
-                  {"perplexity", e.perplexity}});
-  j["final_eval"] = ev;
-  j["extra"] = {{"accuracy_shifted", shift_acc},    {"loss_shifted", shift_loss},
-                {"equivariance_rel_f32", eq32.rel}, {"equivariance_abs_f32", eq32.max_abs},
-                {"equivariance_rel_f64", eq64.rel}, {"max_abs_logit", eq32.max_logit},
-                {"basis_max_dev", basis_dev},       {"eval_offset", c.task.eval_offset},
-                {"equivariance_shift", s}};
-  write_file_atomic(o.out / "summary.json", j.dump(2) + "\n");
-  return result;
+std::unique_ptr<TrainModel> grid2d_model(const TrainConfig& c) {
+  return std::make_unique<Grid2dModel>(c);
 }
 
 }  // namespace relpos::train

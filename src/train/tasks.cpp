@@ -7,6 +7,7 @@
 #include "tasks/pj_query_lm.hpp"
 #include "tasks/query_lm.hpp"
 #include "tasks/text_lm.hpp"
+#include "train/grid2d_train.hpp"
 #include "train/task.hpp"
 
 namespace relpos::train {
@@ -193,10 +194,7 @@ tasks::TokenCorpus load_corpus(const TaskConfig& t) {
 std::unique_ptr<Task> make_task(const TrainConfig& c) {
   if (c.task.kind == "query_lm") return std::make_unique<QueryLmTask>(c);
   if (c.task.kind == "pj_query_lm") return std::make_unique<PjQueryLmTask>(c);
-  if (c.task.kind == "grid2d")
-    throw InputError(
-        "task.kind = grid2d runs in its own loop (train/grid2d_train.hpp): train and reproduce "
-        "take it; eval, diagnose and the profiles of a grid2d run are not supported yet");
+  if (c.task.kind == "grid2d") return grid2d_task(c);  // tokens on a grid of vector positions
   return std::make_unique<CorpusLmTask>(c, load_corpus(c.task));
 }
 

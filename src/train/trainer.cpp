@@ -17,7 +17,7 @@
 #include "core/files.hpp"
 #include "core/parse.hpp"
 #include "core/types.hpp"
-#include "train/grid2d_train.hpp"
+#include "train/model.hpp"
 #include "train/task.hpp"
 
 namespace relpos::train {
@@ -50,10 +50,10 @@ double accuracy_of(const torch::Tensor& logits, const Batch& b, int64_t classes)
 
 // Loss and accuracy at each length: means over the evaluation set of the per-batch means (the
 // papers' protocol).
-std::vector<EvalResult> evaluate(models::TransformerLMImpl& model, Task& task,
-                                 const std::vector<int64_t>& lengths, int64_t step) {
+std::vector<EvalResult> evaluate(TrainModel& model, Task& task, const std::vector<int64_t>& lengths,
+                                 int64_t step) {
   torch::NoGradGuard no_grad;
-  model.eval();
+  model.module().eval();
   std::vector<EvalResult> out;
   for (const int64_t T : lengths) {
     double loss = 0, acc = 0;
@@ -66,7 +66,7 @@ std::vector<EvalResult> evaluate(models::TransformerLMImpl& model, Task& task,
     const double n = static_cast<double>(set.size());
     out.push_back({step, T, loss / n, acc / n, std::exp(loss / n)});
   }
-  model.train();
+  model.module().train();
   return out;
 }
 
@@ -145,8 +145,8 @@ struct Checkpoint {
   int64_t tokens = 0;
 };
 
-void save_checkpoint(const fs::path& path, models::TransformerLMImpl& model,
-                     torch::optim::AdamW& opt, const Checkpoint& ck) {
+void save_checkpoint(const fs::path& path, torch::nn::Module& model, torch::optim::AdamW& opt,
+                     const Checkpoint& ck) {
   torch::serialize::OutputArchive archive, model_archive, opt_archive;
   model.save(model_archive);
   opt.save(opt_archive);
@@ -172,7 +172,7 @@ std::string checkpoint_bytes(const fs::path& path) {
   return std::move(f.bytes);
 }
 
-Checkpoint load_checkpoint(const fs::path& path, models::TransformerLMImpl& model,
+Checkpoint load_checkpoint(const fs::path& path, torch::nn::Module& model,
                            torch::optim::AdamW& opt) {
   const std::string bytes = checkpoint_bytes(path);
   // a checkpoint's tensors replace the model's whatever their shapes: compare them after loading
@@ -251,7 +251,7 @@ torch::optim::AdamWOptions adamw_options(const OptimConfig& o,
       .weight_decay(wd.value_or(o.weight_decay));
 }
 
-std::vector<torch::optim::OptimizerParamGroup> adamw_groups(models::TransformerLMImpl& model,
+std::vector<torch::optim::OptimizerParamGroup> adamw_groups(TrainModel& model,
                                                             const OptimConfig& o) {
   // one group, or (grape preset) a second without decay for the RMSNorm gains
   auto [decay, keep] = model.decay_groups();
@@ -318,7 +318,7 @@ void check_resume(const TrainConfig& c, const fs::path& out) {
         out.string(), fmt::join(changed, ", "), fmt::join(resume_mutable_keys(), ", ")));
 }
 
-RunResult train_lm(const TrainConfig& c, const RunOptions& o);
+RunResult train(const TrainConfig& c, const RunOptions& o);
 
 }  // namespace
 
@@ -342,15 +342,14 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
     }
   }
   if (o.resume && o.replicas.rank != 0) check_resume(c, o.out);  // rank 0's ran under the lock
-  // the 2-D grid task has its own model (vector positions) and loop
-  auto result = c.task.kind == "grid2d" ? run_grid2d_training(c, o) : train_lm(c, o);
+  auto result = train(c, o);
   if (dir) dir->finish();
   return result;
 }
 
 namespace {
 
-RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
+RunResult train(const TrainConfig& c, const RunOptions& o) {
   if (c.device != "cpu")
     throw InputError("device = cuda: the CUDA engine is not built yet (issue 16); use cpu");
   const int threads = configure_threads(c);
@@ -360,22 +359,20 @@ RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
     throw InputError(
         fmt::format("optim.batch {} is not divisible by the {} workers", c.optim.batch, world));
   auto task = make_task(c);
-  models::ModelConfig mc = c.model;
-  mc.vocab = task->vocab();
-  check_memory(c, mc.vocab);
+  check_memory(c, task->vocab());
   torch::manual_seed(static_cast<uint64_t>(c.seed));  // the model's initialisation
-  models::TransformerLM model(mc);
+  const std::unique_ptr<TrainModel> model = make_model(c, task->vocab());
   torch::optim::AdamW opt(adamw_groups(*model, c.optim), adamw_options(c.optim));
   const fs::path ckpt_path = o.out / "checkpoints" / "last.pt";
   Checkpoint ck;
   Metrics metrics;
   if (o.resume && fs::exists(ckpt_path)) {
-    ck = load_checkpoint(ckpt_path, *model, opt);
+    ck = load_checkpoint(ckpt_path, model->module(), opt);
     metrics = Metrics::read(o.out / "metrics.csv", ck.step);
     // the stream is a function of the seed: replay it to where the checkpoint stopped
     for (int64_t s = 0; s < ck.step; ++s) task->next_train_batch(c.optim.batch);
   } else if (o.replicas.broadcast_parameters) {
-    o.replicas.broadcast_parameters(model->parameters());
+    o.replicas.broadcast_parameters(model->module().parameters());
   }
   if (main_rank) write_file_atomic(o.out / "config.toml", c.to_toml());
   // the step of the checkpoint on disk (-1: none yet), named when the run diverges
@@ -389,7 +386,7 @@ RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
   };
 
   // ---- the loop
-  const auto params = model->parameters();
+  const auto params = model->module().parameters();
   const int64_t local = c.optim.batch / world;
   const auto t0 = std::chrono::steady_clock::now();
   const auto elapsed = [&] {
@@ -401,7 +398,7 @@ RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
   double loss_sum = 0, grad_norm = 0;
   int64_t loss_count = 0;
   RunResult result;
-  model->train();
+  model->module().train();
   for (int64_t step = ck.step; step < c.optim.steps; ++step) {
     const double lr = learning_rate(c.optim, step);
     for (auto& group : opt.param_groups()) group.options().set_lr(lr);
@@ -460,7 +457,7 @@ RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
         write_file_atomic(o.out / "metrics.csv", metrics.csv());
         Checkpoint now = ck;
         now.elapsed = elapsed();
-        save_checkpoint(ckpt_path, *model, opt, now);
+        save_checkpoint(ckpt_path, model->module(), opt, now);
         saved_step = now.step;
       } else if (ck.step % c.log_every == 0) {
         write_file_atomic(o.out / "metrics.csv", metrics.csv());
@@ -500,7 +497,7 @@ RunResult train_lm(const TrainConfig& c, const RunOptions& o) {
            {"delta_loss", std::isnan(train_len_loss) ? nlohmann::json()
                                                      : nlohmann::json(e.loss - train_len_loss)}});
     s["final_eval"] = ev;
-    s["mechanism_stats"] = nlohmann::json::parse(mechanism_stats_json(*model));
+    model->summarize(s);  // last: it may move the model to float64
     write_file_atomic(o.out / "summary.json", s.dump(2) + "\n");
   }
   return result;
@@ -522,12 +519,16 @@ LoadedRun load_run(const fs::path& run_dir, const std::vector<int64_t>& lengths)
   r.config = load_config(run_dir / "config.toml");
   if (!lengths.empty()) r.config.eval.lengths = lengths;
   r.config.validate();
+  if (r.config.task.kind == "grid2d")
+    throw InputError(fmt::format(
+        "'{}' is a grid2d run: eval, diagnose and the profiles load language models; its "
+        "results are in its summary.json",
+        run_dir.string()));
   r.task = make_task(r.config);
-  models::ModelConfig mc = r.config.model;
-  mc.vocab = r.task->vocab();
-  check_memory(r.config, mc.vocab);
-  r.model = models::TransformerLM(mc);
-  torch::optim::AdamW opt(adamw_groups(*r.model, r.config.optim), adamw_options(r.config.optim));
+  check_memory(r.config, r.task->vocab());
+  LmModel lm(r.config, r.task->vocab());
+  r.model = lm.lm();
+  torch::optim::AdamW opt(adamw_groups(lm, r.config.optim), adamw_options(r.config.optim));
   const fs::path ckpt = run_dir / "checkpoints" / "last.pt";
   if (!fs::exists(ckpt)) throw InputError(fmt::format("no checkpoint at '{}'", ckpt.string()));
   r.step = load_checkpoint(ckpt, *r.model, opt).step;
@@ -537,7 +538,8 @@ LoadedRun load_run(const fs::path& run_dir, const std::vector<int64_t>& lengths)
 
 std::vector<EvalResult> evaluate_run(const fs::path& run_dir, const std::vector<int64_t>& lengths) {
   auto r = load_run(run_dir, lengths);
-  return evaluate(*r.model, *r.task, r.config.eval.lengths, r.step);
+  LmModel lm(r.model);
+  return evaluate(lm, *r.task, r.config.eval.lengths, r.step);
 }
 
 std::string qk_profile_csv(const fs::path& run_dir, int64_t length) {
