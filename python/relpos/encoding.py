@@ -131,7 +131,7 @@ class PositionEncoding(nn.Module):
         self._last_center: float | None = None
         self._terms = []  # ("position" | "fixed" | "vector", index of the term)
         for i, t in enumerate(info["transforms"]):
-            kind = {"fixed_linear": "fixed", "structured": "vector"}.get(t["kind"], "position")
+            kind = {"fixed_linear": "fixed", "vector_rotation": "vector"}.get(t["kind"], "position")
             self._terms.append((kind, i))
         # the C++ module's parameters and buffers as it creates them (fixed maps fixed<i>_m, the
         # schema's raw_<name> / <name>_fixed / _bound / _learn, a learned lag table's tensors drawn

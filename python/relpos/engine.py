@@ -219,7 +219,7 @@ class Attention(nn.Module):
         # a rotation by vector positions [T, dc] (its runtime turns q and k; the kernel's
         # causality and window follow the token order)
         self._vector_dims = next((t["vector_dims"] for t in info["transforms"]
-                                  if t["kind"] == "structured"), None)
+                                  if t["kind"] == "vector_rotation"), None)
         if self._rotation is not None:
             if self._rotation["reads_inputs"] and model_dim is None:
                 raise InputError(f"{self.spec!r}: its rotation scans phases from the layer's "

@@ -182,7 +182,7 @@ nlohmann::json mechanism_json(const Mechanism& m) {
   const auto kind = [](TransformKind k) {
     return k == TransformKind::JordanBlocks  ? "jordan_blocks"
            : k == TransformKind::FixedLinear ? "fixed_linear"
-                                             : "structured";
+                                             : "vector_rotation";
   };
   const auto reparam = [](Reparam r) {
     switch (r) {
