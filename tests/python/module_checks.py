@@ -7,6 +7,22 @@ import torch
 import relpos
 
 
+def jittered(attn, scale):
+    """attn with every parameter moved off its initial value by scale x N(0, 1) (torch's global
+    generator, seeded by the caller)."""
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return attn
+
+
+def grouped_qkv(g, B, T, D, hq, hk):
+    """float64 q [B, hq, T, D], k and v [B, hk, T, D] from the generator g, in that order."""
+    q = torch.randn(B, hq, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, hk, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v
+
+
 def catalog_term(spec, head_dim, heads, wanted):
     """The first transform term of the spec's JSON for which ``wanted(term)`` holds; None when
     there is none or the spec does not build at this head shape."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import relpos
+from module_checks import grouped_qkv, jittered
 
 HQ, HK, MODEL_DIM = 4, 2, 12
 SPECS = [m["name"] if m["kind"] != "scaling" else f"rope + {m['name']}" for m in relpos.mechanisms()]
@@ -47,17 +48,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def module(spec, jitter=0.2, **kw):
     torch.manual_seed(3)
     a = relpos.Attention(spec, DIMS[spec], HQ, HK, model_dim=MODEL_DIM, **kw).double()
-    with torch.no_grad():
-        for p in a.parameters():
-            p.add_(jitter * torch.randn_like(p))
-    return a
+    return jittered(a, jitter)
 
 
 def tensors(spec, B=2, T=7, seed=0):
     g = torch.Generator().manual_seed(seed)
     D = DIMS[spec]
-    q = torch.randn(B, HQ, T, D, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(B, HK, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k, v = grouped_qkv(g, B, T, D, HQ, HK)
     x = torch.randn(B, T, MODEL_DIM, generator=g, dtype=torch.float64)
     dc = vector_dims(spec)
     r = None if dc is None else 3 * torch.randn(B, T, dc, generator=g, dtype=torch.float64)

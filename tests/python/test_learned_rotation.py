@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import relpos
-from module_checks import catalog_term, check_decoding, check_parameter_gradients
+from module_checks import catalog_term, check_decoding, check_parameter_gradients, grouped_qkv, jittered
 
 HQ, HK, MODEL_DIM, D = 4, 2, 12, 8
 CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
@@ -34,16 +34,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def module(spec, jitter=0.3, **kw):
     torch.manual_seed(5)
     a = relpos.Attention(spec, D, HQ, HK, model_dim=MODEL_DIM, **kw).double()
-    with torch.no_grad():
-        for p in a.parameters():
-            p.add_(jitter * torch.randn_like(p))
-    return a
+    return jittered(a, jitter)
 
 
 def tensors(B=2, T=7, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, HQ, T, D, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(B, HK, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k, v = grouped_qkv(g, B, T, D, HQ, HK)
     x = torch.randn(B, T, MODEL_DIM, generator=g, dtype=torch.float64)
     return q, k, v, x
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import relpos
-from module_checks import catalog_term, check_decoding, check_parameter_gradients
+from module_checks import catalog_term, check_decoding, check_parameter_gradients, grouped_qkv
 
 HQ, HK, MODEL_DIM, D = 4, 2, 12, 8
 CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
@@ -36,8 +36,7 @@ def module(spec, **kw):
 
 def tensors(B=2, T=7, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, HQ, T, D, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(B, HK, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k, v = grouped_qkv(g, B, T, D, HQ, HK)
     x = torch.randn(B, T, MODEL_DIM, generator=g, dtype=torch.float64)
     return q, k, v, x
 
