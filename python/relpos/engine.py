@@ -455,6 +455,8 @@ class Attention(nn.Module):
         """FAVOR+ on the transformed q and k (key/value heads repeated for their query groups)."""
         if key_len is not None:
             raise InputError(f"{self.spec!r}: backend favor takes no key_len (no padding mask)")
+        if self.window > 0:  # (the attribute can be set after construction)
+            raise InputError(f"{self.spec!r}: backend favor has no sliding window")
         if return_lse:
             raise InputError(f"{self.spec!r}: backend favor has no log-sum-exp to return")
         if self.causal and qpos.shape[-1] > 1 and not bool((qpos[..., 1:] > qpos[..., :-1]).all()):

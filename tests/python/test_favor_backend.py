@@ -150,6 +150,10 @@ def test_the_catalog_runs_and_refusals_name_the_reason():
         attn(q, k, k, cache=relpos.KVCache(1, HK, D, dtype=torch.float64))
     with pytest.raises(relpos.InputError, match="log-sum-exp"):
         attn(q, k, k, return_lse=True)
+    attn.window = 2.0  # set after construction: still refused, never ignored
+    with pytest.raises(relpos.InputError, match="window"):
+        attn(q, k, k)
+    attn.window = 0.0
     with pytest.raises(relpos.InputError, match="increase"):
         attn(q, k, k, positions=torch.tensor([0.0, 2, 1, 3, 4], dtype=torch.float64))
     assert attn.favor_projection.shape == (4 * D, D)
