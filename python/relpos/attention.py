@@ -16,6 +16,9 @@ import torch
 from .encoding import InputError, PositionEncoding
 from .journey import _journey_info, journey_attention
 
+# the names of the kernel's bias slots, in the order of the op's ``biases`` list
+_BIAS_SLOTS = tuple(torch.ops.relpos.attention_bias_slots())
+
 
 def fused_attention(
     q: torch.Tensor,
@@ -60,11 +63,13 @@ def fused_attention(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a tensor, got {type(t).__name__}")
+    given = {"lag_table": lag_table, "slopes": slopes, "cq": cq, "ck": ck, "gq": gq, "gk": gk,
+             "path_q": path_q, "path_k": path_k, "path_beta": path_beta}
     try:
         return torch.ops.relpos.fused_attention(
-            q, k, v, q_positions, k_positions, lag_table, slopes, cq, ck, causal, float(window),
-            key_len, 0.0 if scale is None else float(scale), False, gq, gk, path_q, path_k,
-            path_beta, float(path_scale),
+            q, k, v, [given[name] for name in _BIAS_SLOTS], q_positions, k_positions, causal,
+            float(window), key_len, 0.0 if scale is None else float(scale), False,
+            float(path_scale),
         )
     except ValueError as e:
         raise InputError(str(e)) from None

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -42,35 +43,83 @@ std::string shape_of(const torch::Tensor& t) {
   return fmt::format("[{}]", fmt::join(t.sizes(), ", "));
 }
 
+// The kernel's additive biases (kernels::AttentionBias) as the ops take them: one packed list
+// `biases`, its slots named here once (`attention_bias_slots` gives the names to Python).
+enum BiasSlot : int { kLagTable, kSlopes, kCq, kCk, kGq, kGk, kPathQ, kPathK, kPathBeta, kSlots };
+constexpr std::array<const char*, kSlots> kSlotNames{
+    "lag_table", "slopes", "cq", "ck", "gq", "gk", "path_q", "path_k", "path_beta"};
+using Biases = std::array<torch::Tensor, kSlots>;  // undefined: absent
+using BiasList = c10::List<OptTensor>;
+
+Biases unpack(const BiasList& list) {
+  if (list.size() > kSlots)
+    throw InputError(fmt::format("attention: biases has {} entries; the kernel has {} slots ({})",
+                                 list.size(), kSlots, fmt::join(kSlotNames, ", ")));
+  Biases b;
+  for (size_t i = 0; i < list.size(); ++i) b[i] = get(list.get(i));
+  return b;
+}
+BiasList pack(const Biases& b) {
+  BiasList list;
+  for (const auto& t : b) list.push_back(opt(t));
+  return list;
+}
+
+// The options of a call besides its tensors.
+struct CallOptions {
+  bool causal = true;
+  double window = 0.0, scale = 0.0;
+  bool exclude_self = false;
+  double path_scale = 1.0;
+};
+
 // The operands as the kernel takes them: contiguous, positions and per-token biases float64,
 // key lengths int64; every problem named.
 struct Operands {
-  torch::Tensor q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len;
-  torch::Tensor gq, gk, path_q, path_k, path_beta;  // gated slopes, path integral
+  torch::Tensor q, k, v, q_pos, k_pos, key_len;
+  Biases bias;
   double path_scale = 1.0;
   kernels::AttentionDims dims;
   bool per_batch = false;
 
   template <class T>
-  kernels::AttentionBias<T> bias() const {
-    kernels::AttentionBias<T> b{ptr<T>(lag_table), lag_table.defined() ? lag_table.size(1) : 0,
-                                ptr<T>(slopes), ptr<double>(cq), ptr<double>(ck)};
-    b.gq = ptr<T>(gq);
-    b.gk = ptr<T>(gk);
-    b.path_q = ptr<T>(path_q);
-    b.path_k = ptr<T>(path_k);
-    b.path_beta = ptr<T>(path_beta);
-    b.path_dim = path_q.defined() ? path_q.size(3) : 0;
+  kernels::AttentionBias<T> kernel_bias() const {
+    kernels::AttentionBias<T> b;
+    b.lag_table = ptr<T>(bias[kLagTable]);
+    b.lag_len = bias[kLagTable].defined() ? bias[kLagTable].size(1) : 0;
+    b.slopes = ptr<T>(bias[kSlopes]);
+    b.cq = ptr<double>(bias[kCq]);
+    b.ck = ptr<double>(bias[kCk]);
+    b.gq = ptr<T>(bias[kGq]);
+    b.gk = ptr<T>(bias[kGk]);
+    b.path_q = ptr<T>(bias[kPathQ]);
+    b.path_k = ptr<T>(bias[kPathK]);
+    b.path_beta = ptr<T>(bias[kPathBeta]);
+    b.path_dim = bias[kPathQ].defined() ? bias[kPathQ].size(3) : 0;
     b.path_scale = path_scale;
     return b;
+  }
+  // the gradient pointers of the slots (undefined or empty tensors: not computed)
+  template <class T>
+  static kernels::AttentionBiasGrads<T> kernel_grads(Biases& g) {
+    kernels::AttentionBiasGrads<T> r;
+    r.lag_table = mptr<T>(g[kLagTable]);
+    r.slopes = mptr<T>(g[kSlopes]);
+    r.cq = mptr<double>(g[kCq]);
+    r.ck = mptr<double>(g[kCk]);
+    r.gq = mptr<T>(g[kGq]);
+    r.gk = mptr<T>(g[kGk]);
+    r.path_q = mptr<T>(g[kPathQ]);
+    r.path_k = mptr<T>(g[kPathK]);
+    r.path_beta = mptr<T>(g[kPathBeta]);
+    return r;
   }
   kernels::AttentionPositions positions() const {
     return {ptr<double>(q_pos), ptr<double>(k_pos), per_batch};
   }
-  kernels::AttentionOptions options(bool causal, double window, double scale,
-                                    bool exclude_self) const {
-    kernels::AttentionOptions o{causal, window, ptr<int64_t>(key_len), scale};
-    o.exclude_self = exclude_self;
+  kernels::AttentionOptions options(const CallOptions& c) const {
+    kernels::AttentionOptions o{c.causal, c.window, ptr<int64_t>(key_len), c.scale};
+    o.exclude_self = c.exclude_self;
     return o;
   }
 };
@@ -89,11 +138,10 @@ torch::Tensor attention_positions(const torch::Tensor& p, int64_t B, int64_t T, 
 }
 
 Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                 const OptTensor& q_pos, const OptTensor& k_pos, const OptTensor& lag_table,
-                 const OptTensor& slopes, const OptTensor& cq, const OptTensor& ck,
-                 const OptTensor& key_len, double window, double scale, const OptTensor& gq,
-                 const OptTensor& gk, const OptTensor& path_q, const OptTensor& path_k,
-                 const OptTensor& path_beta, double path_scale) {
+                 const OptTensor& q_pos, const OptTensor& k_pos, const OptTensor& key_len,
+                 const BiasList& biases, const CallOptions& c) {
+  const double window = c.window, scale = c.scale, path_scale = c.path_scale;
+  const Biases in = unpack(biases);
   for (const auto* t : {&q, &k, &v}) {
     const char* name = t == &q ? "q" : t == &k ? "k" : "v";
     if (!t->defined()) throw InputError(fmt::format("attention: {} is undefined", name));
@@ -136,22 +184,22 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     if (o.q_pos.defined() && o.q_pos.dim() == 1) o.q_pos = o.q_pos.expand({B, Tq}).contiguous();
     if (o.k_pos.defined() && o.k_pos.dim() == 1) o.k_pos = o.k_pos.expand({B, Tk}).contiguous();
   }
-  if (auto t = get(lag_table); t.defined()) {
+  if (auto t = in[kLagTable]; t.defined()) {
     if (t.dim() != 2 || t.size(0) != Hq || t.size(1) < 1)
       throw InputError(
           fmt::format("attention: lag_table must be [{}, L] with L >= 1, got {}", Hq, shape_of(t)));
     if (t.scalar_type() != q.scalar_type())
       throw InputError("attention: lag_table must have q's dtype");
-    o.lag_table = t.contiguous();
+    o.bias[kLagTable] = t.contiguous();
   }
-  if (auto t = get(slopes); t.defined()) {
+  if (auto t = in[kSlopes]; t.defined()) {
     if (t.dim() != 1 || t.size(0) != Hq)
       throw InputError(fmt::format("attention: slopes must be [{}], got {}", Hq, shape_of(t)));
     if (t.scalar_type() != q.scalar_type())
       throw InputError("attention: slopes must have q's dtype");
-    o.slopes = t.contiguous();
+    o.bias[kSlopes] = t.contiguous();
   }
-  const auto tcq = get(cq), tck = get(ck);
+  const auto tcq = in[kCq], tck = in[kCk];
   if (tcq.defined() != tck.defined())
     throw InputError("attention: the per-token bias needs both cq and ck");
   if (tcq.defined()) {
@@ -163,8 +211,8 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
           fmt::format("attention: ck must be [{}, {}, {}], got {}", B, Hq, Tk, shape_of(tck)));
     if (!tcq.is_floating_point() || !tck.is_floating_point())
       throw InputError("attention: cq and ck must be floating point");
-    o.cq = tcq.to(torch::kDouble).contiguous();
-    o.ck = tck.to(torch::kDouble).contiguous();
+    o.bias[kCq] = tcq.to(torch::kDouble).contiguous();
+    o.bias[kCk] = tck.to(torch::kDouble).contiguous();
   }
   if (auto t = get(key_len); t.defined()) {
     if (t.dim() != 1 || t.size(0) != B || t.is_floating_point() || t.scalar_type() == torch::kBool)
@@ -173,8 +221,7 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     o.key_len = t.to(torch::kLong).contiguous();
   }
   // per-token tensors of q's dtype with an exact shape
-  const auto per_token = [&](const OptTensor& x, std::vector<int64_t> shape, const char* name) {
-    auto t = get(x);
+  const auto per_token = [&](const torch::Tensor& t, std::vector<int64_t> shape, const char* name) {
     if (!t.defined()) return t;
     if (t.sizes() != torch::IntArrayRef(shape))
       throw InputError(fmt::format("attention: {} must be [{}], got {}", name,
@@ -183,9 +230,9 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
       throw InputError(fmt::format("attention: {} must have q's dtype", name));
     return t.contiguous();
   };
-  o.gq = per_token(gq, {B, Hq, Tq}, "gq");
-  o.gk = per_token(gk, {B, Hq, Tk}, "gk");
-  const auto tpq = get(path_q), tpk = get(path_k), tpb = get(path_beta);
+  o.bias[kGq] = per_token(in[kGq], {B, Hq, Tq}, "gq");
+  o.bias[kGk] = per_token(in[kGk], {B, Hq, Tk}, "gk");
+  const auto tpq = in[kPathQ], tpk = in[kPathK], tpb = in[kPathBeta];
   if (tpq.defined() != tpk.defined() || tpq.defined() != tpb.defined())
     throw InputError("attention: the path integral needs path_q, path_k and path_beta together");
   if (tpq.defined()) {
@@ -193,9 +240,9 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     if (P < 1)
       throw InputError(fmt::format("attention: path_q must be [{}, {}, {}, P], got {}", B, Hq, Tq,
                                    shape_of(tpq)));
-    o.path_q = per_token(path_q, {B, Hq, Tq, P}, "path_q");
-    o.path_k = per_token(path_k, {B, Hq, Tk, P}, "path_k");
-    o.path_beta = per_token(path_beta, {Hq}, "path_beta");
+    o.bias[kPathQ] = per_token(tpq, {B, Hq, Tq, P}, "path_q");
+    o.bias[kPathK] = per_token(tpk, {B, Hq, Tk, P}, "path_k");
+    o.bias[kPathBeta] = per_token(tpb, {Hq}, "path_beta");
     if (!std::isfinite(path_scale)) throw InputError("attention: path_scale must be finite");
     o.path_scale = path_scale;
   }
@@ -204,21 +251,13 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
 
 // ---- CPU ---------------------------------------------------------------------------------------
 
-// The op's arguments after exclude_self (gated slopes and path integral), spelled once for the
-// signatures below.
-#define RELPOS_EXTRA_PARAMS                                                                   \
-  const OptTensor &gq, const OptTensor &gk, const OptTensor &path_q, const OptTensor &path_k, \
-      const OptTensor &path_beta, double path_scale
-#define RELPOS_EXTRA_ARGS gq, gk, path_q, path_k, path_beta, path_scale
-
 std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
-    const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
-    const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
-    double scale, bool exclude_self, RELPOS_EXTRA_PARAMS) {
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const BiasList& biases,
+    const OptTensor& q_pos, const OptTensor& k_pos, bool causal, double window,
+    const OptTensor& key_len, double scale, bool exclude_self, double path_scale) {
   return value_errors([&] {
-    const auto o = prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale,
-                           RELPOS_EXTRA_ARGS);
+    const CallOptions c{causal, window, scale, exclude_self, path_scale};
+    const auto o = prepare(q, k, v, q_pos, k_pos, key_len, biases, c);
     const auto& d = o.dims;
     auto out = output_like(o.q);
     auto lse = torch::empty({d.B, d.Hq, d.Tq}, o.q.options());
@@ -229,33 +268,31 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
       return std::make_tuple(out, lse);
     }
     AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention", [&] {
-      kernels::attention_forward<scalar_t>(
-          d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(), o.v.data_ptr<scalar_t>(),
-          o.positions(), o.bias<scalar_t>(), o.options(causal, window, scale, exclude_self),
-          out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+      kernels::attention_forward<scalar_t>(d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(),
+                                           o.v.data_ptr<scalar_t>(), o.positions(),
+                                           o.kernel_bias<scalar_t>(), o.options(c),
+                                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
     });
     return std::make_tuple(out, lse);
   });
 }
 
-// gradients: q, k, v, lag_table, slopes, cq, ck, gq, gk, path_q, path_k, path_beta
-constexpr int kGrads = 12;
-using Grads = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                         torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                         torch::Tensor, torch::Tensor>;
+// output_mask: q, k, v, then the bias slots
+constexpr size_t kGrads = 3 + kSlots;
+static_assert(kGrads == 12, "the output_mask of the fused_attention_backward schema");
+using Grads = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tensor>>;
 
 Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::Tensor& q,
                                    const torch::Tensor& k, const torch::Tensor& v,
                                    const torch::Tensor& out_in, const torch::Tensor& lse_in,
-                                   const OptTensor& q_pos, const OptTensor& k_pos,
-                                   const OptTensor& lag_table, const OptTensor& slopes,
-                                   const OptTensor& cq, const OptTensor& ck, bool causal,
-                                   double window, const OptTensor& key_len, double scale,
-                                   bool exclude_self, RELPOS_EXTRA_PARAMS,
-                                   std::array<bool, kGrads> mask, const OptTensor& grad_lse) {
+                                   const BiasList& biases, const OptTensor& q_pos,
+                                   const OptTensor& k_pos, bool causal, double window,
+                                   const OptTensor& key_len, double scale, bool exclude_self,
+                                   double path_scale, std::array<bool, kGrads> mask,
+                                   const OptTensor& grad_lse) {
   return value_errors([&] {
-    const auto o = prepare(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, key_len, window, scale,
-                           RELPOS_EXTRA_ARGS);
+    const CallOptions c{causal, window, scale, exclude_self, path_scale};
+    const auto o = prepare(q, k, v, q_pos, k_pos, key_len, biases, c);
     const auto& d = o.dims;
     const auto out = out_in.contiguous(), lse = lse_in.contiguous();
     const auto dout = grad_out.defined() ? grad_out.contiguous() : torch::zeros_like(out);
@@ -267,202 +304,151 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
       throw InputError("attention backward: grad_out, out, lse or grad_lse does not match q");
     // every output is a tensor (the schema has no optional outputs): absent or unrequested ones
     // are empty; the bias gradients are accumulated by the kernel, so they start at zero
-    const auto grad_for = [&](int i, const torch::Tensor& like) {
-      if (!mask[i] || !like.defined()) return torch::empty({0}, o.q.options());
-      return i < 3 ? output_like(like) : torch::zeros_like(like);
-    };
-    auto dq = grad_for(0, o.q), dk = grad_for(1, o.k), dv = grad_for(2, o.v),
-         dlag = grad_for(3, o.lag_table), dslopes = grad_for(4, o.slopes), dcq = grad_for(5, o.cq),
-         dck = grad_for(6, o.ck), dgq = grad_for(7, o.gq), dgk = grad_for(8, o.gk),
-         dpq = grad_for(9, o.path_q), dpk = grad_for(10, o.path_k),
-         dbeta = grad_for(11, o.path_beta);
+    const auto empty = [&] { return torch::empty({0}, o.q.options()); };
+    auto dq = mask[0] ? output_like(o.q) : empty(), dk = mask[1] ? output_like(o.k) : empty(),
+         dv = mask[2] ? output_like(o.v) : empty();
+    Biases db;
+    for (int i = 0; i < kSlots; ++i)
+      db[i] = mask[3 + i] && o.bias[i].defined() ? torch::zeros_like(o.bias[i]) : empty();
     if (d.Tk == 0 || o.q.numel() == 0) {  // no visible key: every gradient is zero
       for (auto* t : {&dq, &dk, &dv}) t->zero_();
     } else {
       AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention_backward", [&] {
-        kernels::AttentionBiasGrads<scalar_t> g{mptr<scalar_t>(dlag), mptr<scalar_t>(dslopes),
-                                                mptr<double>(dcq), mptr<double>(dck)};
-        g.gq = mptr<scalar_t>(dgq);
-        g.gk = mptr<scalar_t>(dgk);
-        g.path_q = mptr<scalar_t>(dpq);
-        g.path_k = mptr<scalar_t>(dpk);
-        g.path_beta = mptr<scalar_t>(dbeta);
         kernels::attention_backward<scalar_t>(
             d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(), o.v.data_ptr<scalar_t>(),
-            o.positions(), o.bias<scalar_t>(), o.options(causal, window, scale, exclude_self),
-            dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-            mptr<scalar_t>(dq), mptr<scalar_t>(dk), mptr<scalar_t>(dv), g,
+            o.positions(), o.kernel_bias<scalar_t>(), o.options(c), dout.data_ptr<scalar_t>(),
+            out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), mptr<scalar_t>(dq),
+            mptr<scalar_t>(dk), mptr<scalar_t>(dv), Operands::kernel_grads<scalar_t>(db),
             dlse.defined() ? dlse.data_ptr<scalar_t>() : nullptr);
       });
     }
-    // per-token gradients back in the caller's dtype
-    if (dcq.numel()) dcq = dcq.to(get(cq).scalar_type());
-    if (dck.numel()) dck = dck.to(get(ck).scalar_type());
-    return std::make_tuple(dq, dk, dv, dlag, dslopes, dcq, dck, dgq, dgk, dpq, dpk, dbeta);
+    // per-token gradients back in the caller's dtype (the kernel takes them in float64)
+    const Biases in = unpack(biases);
+    for (int i : {kCq, kCk})
+      if (db[i].numel()) db[i] = db[i].to(in[i].scalar_type());
+    return Grads{dq, dk, dv, std::vector<torch::Tensor>(db.begin(), db.end())};
   });
 }
 
 // ---- Meta (fake): shapes and dtypes only -------------------------------------------------------
 
 std::tuple<torch::Tensor, torch::Tensor> fused_attention_meta(
-    const torch::Tensor& q, const torch::Tensor&, const torch::Tensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, bool,
-    double, const OptTensor&, double, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, double) {
+    const torch::Tensor& q, const torch::Tensor&, const torch::Tensor&, const BiasList&,
+    const OptTensor&, const OptTensor&, bool, double, const OptTensor&, double, bool, double) {
   return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
           torch::empty({q.size(0), q.size(1), q.size(2)}, q.options())};
 }
 
 Grads fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q,
                                     const torch::Tensor& k, const torch::Tensor& v,
-                                    const torch::Tensor&, const torch::Tensor&, const OptTensor&,
-                                    const OptTensor&, const OptTensor& lag_table,
-                                    const OptTensor& slopes, const OptTensor& cq,
-                                    const OptTensor& ck, bool, double, const OptTensor&, double,
-                                    bool, RELPOS_EXTRA_PARAMS, std::array<bool, kGrads> mask,
-                                    const OptTensor&) {
-  (void)path_scale;
-  const auto like = [&](int i, const torch::Tensor& t) {
+                                    const torch::Tensor&, const torch::Tensor&,
+                                    const BiasList& biases, const OptTensor&, const OptTensor&,
+                                    bool, double, const OptTensor&, double, bool, double,
+                                    std::array<bool, kGrads> mask, const OptTensor&) {
+  const auto like = [&](size_t i, const torch::Tensor& t) {
     return mask[i] && t.defined() ? torch::empty_like(t, torch::MemoryFormat::Contiguous)
                                   : torch::empty({0}, q.options());
   };
-  return {like(0, q),
-          like(1, k),
-          like(2, v),
-          like(3, get(lag_table)),
-          like(4, get(slopes)),
-          like(5, get(cq)),
-          like(6, get(ck)),
-          like(7, get(gq)),
-          like(8, get(gk)),
-          like(9, get(path_q)),
-          like(10, get(path_k)),
-          like(11, get(path_beta))};
+  const Biases in = unpack(biases);
+  std::vector<torch::Tensor> db;
+  for (int i = 0; i < kSlots; ++i) db.push_back(like(3 + i, in[i]));
+  return Grads{like(0, q), like(1, k), like(2, v), db};
 }
 
 // ---- Autograd: the backward is the fused_attention_backward op ---------------------------------
 
 std::tuple<torch::Tensor, torch::Tensor> call_fused_attention(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
-    const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
-    const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
-    double scale, bool exclude_self, RELPOS_EXTRA_PARAMS) {
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const BiasList& biases,
+    const OptTensor& q_pos, const OptTensor& k_pos, const OptTensor& key_len,
+    const CallOptions& c) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("relpos::fused_attention", "")
                              .typed<decltype(fused_attention_cpu)>();
-  return op.call(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal, window, key_len, scale,
-                 exclude_self, RELPOS_EXTRA_ARGS);
+  return op.call(q, k, v, biases, q_pos, k_pos, c.causal, c.window, key_len, c.scale,
+                 c.exclude_self, c.path_scale);
 }
 
-Grads call_fused_attention_backward(const torch::Tensor& grad_out, const torch::Tensor& q,
-                                    const torch::Tensor& k, const torch::Tensor& v,
-                                    const torch::Tensor& out, const torch::Tensor& lse,
-                                    const OptTensor& q_pos, const OptTensor& k_pos,
-                                    const OptTensor& lag_table, const OptTensor& slopes,
-                                    const OptTensor& cq, const OptTensor& ck, bool causal,
-                                    double window, const OptTensor& key_len, double scale,
-                                    bool exclude_self, RELPOS_EXTRA_PARAMS,
-                                    std::array<bool, kGrads> mask, const OptTensor& grad_lse) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("relpos::fused_attention_backward", "")
-                             .typed<decltype(fused_attention_backward_cpu)>();
-  return op.call(grad_out, q, k, v, out, lse, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                 window, key_len, scale, exclude_self, RELPOS_EXTRA_ARGS, mask, grad_lse);
-}
+// The call's arguments that are not differentiable: which slot each present bias fills, the
+// positions, key lengths and options.
+struct NonDifferentiable {
+  std::vector<int> slots;
+  torch::Tensor q_pos, k_pos, key_len;
+  CallOptions options;
+};
 
 class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
  public:
-  // inputs in schema order: q k v q_pos k_pos lag_table slopes cq ck causal window key_len scale
-  // exclude_self gq gk path_q path_k path_beta path_scale
+  // inputs: q, k, v, the present biases (variables, in slot order), then the rest
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const OptTensor& q_pos,
-                               const OptTensor& k_pos, const OptTensor& lag_table,
-                               const OptTensor& slopes, const OptTensor& cq, const OptTensor& ck,
-                               bool causal, double window, const OptTensor& key_len, double scale,
-                               bool exclude_self, RELPOS_EXTRA_PARAMS) {
+                               const torch::Tensor& v, at::TensorList present,
+                               const NonDifferentiable& n) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = call_fused_attention(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                                           window, key_len, scale, exclude_self, RELPOS_EXTRA_ARGS);
-    ctx->save_for_backward({q, k, v, out, lse, get(q_pos), get(k_pos), get(lag_table), get(slopes),
-                            get(cq), get(ck), get(key_len), get(gq), get(gk), get(path_q),
-                            get(path_k), get(path_beta)});
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["exclude_self"] = exclude_self;
-    ctx->saved_data["path_scale"] = path_scale;
+    Biases b;
+    for (size_t i = 0; i < present.size(); ++i) b[n.slots[i]] = present[i];
+    auto [out, lse] = call_fused_attention(q, k, v, pack(b), opt(n.q_pos), opt(n.k_pos),
+                                           opt(n.key_len), n.options);
+    std::vector<torch::Tensor> saved{q, k, v, out, lse};
+    saved.insert(saved.end(), present.begin(), present.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["slots"] = std::vector<int64_t>(n.slots.begin(), n.slots.end());
+    ctx->saved_data["q_pos"] = n.q_pos;
+    ctx->saved_data["k_pos"] = n.k_pos;
+    ctx->saved_data["key_len"] = n.key_len;
+    ctx->saved_data["causal"] = n.options.causal;
+    ctx->saved_data["window"] = n.options.window;
+    ctx->saved_data["scale"] = n.options.scale;
+    ctx->saved_data["exclude_self"] = n.options.exclude_self;
+    ctx->saved_data["path_scale"] = n.options.path_scale;
     return {out, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     const auto s = ctx->get_saved_variables();
-    // the tensor inputs in order with the saved slot of each and its gradient index (-1: none);
-    // needs_input_grad counts only the tensor inputs that were present (an absent optional is
-    // no edge)
-    constexpr std::array<std::pair<int, int>, 15> inputs{{{0, 0},
-                                                          {1, 1},
-                                                          {2, 2},
-                                                          {5, -1},
-                                                          {6, -1},
-                                                          {7, 3},
-                                                          {8, 4},
-                                                          {9, 5},
-                                                          {10, 6},
-                                                          {11, -1},
-                                                          {12, 7},
-                                                          {13, 8},
-                                                          {14, 9},
-                                                          {15, 10},
-                                                          {16, 11}}};
+    const auto slots = ctx->saved_data["slots"].toIntVector();
+    const auto& sd = ctx->saved_data;
+    const CallOptions c{sd.at("causal").toBool(), sd.at("window").toDouble(),
+                        sd.at("scale").toDouble(), sd.at("exclude_self").toBool(),
+                        sd.at("path_scale").toDouble()};
+    const auto tensor = [&](const char* key) { return sd.at(key).toOptional<torch::Tensor>(); };
+    // edges: q, k, v, then the present biases
     std::array<bool, kGrads> mask{};
-    int edge = 0;
-    for (const auto& [slot, grad] : inputs) {
-      if (!s[slot].defined()) continue;
-      if (grad >= 0) mask[grad] = ctx->needs_input_grad(edge);
-      ++edge;
+    for (int i = 0; i < 3; ++i) mask[i] = ctx->needs_input_grad(i);
+    Biases b;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      b[slots[i]] = s[5 + i];
+      mask[3 + slots[i]] = ctx->needs_input_grad(3 + i);
     }
-    auto g = call_fused_attention_backward(
-        grad_out[0], s[0], s[1], s[2], s[3], s[4], opt(s[5]), opt(s[6]), opt(s[7]), opt(s[8]),
-        opt(s[9]), opt(s[10]), ctx->saved_data["causal"].toBool(),
-        ctx->saved_data["window"].toDouble(), opt(s[11]), ctx->saved_data["scale"].toDouble(),
-        ctx->saved_data["exclude_self"].toBool(), opt(s[12]), opt(s[13]), opt(s[14]), opt(s[15]),
-        opt(s[16]), ctx->saved_data["path_scale"].toDouble(), mask,
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("relpos::fused_attention_backward", "")
+                               .typed<decltype(fused_attention_backward_cpu)>();
+    auto [dq, dk, dv, db] = op.call(
+        grad_out[0], s[0], s[1], s[2], s[3], s[4], pack(b), tensor("q_pos"), tensor("k_pos"),
+        c.causal, c.window, tensor("key_len"), c.scale, c.exclude_self, c.path_scale, mask,
         grad_out.size() > 1 && grad_out[1].defined() ? OptTensor(grad_out[1]) : OptTensor());
-    const auto keep = [&](int i, torch::Tensor t) { return mask[i] ? t : torch::Tensor(); };
-    return {keep(0, std::get<0>(g)),
-            keep(1, std::get<1>(g)),
-            keep(2, std::get<2>(g)),
-            {},
-            {},
-            keep(3, std::get<3>(g)),
-            keep(4, std::get<4>(g)),
-            keep(5, std::get<5>(g)),
-            keep(6, std::get<6>(g)),
-            {},
-            {},
-            {},
-            {},
-            {},
-            keep(7, std::get<7>(g)),
-            keep(8, std::get<8>(g)),
-            keep(9, std::get<9>(g)),
-            keep(10, std::get<10>(g)),
-            keep(11, std::get<11>(g)),
-            {}};
+    const auto keep = [&](size_t i, torch::Tensor t) { return mask[i] ? t : torch::Tensor(); };
+    variable_list grads{keep(0, dq), keep(1, dk), keep(2, dv)};
+    for (int64_t slot : slots) grads.push_back(keep(3 + slot, db[slot]));
+    grads.emplace_back();  // the non-differentiable arguments
+    return grads;
   }
 };
 
 std::tuple<torch::Tensor, torch::Tensor> fused_attention_autograd(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const OptTensor& q_pos,
-    const OptTensor& k_pos, const OptTensor& lag_table, const OptTensor& slopes,
-    const OptTensor& cq, const OptTensor& ck, bool causal, double window, const OptTensor& key_len,
-    double scale, bool exclude_self, RELPOS_EXTRA_PARAMS) {
-  auto r = FusedAttentionFunction::apply(q, k, v, q_pos, k_pos, lag_table, slopes, cq, ck, causal,
-                                         window, key_len, scale, exclude_self, RELPOS_EXTRA_ARGS);
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const BiasList& biases,
+    const OptTensor& q_pos, const OptTensor& k_pos, bool causal, double window,
+    const OptTensor& key_len, double scale, bool exclude_self, double path_scale) {
+  const Biases b = value_errors([&] { return unpack(biases); });
+  NonDifferentiable n{
+      {}, get(q_pos), get(k_pos), get(key_len), {causal, window, scale, exclude_self, path_scale}};
+  std::vector<torch::Tensor> present;
+  for (int i = 0; i < kSlots; ++i)
+    if (b[i].defined()) {
+      n.slots.push_back(i);
+      present.push_back(b[i]);
+    }
+  auto r = FusedAttentionFunction::apply(q, k, v, at::TensorList(present), n);
   return {r[0], r[1]};
 }
-#undef RELPOS_EXTRA_PARAMS
-#undef RELPOS_EXTRA_ARGS
 
 // `relpos::attention`: composite (its autograd comes from the transform and fused ops it calls).
 torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -492,10 +478,19 @@ torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k, const
 
 std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::Tensor& k,
                                            const torch::Tensor& v, const AttentionArgs& a) {
-  auto [out, lse] = call_fused_attention(
-      q, k, v, opt(a.q_positions), opt(a.k_positions), opt(a.lag_table), opt(a.slopes), opt(a.cq),
-      opt(a.ck), a.causal, a.window, opt(a.key_len), a.scale, a.exclude_self, opt(a.gq), opt(a.gk),
-      opt(a.path_q), opt(a.path_k), opt(a.path_beta), a.path_scale);
+  Biases b;
+  b[kLagTable] = a.lag_table;
+  b[kSlopes] = a.slopes;
+  b[kCq] = a.cq;
+  b[kCk] = a.ck;
+  b[kGq] = a.gq;
+  b[kGk] = a.gk;
+  b[kPathQ] = a.path_q;
+  b[kPathK] = a.path_k;
+  b[kPathBeta] = a.path_beta;
+  auto [out, lse] =
+      call_fused_attention(q, k, v, pack(b), opt(a.q_positions), opt(a.k_positions), opt(a.key_len),
+                           {a.causal, a.window, a.scale, a.exclude_self, a.path_scale});
   return {out, lse};
 }
 
@@ -687,20 +682,18 @@ torch::Tensor composed_attention(const torch::Tensor& q, const torch::Tensor& k,
 
 TORCH_LIBRARY_FRAGMENT(relpos, m) {
   m.def(
-      "fused_attention(Tensor q, Tensor k, Tensor v, Tensor? q_positions=None, "
-      "Tensor? k_positions=None, Tensor? lag_table=None, Tensor? slopes=None, Tensor? cq=None, "
-      "Tensor? ck=None, bool causal=True, float window=0., Tensor? key_len=None, "
-      "float scale=0., bool exclude_self=False, Tensor? gq=None, Tensor? gk=None, "
-      "Tensor? path_q=None, Tensor? path_k=None, Tensor? path_beta=None, float path_scale=1.) "
+      "fused_attention(Tensor q, Tensor k, Tensor v, Tensor?[] biases, "
+      "Tensor? q_positions=None, Tensor? k_positions=None, bool causal=True, float window=0., "
+      "Tensor? key_len=None, float scale=0., bool exclude_self=False, float path_scale=1.) "
       "-> (Tensor, Tensor)");
   m.def(
       "fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor lse, Tensor? q_positions, Tensor? k_positions, Tensor? lag_table, Tensor? slopes, "
-      "Tensor? cq, Tensor? ck, bool causal, float window, Tensor? key_len, float scale, "
-      "bool exclude_self, Tensor? gq, Tensor? gk, Tensor? path_q, Tensor? path_k, "
-      "Tensor? path_beta, float path_scale, bool[12] output_mask, Tensor? grad_lse=None) -> "
-      "(Tensor, Tensor, Tensor, "
-      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor lse, Tensor?[] biases, Tensor? q_positions, Tensor? k_positions, bool causal, "
+      "float window, Tensor? key_len, float scale, bool exclude_self, float path_scale, "
+      "bool[12] output_mask, Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor, Tensor[])");
+  m.def("attention_bias_slots() -> str[]", [] {
+    return std::vector<std::string>(relpos::nn::kSlotNames.begin(), relpos::nn::kSlotNames.end());
+  });
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, str mechanism, Tensor? q_positions=None, "
       "Tensor? k_positions=None, bool causal=True, float window=0., Tensor? key_len=None, "
