@@ -41,13 +41,19 @@ def fused_attention(
     path_k: torch.Tensor | None = None,
     path_beta: torch.Tensor | None = None,
     path_scale: float = 1.0,
+    key_start: torch.Tensor | None = None,
+    q_segments: torch.Tensor | None = None,
+    k_segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused softmax attention; returns ``(out, lse)``.
 
     q ``[B, Hq, Tq, D]``, k and v ``[B, Hk, Tk, D]`` (Hk divides Hq: grouped-query attention),
     float32 or float64 on the CPU. Positions ``[T]`` or ``[B, T]`` (float64 keeps them exact;
     default: queries are the last Tq of the Tk key positions). Key j is visible to query i when
-    ``j < key_len[b]``, ``p_j <= p_i`` (causal) and ``p_i - p_j < window`` (window > 0).
+    ``key_start[b] <= j < key_len[b]`` (left and right padding, int ``[B]``), ``p_j <= p_i``
+    (causal), ``p_i - p_j < window`` (window > 0) and, for packed sequences,
+    ``k_segments[b, j] == q_segments[b, i]`` (document ids ``[B, Tk]`` and ``[B, Tq]``, each
+    document one contiguous run of a row: biases then never cross a document boundary).
     Biases, all optional and summed: ``lag_table [Hq, L]`` indexed by the rounded lag (clamped to
     the table), ``- slopes[h] (p_i - p_j)``, and ``cq[b,h,i] - ck[b,h,j]`` (FoX / GRAPE-A gates;
     pass float64 cumulative sums: the kernel subtracts them in float64), GRAPE's gated slopes
@@ -69,7 +75,7 @@ def fused_attention(
         return torch.ops.relpos.fused_attention(
             q, k, v, [given[name] for name in _BIAS_SLOTS], q_positions, k_positions, causal,
             float(window), key_len, 0.0 if scale is None else float(scale), False,
-            float(path_scale),
+            float(path_scale), key_start, q_segments, k_segments,
         )
     except ValueError as e:
         raise InputError(str(e)) from None
@@ -230,6 +236,9 @@ def attention(
     pair_layout: str = "interleaved",
     return_lse: bool = False,
     check_finite: bool = True,
+    key_start: torch.Tensor | None = None,
+    q_segments: torch.Tensor | None = None,
+    k_segments: torch.Tensor | None = None,
 ):
     """Attention with a mechanism: ``mechanism`` is a spec string (its initial parameters, frozen),
     a :class:`PositionEncoding` built for the key/value heads (its parameters train), or None
@@ -259,6 +268,9 @@ def attention(
             # lags, as nn::attention does
             if return_lse:
                 raise InputError(f"{spec!r}: return_lse is not available with a learned lag table")
+            if key_start is not None or q_segments is not None or k_segments is not None:
+                raise InputError(f"{spec!r}: key_start and segments with a learned lag table: "
+                                 "use relpos.Attention")
             layout = {"interleaved": 0, "half_split": 1}.get(pair_layout)
             if layout is None:
                 raise InputError(f"unknown pair layout '{pair_layout}' (valid: interleaved, half_split)")
@@ -288,7 +300,8 @@ def attention(
             lag_table = _learned_lag_table(mechanism, pos, pos, Hq, Hk, q.dtype)
         out = journey_attention(q, k, v, spec, pair_layout=pair_layout, causal=causal,
                                 window=window, key_len=key_len, scale=scale, lag_table=lag_table,
-                                slopes=slopes, cq=cq, ck=ck)
+                                slopes=slopes, cq=cq, ck=ck, key_start=key_start,
+                                q_segments=q_segments, k_segments=k_segments)
         return (out, None) if return_lse else out
     if isinstance(mechanism, str):
         enc = _fixed_encoding(mechanism, D, Hk, pair_layout, q.dtype)
@@ -305,5 +318,6 @@ def attention(
     out, lse = fused_attention(
         q, k, v, q_positions=q_positions, k_positions=k_positions, causal=causal, window=window,
         key_len=key_len, scale=scale, lag_table=lag_table, slopes=slopes, cq=cq, ck=ck,
+        key_start=key_start, q_segments=q_segments, k_segments=k_segments,
     )
     return (out, lse) if return_lse else out

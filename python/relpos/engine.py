@@ -161,12 +161,18 @@ class Attention(nn.Module):
         pair_layout, rope_scaling, max_position_embeddings, check_finite: as
             :class:`PositionEncoding`; causal, window, scale: as :func:`relpos.fused_attention`.
 
-    ``forward(q, k, v, *, positions=None, key_len=None, inputs=None, cache=None,
-    return_lse=False)``: q ``[B, Hq, T, D]``, k and v ``[B, Hk, T, D]``. Without a cache the
-    result is :func:`relpos.attention` with ``self.encoding`` at ``positions`` (``[T]`` or
-    ``[B, T]``, default 0..T-1). With a :class:`KVCache` the T tokens are appended (positions
-    default to each row's length + 0..T-1 and must go forward) and their queries score against
-    every cached key; ``key_len [B]`` then counts the valid new tokens per row.
+    ``forward(q, k, v, *, positions=None, key_len=None, key_start=None, segments=None,
+    inputs=None, cache=None, return_lse=False)``: q ``[B, Hq, T, D]``, k and v ``[B, Hk, T, D]``.
+    Without a cache the result is :func:`relpos.attention` with ``self.encoding`` at
+    ``positions`` (``[T]`` or ``[B, T]``, default 0..T-1). With a :class:`KVCache` the T tokens
+    are appended (positions default to each row's length + 0..T-1 and must go forward) and their
+    queries score against every cached key; ``key_len [B]`` then counts the valid new tokens per
+    row. ``key_start [B]`` hides the keys (with a cache: the cache slots) before it in each row
+    (left padding). ``segments [B, T]`` packs several documents in a row (a document id per
+    token, each document one contiguous run): a key is visible only to its document's queries,
+    so packed documents give what separate calls give (pass positions restarting per document
+    for position-dependent state that is not relative); not with a cache, nor with phases
+    scanned from ``inputs`` (they would run across documents).
 
     Content-dependent biases (``fox``, ``grape_a``, ``grape_ap``) are computed by the mechanism's
     C++ runtime (the same as ``relpos::nn::Attention``'s, same parameter names and initial draws)
@@ -353,9 +359,22 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 positions: torch.Tensor | None = None, key_len: torch.Tensor | None = None,
+                key_start: torch.Tensor | None = None, segments: torch.Tensor | None = None,
                 inputs: torch.Tensor | None = None, cache: KVCache | None = None,
                 return_lse: bool = False):
         self._check(q, k, v, cache, key_len)
+        if key_start is not None and self._rotation is not None and self._rotation["reads_inputs"]:
+            raise InputError(f"{self.spec!r}: its per-token phases are scanned along the row and "
+                             "would run through the left padding; pad on the right (key_len) "
+                             "instead")
+        if segments is not None:
+            if cache is not None:
+                raise InputError("segments (packed sequences) are a mask of full sequences; a "
+                                 "cache decodes one sequence per row")
+            if self._rotation is not None and self._rotation["reads_inputs"]:
+                raise InputError(f"{self.spec!r}: its per-token phases are scanned along the "
+                                 "whole row and would cross the packed documents' boundaries; "
+                                 "run the documents as separate rows")
         if inputs is not None and (not isinstance(inputs, torch.Tensor) or inputs.dim() != 3
                                    or tuple(inputs.shape[:2]) != (q.shape[0], q.shape[2])):
             # unread by most mechanisms (a model passes them to every layer), but never mismatched
@@ -415,6 +434,9 @@ class Attention(nn.Module):
         if frames is not None and self._frame_values:  # v into its key's frame
             vt = rotate_pairs(vt, frames, pair_layout=self.pair_layout)
         if self.backend == "favor":
+            if key_start is not None or segments is not None:
+                raise InputError(f"{self.spec!r}: backend favor takes no key_start or segments "
+                                 "(no padding mask)")
             return self._favor(qt, kt, vt, qpos, key_len, return_lse)
         extra, side = {}, []
         if self._content is not None:
@@ -446,7 +468,8 @@ class Attention(nn.Module):
         out, lse = fused_attention(kv_q, kv_k, kv_v, q_positions=qpos, k_positions=k_positions,
                                    causal=self.causal, window=self.window, key_len=klen,
                                    scale=self.scale, slopes=slopes, lag_table=lag_table,
-                                   **extra)
+                                   key_start=key_start, q_segments=segments,
+                                   k_segments=segments, **extra)
         if frames is not None and self._frame_outputs:  # the output back out of the query's
             out = rotate_pairs(out, frames, inverse=True, pair_layout=self.pair_layout)
         return (out, lse) if return_lse else out

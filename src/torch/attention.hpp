@@ -19,7 +19,11 @@ struct AttentionArgs {
   torch::Tensor k_positions;  // [Tk] or [B, Tk]; default j
   bool causal = true;
   double window = 0.0;    // > 0: key j visible to query i only when p_i - p_j < window
-  torch::Tensor key_len;  // int64 [B]: valid keys per batch row (key padding)
+  torch::Tensor key_len;    // int64 [B]: valid keys per batch row (key padding on the right)
+  torch::Tensor key_start;  // int64 [B]: the first valid key per batch row (left padding)
+  // packed sequences: segment (document) ids [B, Tq] and [B, Tk], both or neither; a key is
+  // visible only to the queries of its segment
+  torch::Tensor q_segments, k_segments;
   double scale = 0.0;     // 0: 1 / sqrt(D)
   // Additive biases on top of the mechanism's own (kernels/attention/attention.hpp):
   torch::Tensor lag_table;  // [Hq, L], q's dtype: + lag_table[h][round(p_i - p_j)] (clamped)

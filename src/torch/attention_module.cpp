@@ -309,9 +309,27 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
         "'{}' rotates by vector positions: pass positions [T, {}] or [B, T, {}] (the kernel's "
         "causality and window follow the token order)",
         mechanism().spec, rotation_->vector_dims, rotation_->vector_dims));
-  if (favor_projection_.defined() && call.key_len.defined())
-    throw InputError(fmt::format("'{}': backend favor takes no key_len (no padding mask)",
-                                 mechanism().spec));
+  if (favor_projection_.defined() &&
+      (call.key_len.defined() || call.key_start.defined() || call.segments.defined()))
+    throw InputError(fmt::format(
+        "'{}': backend favor takes no key_len, key_start or segments (no padding mask)",
+        mechanism().spec));
+  if (call.key_start.defined() && rotation_ && rotation_->time == TimeSource::ContentPhase)
+    throw InputError(fmt::format(
+        "'{}': its per-token phases are scanned along the row and would run through the left "
+        "padding; pad on the right (key_len) instead",
+        mechanism().spec));
+  if (call.segments.defined()) {
+    if (call.cache)
+      throw InputError(
+          "segments (packed sequences) are a mask of full sequences; a cache decodes one sequence "
+          "per row");
+    if (rotation_ && rotation_->time == TimeSource::ContentPhase)
+      throw InputError(fmt::format(
+          "'{}': its per-token phases are scanned along the whole row and would cross the "
+          "packed documents' boundaries; run the documents as separate rows",
+          mechanism().spec));
+  }
   if (call.cache) {
     if (cache_refusal_) throw InputError(*cache_refusal_);
     call.cache->check(k);
@@ -351,6 +369,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor
   a.window = options_.window;
   a.scale = options_.scale;
   a.key_len = call.key_len;
+  a.key_start = call.key_start;
+  a.q_segments = a.k_segments = call.segments;
   return attention(q, k, v, *encoding, a);
 }
 
@@ -437,7 +457,9 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   } else {
     a.k_positions = pos;
     a.key_len = call.key_len;
+    a.q_segments = a.k_segments = call.segments;
   }
+  a.key_start = call.key_start;
   if (content_) content_runtime(*content_).attach(content, a);
   a.causal = options_.causal;
   a.window = options_.window;

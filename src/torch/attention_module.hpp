@@ -82,6 +82,11 @@ struct AttentionCall {
   // positions (structured) takes [T, d_c] or [B, T, d_c] here, and the kernel the token order.
   torch::Tensor positions = {};
   torch::Tensor key_len = {};  // int64 [B]: valid keys (with a cache: valid new tokens) per row
+  // int64 [B]: the first valid key per row (left padding; with a cache: the first valid slot)
+  torch::Tensor key_start = {};
+  // int64 [B, T]: packed sequences, a document id per token (each document one contiguous run
+  // of its row); a key is visible only to the queries of its document. Not with a cache.
+  torch::Tensor segments = {};
   torch::Tensor inputs = {};   // the layer's hidden states [B, T, model_dim] (content biases)
   DecodeCache* cache = nullptr;
 };

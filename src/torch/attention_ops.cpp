@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <unordered_set>
 
 #include "core/registry.hpp"
 #include "kernels/attention/attention.hpp"
@@ -73,10 +74,17 @@ struct CallOptions {
   double path_scale = 1.0;
 };
 
+// The visibility masks besides causality and the window, as the op takes them: key_len and
+// key_start [B] (right and left padding), q_segments [B, Tq] and k_segments [B, Tk] (packed
+// sequences).
+struct Masks {
+  OptTensor key_len, key_start, q_segments, k_segments;
+};
+
 // The operands as the kernel takes them: contiguous, positions and per-token biases float64,
 // key lengths int64; every problem named.
 struct Operands {
-  torch::Tensor q, k, v, q_pos, k_pos, key_len;
+  torch::Tensor q, k, v, q_pos, k_pos, key_len, key_start, q_seg, k_seg;
   Biases bias;
   double path_scale = 1.0;
   kernels::AttentionDims dims;
@@ -120,6 +128,9 @@ struct Operands {
   kernels::AttentionOptions options(const CallOptions& c) const {
     kernels::AttentionOptions o{c.causal, c.window, ptr<int64_t>(key_len), c.scale};
     o.exclude_self = c.exclude_self;
+    o.key_start = ptr<int64_t>(key_start);
+    o.q_segments = ptr<int64_t>(q_seg);
+    o.k_segments = ptr<int64_t>(k_seg);
     return o;
   }
 };
@@ -138,7 +149,7 @@ torch::Tensor attention_positions(const torch::Tensor& p, int64_t B, int64_t T, 
 }
 
 Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                 const OptTensor& q_pos, const OptTensor& k_pos, const OptTensor& key_len,
+                 const OptTensor& q_pos, const OptTensor& k_pos, const Masks& masks,
                  const BiasList& biases, const CallOptions& c) {
   const double window = c.window, scale = c.scale, path_scale = c.path_scale;
   const Biases in = unpack(biases);
@@ -214,11 +225,37 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     o.bias[kCq] = tcq.to(torch::kDouble).contiguous();
     o.bias[kCk] = tck.to(torch::kDouble).contiguous();
   }
-  if (auto t = get(key_len); t.defined()) {
-    if (t.dim() != 1 || t.size(0) != B || t.is_floating_point() || t.scalar_type() == torch::kBool)
-      throw InputError(
-          fmt::format("attention: key_len must be an integer tensor [{}], got {}", B, shape_of(t)));
-    o.key_len = t.to(torch::kLong).contiguous();
+  // integer tensors of an exact shape, as int64
+  const auto ids = [&](const OptTensor& x, std::vector<int64_t> shape, const char* name) {
+    auto t = get(x);
+    if (!t.defined()) return t;
+    if (t.sizes() != torch::IntArrayRef(shape) || t.is_floating_point() || t.is_complex() ||
+        t.scalar_type() == torch::kBool)
+      throw InputError(fmt::format("attention: {} must be an integer tensor [{}], got {}", name,
+                                   fmt::join(shape, ", "), shape_of(t)));
+    return t.to(torch::kLong).contiguous();
+  };
+  o.key_len = ids(masks.key_len, {B}, "key_len");
+  o.key_start = ids(masks.key_start, {B}, "key_start");
+  o.q_seg = ids(masks.q_segments, {B, Tq}, "q_segments");
+  o.k_seg = ids(masks.k_segments, {B, Tk}, "k_segments");
+  if (o.q_seg.defined() != o.k_seg.defined())
+    throw InputError("attention: packed sequences need both q_segments and k_segments");
+  // each document one contiguous run of its row: the biases summed along a row (FoX gates,
+  // GRAPE-AP paths) then never cross a document boundary
+  for (const auto& [t, name] : {std::pair{&o.q_seg, "q_segments"}, {&o.k_seg, "k_segments"}}) {
+    if (!t->defined()) continue;
+    const int64_t rows = t->size(0), n = t->size(1);
+    const int64_t* p = t->data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows; ++b) {
+      std::unordered_set<int64_t> seen;
+      for (int64_t j = 0; j < n; ++j)
+        if ((j == 0 || p[b * n + j] != p[b * n + j - 1]) && !seen.insert(p[b * n + j]).second)
+          throw InputError(fmt::format(
+              "attention: {} row {}: segment {} appears in two runs; each packed document must be "
+              "one contiguous run of its row",
+              name, b, p[b * n + j]));
+    }
   }
   // per-token tensors of q's dtype with an exact shape
   const auto per_token = [&](const torch::Tensor& t, std::vector<int64_t> shape, const char* name) {
@@ -254,10 +291,12 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
 std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const BiasList& biases,
     const OptTensor& q_pos, const OptTensor& k_pos, bool causal, double window,
-    const OptTensor& key_len, double scale, bool exclude_self, double path_scale) {
+    const OptTensor& key_len, double scale, bool exclude_self, double path_scale,
+    const OptTensor& key_start, const OptTensor& q_segments, const OptTensor& k_segments) {
   return value_errors([&] {
     const CallOptions c{causal, window, scale, exclude_self, path_scale};
-    const auto o = prepare(q, k, v, q_pos, k_pos, key_len, biases, c);
+    const auto o =
+        prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments}, biases, c);
     const auto& d = o.dims;
     auto out = output_like(o.q);
     auto lse = torch::empty({d.B, d.Hq, d.Tq}, o.q.options());
@@ -288,11 +327,13 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
                                    const BiasList& biases, const OptTensor& q_pos,
                                    const OptTensor& k_pos, bool causal, double window,
                                    const OptTensor& key_len, double scale, bool exclude_self,
-                                   double path_scale, std::array<bool, kGrads> mask,
-                                   const OptTensor& grad_lse) {
+                                   double path_scale, const OptTensor& key_start,
+                                   const OptTensor& q_segments, const OptTensor& k_segments,
+                                   std::array<bool, kGrads> mask, const OptTensor& grad_lse) {
   return value_errors([&] {
     const CallOptions c{causal, window, scale, exclude_self, path_scale};
-    const auto o = prepare(q, k, v, q_pos, k_pos, key_len, biases, c);
+    const auto o =
+        prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments}, biases, c);
     const auto& d = o.dims;
     const auto out = out_in.contiguous(), lse = lse_in.contiguous();
     const auto dout = grad_out.defined() ? grad_out.contiguous() : torch::zeros_like(out);
@@ -334,7 +375,8 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
 
 std::tuple<torch::Tensor, torch::Tensor> fused_attention_meta(
     const torch::Tensor& q, const torch::Tensor&, const torch::Tensor&, const BiasList&,
-    const OptTensor&, const OptTensor&, bool, double, const OptTensor&, double, bool, double) {
+    const OptTensor&, const OptTensor&, bool, double, const OptTensor&, double, bool, double,
+    const OptTensor&, const OptTensor&, const OptTensor&) {
   return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
           torch::empty({q.size(0), q.size(1), q.size(2)}, q.options())};
 }
@@ -344,6 +386,7 @@ Grads fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q
                                     const torch::Tensor&, const torch::Tensor&,
                                     const BiasList& biases, const OptTensor&, const OptTensor&,
                                     bool, double, const OptTensor&, double, bool, double,
+                                    const OptTensor&, const OptTensor&, const OptTensor&,
                                     std::array<bool, kGrads> mask, const OptTensor&) {
   const auto like = [&](size_t i, const torch::Tensor& t) {
     return mask[i] && t.defined() ? torch::empty_like(t, torch::MemoryFormat::Contiguous)
@@ -359,20 +402,20 @@ Grads fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q
 
 std::tuple<torch::Tensor, torch::Tensor> call_fused_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const BiasList& biases,
-    const OptTensor& q_pos, const OptTensor& k_pos, const OptTensor& key_len,
-    const CallOptions& c) {
+    const OptTensor& q_pos, const OptTensor& k_pos, const Masks& m, const CallOptions& c) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("relpos::fused_attention", "")
                              .typed<decltype(fused_attention_cpu)>();
-  return op.call(q, k, v, biases, q_pos, k_pos, c.causal, c.window, key_len, c.scale,
-                 c.exclude_self, c.path_scale);
+  return op.call(q, k, v, biases, q_pos, k_pos, c.causal, c.window, m.key_len, c.scale,
+                 c.exclude_self, c.path_scale, m.key_start, m.q_segments, m.k_segments);
 }
 
 // The call's arguments that are not differentiable: which slot each present bias fills, the
-// positions, key lengths and options.
+// positions, masks and options.
 struct NonDifferentiable {
   std::vector<int> slots;
-  torch::Tensor q_pos, k_pos, key_len;
+  torch::Tensor q_pos, k_pos;
+  Masks masks;
   CallOptions options;
 };
 
@@ -385,15 +428,18 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     at::AutoDispatchBelowADInplaceOrView guard;
     Biases b;
     for (size_t i = 0; i < present.size(); ++i) b[n.slots[i]] = present[i];
-    auto [out, lse] = call_fused_attention(q, k, v, pack(b), opt(n.q_pos), opt(n.k_pos),
-                                           opt(n.key_len), n.options);
+    auto [out, lse] =
+        call_fused_attention(q, k, v, pack(b), opt(n.q_pos), opt(n.k_pos), n.masks, n.options);
     std::vector<torch::Tensor> saved{q, k, v, out, lse};
     saved.insert(saved.end(), present.begin(), present.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["slots"] = std::vector<int64_t>(n.slots.begin(), n.slots.end());
     ctx->saved_data["q_pos"] = n.q_pos;
     ctx->saved_data["k_pos"] = n.k_pos;
-    ctx->saved_data["key_len"] = n.key_len;
+    ctx->saved_data["key_len"] = n.masks.key_len;
+    ctx->saved_data["key_start"] = n.masks.key_start;
+    ctx->saved_data["q_segments"] = n.masks.q_segments;
+    ctx->saved_data["k_segments"] = n.masks.k_segments;
     ctx->saved_data["causal"] = n.options.causal;
     ctx->saved_data["window"] = n.options.window;
     ctx->saved_data["scale"] = n.options.scale;
@@ -423,7 +469,8 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
                                .typed<decltype(fused_attention_backward_cpu)>();
     auto [dq, dk, dv, db] = op.call(
         grad_out[0], s[0], s[1], s[2], s[3], s[4], pack(b), tensor("q_pos"), tensor("k_pos"),
-        c.causal, c.window, tensor("key_len"), c.scale, c.exclude_self, c.path_scale, mask,
+        c.causal, c.window, tensor("key_len"), c.scale, c.exclude_self, c.path_scale,
+        tensor("key_start"), tensor("q_segments"), tensor("k_segments"), mask,
         grad_out.size() > 1 && grad_out[1].defined() ? OptTensor(grad_out[1]) : OptTensor());
     const auto keep = [&](size_t i, torch::Tensor t) { return mask[i] ? t : torch::Tensor(); };
     variable_list grads{keep(0, dq), keep(1, dk), keep(2, dv)};
@@ -436,10 +483,14 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
 std::tuple<torch::Tensor, torch::Tensor> fused_attention_autograd(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const BiasList& biases,
     const OptTensor& q_pos, const OptTensor& k_pos, bool causal, double window,
-    const OptTensor& key_len, double scale, bool exclude_self, double path_scale) {
+    const OptTensor& key_len, double scale, bool exclude_self, double path_scale,
+    const OptTensor& key_start, const OptTensor& q_segments, const OptTensor& k_segments) {
   const Biases b = value_errors([&] { return unpack(biases); });
-  NonDifferentiable n{
-      {}, get(q_pos), get(k_pos), get(key_len), {causal, window, scale, exclude_self, path_scale}};
+  NonDifferentiable n{{},
+                      get(q_pos),
+                      get(k_pos),
+                      {key_len, key_start, q_segments, k_segments},
+                      {causal, window, scale, exclude_self, path_scale}};
   std::vector<torch::Tensor> present;
   for (int i = 0; i < kSlots; ++i)
     if (b[i].defined()) {
@@ -489,7 +540,8 @@ std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::
   b[kPathK] = a.path_k;
   b[kPathBeta] = a.path_beta;
   auto [out, lse] =
-      call_fused_attention(q, k, v, pack(b), opt(a.q_positions), opt(a.k_positions), opt(a.key_len),
+      call_fused_attention(q, k, v, pack(b), opt(a.q_positions), opt(a.k_positions),
+                           {opt(a.key_len), opt(a.key_start), opt(a.q_segments), opt(a.k_segments)},
                            {a.causal, a.window, a.scale, a.exclude_self, a.path_scale});
   return {out, lse};
 }
@@ -670,6 +722,12 @@ torch::Tensor composed_attention(const torch::Tensor& q, const torch::Tensor& k,
   if (a.key_len.defined())
     visible = visible & (torch::arange(Tk).view({1, Tk}) < a.key_len.view({B, 1}).to(torch::kLong))
                             .view({B, 1, 1, Tk});
+  if (a.key_start.defined())
+    visible =
+        visible & (torch::arange(Tk).view({1, Tk}) >= a.key_start.view({B, 1}).to(torch::kLong))
+                      .view({B, 1, 1, Tk});
+  if (a.q_segments.defined())
+    visible = visible & (a.q_segments.view({B, 1, Tq, 1}) == a.k_segments.view({B, 1, 1, Tk}));
   visible = visible.expand({B, Hq, Tq, Tk});
   // rows without a visible key give zeros (and zero gradients), as the kernel does
   const auto any = visible.any(-1, true);
@@ -684,13 +742,15 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
   m.def(
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor?[] biases, "
       "Tensor? q_positions=None, Tensor? k_positions=None, bool causal=True, float window=0., "
-      "Tensor? key_len=None, float scale=0., bool exclude_self=False, float path_scale=1.) "
+      "Tensor? key_len=None, float scale=0., bool exclude_self=False, float path_scale=1., "
+      "Tensor? key_start=None, Tensor? q_segments=None, Tensor? k_segments=None) "
       "-> (Tensor, Tensor)");
   m.def(
       "fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor?[] biases, Tensor? q_positions, Tensor? k_positions, bool causal, "
       "float window, Tensor? key_len, float scale, bool exclude_self, float path_scale, "
-      "bool[12] output_mask, Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor, Tensor[])");
+      "Tensor? key_start, Tensor? q_segments, Tensor? k_segments, bool[12] output_mask, Tensor? "
+      "grad_lse=None) -> (Tensor, Tensor, Tensor, Tensor[])");
   m.def("attention_bias_slots() -> str[]", [] {
     return std::vector<std::string>(relpos::nn::kSlotNames.begin(), relpos::nn::kSlotNames.end());
   });

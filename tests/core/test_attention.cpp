@@ -30,6 +30,8 @@ struct Case {
   bool exclude_self = false;
   double window = 0;
   bool padding = false;
+  bool left_padding = false;  // key_start
+  bool segments = false;      // packed sequences
   Pos pos = Pos::Default;
   bool per_batch = false;
   bool lag = false, slopes = false, tokens = false;
@@ -41,7 +43,8 @@ struct Case {
     for (int64_t x : {d.B, d.Hq, d.Hk, d.Tq, d.Tk, d.D}) s += std::to_string(x) + ' ';
     s += causal ? (exclude_self ? "strictly causal" : "causal") : "full";
     if (window > 0) s += " window " + std::to_string(window);
-    for (auto [on, what] : {std::pair{padding, " padded"}, std::pair{lag, " lag"},
+    for (auto [on, what] : {std::pair{padding, " padded"}, std::pair{left_padding, " left-padded"},
+                            std::pair{segments, " segments"}, std::pair{lag, " lag"},
                             std::pair{slopes, " slopes"}, std::pair{tokens, " tokens"}})
       if (on) s += what;
     if (scheme == AttentionBackwardScheme::PerHead) s += " per-head backward";
@@ -54,14 +57,17 @@ struct Case {
 struct Data {
   Case c;
   std::vector<double> q, k, v, dout, pq, pk, lag, slopes, cq, ck;
-  std::vector<int64_t> key_len;
+  std::vector<int64_t> key_len, key_start, q_seg, k_seg;
 
   AttentionPositions positions() const {
     return {pq.empty() ? nullptr : pq.data(), pk.empty() ? nullptr : pk.data(), c.per_batch};
   }
   AttentionOptions options() const {
-    return {c.causal,  c.window,  key_len.empty() ? nullptr : key_len.data(),
-            c.scale,   c.scheme,  c.exclude_self};
+    AttentionOptions o{c.causal, c.window, key_len.empty() ? nullptr : key_len.data(),
+                       c.scale,  c.scheme, c.exclude_self};
+    if (!key_start.empty()) o.key_start = key_start.data();
+    if (!q_seg.empty()) o.q_segments = q_seg.data(), o.k_segments = k_seg.data();
+    return o;
   }
   size_t nq() const { return static_cast<size_t>(c.d.B * c.d.Hq * c.d.Tq * c.d.D); }
   size_t nk() const { return static_cast<size_t>(c.d.B * c.d.Hk * c.d.Tk * c.d.D); }
@@ -74,7 +80,7 @@ std::vector<double> rounded(std::vector<double> v) {
 }
 
 Data make_data(const Case& c, std::mt19937_64& rng) {
-  Data x{c, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  Data x{c, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   const auto& d = c.d;
   x.q = test::normal_vec(x.nq(), rng);
   x.k = test::normal_vec(x.nk(), rng);
@@ -103,6 +109,20 @@ Data make_data(const Case& c, std::mt19937_64& rng) {
   if (c.padding)
     for (int64_t b = 0; b < d.B; ++b)
       x.key_len.push_back(std::uniform_int_distribution<int64_t>(d.Tk / 2, d.Tk)(rng));
+  if (c.left_padding)
+    for (int64_t b = 0; b < d.B; ++b)
+      x.key_start.push_back(std::uniform_int_distribution<int64_t>(0, d.Tk / 3)(rng));
+  if (c.segments)
+    // contiguous documents of 1..40 keys per row; query i is key slot Tk - Tq + i
+    for (int64_t b = 0; b < d.B; ++b) {
+      std::vector<int64_t> row;
+      for (int64_t id = 7 * b; static_cast<int64_t>(row.size()) < d.Tk; ++id)
+        row.insert(row.end(), std::uniform_int_distribution<int64_t>(1, 40)(rng), id);
+      row.resize(static_cast<size_t>(d.Tk));
+      x.k_seg.insert(x.k_seg.end(), row.begin(), row.end());
+      for (int64_t i = 0; i < d.Tq; ++i)
+        x.q_seg.push_back(row[static_cast<size_t>(std::max<int64_t>(0, d.Tk - d.Tq + i))]);
+    }
   if (c.lag)
     x.lag = test::normal_vec(static_cast<size_t>(d.Hq * std::max<int64_t>(3, d.Tk / 2)), rng, 0.5);
   if (c.slopes)
@@ -262,6 +282,15 @@ std::vector<Case> random_cases() {
   add({2, 2, 1, 150, 150, 24}, [](Case& c) { c.exclude_self = true, c.lag = c.slopes = true; });
   add({1, 2, 2, 40, 90, 16}, [](Case& c) {
     c.exclude_self = true, c.pos = Pos::IntegerGaps, c.padding = true, c.tokens = true;
+  });
+  // left padding (key_start) and packed sequences (segments), alone and with every bias
+  add({2, 2, 1, 150, 150, 32}, [](Case& c) { c.left_padding = true, c.lag = c.tokens = true; });
+  add({2, 4, 2, 200, 200, 16}, [](Case& c) { c.segments = true, c.slopes = c.tokens = true; });
+  add({1, 2, 2, 70, 300, 24}, [](Case& c) {
+    c.segments = c.left_padding = c.padding = true, c.window = 50, c.lag = true;
+  });
+  add({2, 2, 1, 90, 90, 16}, [](Case& c) {
+    c.segments = true, c.causal = false, c.pos = Pos::IntegerGaps, c.per_batch = true;
   });
   // every case under both backward schemes
   const size_t n = cs.size();

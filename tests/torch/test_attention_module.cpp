@@ -137,6 +137,55 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
   EXPECT_GT(decoded, 10);
 }
 
+// Packed documents (segments, positions restarting per document) equal separate calls; a
+// left-padded row (key_start) equals its unpadded call.
+TEST(AttentionModule, PackedDocumentsAndLeftPaddingEqualSeparateCalls) {
+  int checked = 0;
+  for (const auto& spec : catalog_specs()) {
+    SCOPED_TRACE(spec);
+    const int D = head_dim_for(spec);
+    std::optional<nn::Attention> made;
+    try {
+      made = module(spec, D);
+    } catch (const InputError&) {
+      continue;  // (DecodeThroughTheCacheEqualsTheFullForward checks the refusals)
+    }
+    nn::Attention& a = *made;
+    if (a->mechanism().structured_term()) continue;  // vector positions: the Python test
+    ++checked;
+    const std::vector<int64_t> docs = {5, 7, 4};
+    const int64_t T = 16;
+    const auto x = inputs(1, T, D);
+    std::vector<torch::Tensor> seg, pos, outs;
+    for (size_t i = 0; i < docs.size(); ++i) {
+      seg.push_back(torch::full({docs[i]}, static_cast<int64_t>(i), torch::kLong));
+      pos.push_back(torch::arange(docs[i], torch::kDouble));
+    }
+    const auto packed = a->forward(
+        x.q, x.k, x.v, {.positions = torch::cat(pos), .segments = torch::cat(seg).view({1, T})});
+    int64_t t = 0;
+    for (size_t i = 0; i < docs.size(); ++i) {
+      outs.push_back(a->forward(x.q.narrow(2, t, docs[i]), x.k.narrow(2, t, docs[i]),
+                                x.v.narrow(2, t, docs[i]), {.positions = pos[i]}));
+      t += docs[i];
+    }
+    EXPECT_LT(max_diff(packed, torch::cat(outs, 2)), 1e-10);
+    // row 0 padded by 4 tokens on the left, row 1 not
+    const auto y = inputs(2, 9, D);
+    const auto start = torch::tensor({4, 0}, torch::kLong);
+    const auto p = torch::arange(9, torch::kDouble).view({1, 9}) - start.view({2, 1});
+    const auto out = a->forward(y.q, y.k, y.v, {.positions = p, .key_start = start});
+    for (int64_t b = 0; b < 2; ++b) {
+      const int64_t s = start[b].item<int64_t>(), n = 9 - s;
+      const auto row = [&](const torch::Tensor& z) { return z.narrow(0, b, 1).narrow(2, s, n); };
+      const auto ref = a->forward(row(y.q), row(y.k), row(y.v),
+                                  {.positions = p.narrow(0, b, 1).narrow(1, s, n)});
+      EXPECT_LT(max_diff(row(out), ref), 1e-10);
+    }
+  }
+  EXPECT_GT(checked, 10);
+}
+
 TEST(AttentionModule, RowsOfDifferentLengthsDecodeAsTheirOwnForward) {
   const int D = 16;
   auto a = module("rope + alibi", D);

@@ -48,6 +48,8 @@ void check(const AttentionDims& d, const AttentionBias<T>& bias, const Attention
         "attention: a path integral needs path_q, path_k, path_beta and path_dim >= 1");
   if (bias.path_q && !std::isfinite(bias.path_scale))
     throw InputError("attention: path_scale must be finite");
+  if (static_cast<bool>(o.q_segments) != static_cast<bool>(o.k_segments))
+    throw InputError("attention: segment ids need both q_segments and k_segments");
   if (!(o.window >= 0)) throw InputError("attention: window must be >= 0");
   if (!(o.scale >= 0)) throw InputError("attention: scale must be >= 0 (0: 1/sqrt(D))");
 }
@@ -96,7 +98,9 @@ bool reference_logits(const AttentionDims& d, const double* q, const double* k,
       if (j >= 1 && j <= top) run += bias.path_beta[h] * log_sigmoid(path_z(d, bias, b, h, i, j));
     }
   }
-  for (int64_t j = 0; j < kl; ++j) {
+  const int64_t ks = o.key_start ? std::clamp<int64_t>(o.key_start[b], 0, d.Tk) : 0;
+  for (int64_t j = ks; j < kl; ++j) {
+    if (o.q_segments && o.q_segments[b * d.Tq + i] != o.k_segments[b * d.Tk + j]) continue;
     const double pk = pos.key(b, j, d.Tk);
     if (o.causal && !(pk <= pq)) continue;
     if (o.causal && o.exclude_self && !(pk < pq)) continue;

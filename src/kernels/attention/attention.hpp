@@ -10,7 +10,8 @@
 // AVX-512 builds chosen at run time (kernels/isa.hpp); OpenMP threads over batch x heads x tiles.
 //
 // Visibility, on the position ids (float64): key j is visible to query i iff
-//   j < key_len[b]                          (key padding; all keys when key_len is null)
+//   key_start[b] <= j < key_len[b]          (key padding, left and right; all keys when null)
+//   and seg_k[b, j] == seg_q[b, i]          (packed sequences: segment ids, when given)
 //   and p_k[j] <= p_q[i]                    (causal only; p_k[j] < p_q[i] with exclude_self)
 //   and p_q[i] - p_k[j] < window            (window > 0 only; also applies when non-causal)
 // logit(i, j) = scale * q_i . k_j + bias(i, j). A query row with no visible key gets a zero
@@ -66,6 +67,11 @@ struct AttentionOptions {
   double scale = 0.0;                // softmax scale; 0 means 1 / sqrt(D)
   AttentionBackwardScheme backward = AttentionBackwardScheme::Auto;
   bool exclude_self = false;  // causal only: p_k < p_q (no query sees its own position)
+  const int64_t* key_start = nullptr;  // [B] first valid key per batch (left padding); null: 0
+  // packed sequences: segment (document) ids, q_segments [B, Tq] and k_segments [B, Tk], both
+  // or neither; a key is visible only to the queries of its segment
+  const int64_t* q_segments = nullptr;
+  const int64_t* k_segments = nullptr;
 };
 
 // Additive logit biases; every part optional (null), all of them summed:
