@@ -49,6 +49,19 @@ std::pair<Eigen::MatrixXd, Eigen::MatrixXd> maps_before_position(const Mechanism
 }
 }  // namespace
 
+namespace {
+int covered_pairs(const Mechanism& m) {
+  int n = 0;
+  for (const auto& s : m.segments()) n = std::max(n, s.first_pair + s.pairs());
+  return n;
+}
+}  // namespace
+
+int pair_span(const Mechanism& m, Layout layout) {
+  return layout == Layout::HalfSplit && !m.segments().empty() ? 2 * covered_pairs(m)
+                                                              : m.head_dim;
+}
+
 Eigen::MatrixXd key_map(const Mechanism& m, const ParamValues& p, int head, double pos,
                         Layout layout) {
   const int D = m.head_dim;
@@ -61,7 +74,7 @@ Eigen::MatrixXd key_map(const Mechanism& m, const ParamValues& p, int head, doub
 
 Eigen::MatrixXd jordan_key_map(const Mechanism& m, const ParamValues& p, int head, double pos,
                                Layout layout) {
-  const int D = m.head_dim;
+  const int D = m.head_dim, span = pair_span(m, layout);
   Eigen::MatrixXd A = Eigen::MatrixXd::Identity(D, D);
   const size_t hb = static_cast<size_t>(p.heads) * p.blocks;
   for_each_block(m, p, head, [&](const JordanSegment& s, int b, size_t i) {
@@ -94,7 +107,7 @@ Eigen::MatrixXd jordan_key_map(const Mechanism& m, const ParamValues& p, int hea
     for (int r = 0; r < n; ++r)
       for (int c = 0; c < n; ++c) {
         const int jr = s.first_pair + b * s.order + r / 2, jc = s.first_pair + b * s.order + c / 2;
-        A(real_index(layout, D, jr, r % 2), real_index(layout, D, jc, c % 2)) = blk(r, c);
+        A(real_index(layout, span, jr, r % 2), real_index(layout, span, jc, c % 2)) = blk(r, c);
       }
   });
   return A;
@@ -125,11 +138,6 @@ void for_each_relative_entry(const Mechanism& m, const ParamValues& p, int head,
   });
 }
 
-int covered_pairs(const Mechanism& m) {
-  int n = 0;
-  for (const auto& s : m.segments()) n = std::max(n, s.first_pair + s.pairs());
-  return n;
-}
 }  // namespace
 
 Eigen::MatrixXd relative_operator(const Mechanism& m, const ParamValues& p, int head, double d,
@@ -140,11 +148,11 @@ Eigen::MatrixXd relative_operator(const Mechanism& m, const ParamValues& p, int 
 
 Eigen::MatrixXd jordan_relative_operator(const Mechanism& m, const ParamValues& p, int head,
                                          double d, Layout layout) {
-  const int D = m.head_dim;
+  const int D = m.head_dim, span = pair_span(m, layout);
   Eigen::MatrixXd G = Eigen::MatrixXd::Identity(D, D);
   for_each_relative_entry(m, p, head, d, [&](int jr, int jc, double a, double cs, double sn) {
-    const int r0 = real_index(layout, D, jr, 0), r1 = real_index(layout, D, jr, 1);
-    const int c0 = real_index(layout, D, jc, 0), c1 = real_index(layout, D, jc, 1);
+    const int r0 = real_index(layout, span, jr, 0), r1 = real_index(layout, span, jr, 1);
+    const int c0 = real_index(layout, span, jc, 0), c1 = real_index(layout, span, jc, 1);
     G(r0, c0) = a * cs;
     G(r0, c1) = -a * sn;
     G(r1, c0) = a * sn;
@@ -155,7 +163,7 @@ Eigen::MatrixXd jordan_relative_operator(const Mechanism& m, const ParamValues& 
 
 double relative_score(const Mechanism& m, const ParamValues& p, int head, double d,
                       const double* q_in, const double* k_in, Layout layout) {
-  const int D = m.head_dim;
+  const int D = m.head_dim, span = pair_span(m, layout);
   // q^T L^{-1} G(d) L k = (L^{-T} q)^T G(d) (L k), L the fixed maps before the position term
   Eigen::VectorXd qv = Eigen::Map<const Eigen::VectorXd>(q_in, D),
                   kv = Eigen::Map<const Eigen::VectorXd>(k_in, D);
@@ -168,13 +176,14 @@ double relative_score(const Mechanism& m, const ParamValues& p, int head, double
   const double *q = qv.data(), *k = kv.data();
   double s = 0;
   for_each_relative_entry(m, p, head, d, [&](int jr, int jc, double a, double cs, double sn) {
-    const double qr = q[real_index(layout, D, jr, 0)], qi = q[real_index(layout, D, jr, 1)];
-    const double kr = k[real_index(layout, D, jc, 0)], ki = k[real_index(layout, D, jc, 1)];
+    const double qr = q[real_index(layout, span, jr, 0)], qi = q[real_index(layout, span, jr, 1)];
+    const double kr = k[real_index(layout, span, jc, 0)], ki = k[real_index(layout, span, jc, 1)];
     s += a * (qr * (cs * kr - sn * ki) + qi * (sn * kr + cs * ki));
   });
-  for (int j = covered_pairs(m); j < D / 2; ++j)
+  for (int j = covered_pairs(m); j < span / 2; ++j)
     for (int c = 0; c < 2; ++c)
-      s += q[real_index(layout, D, j, c)] * k[real_index(layout, D, j, c)];
+      s += q[real_index(layout, span, j, c)] * k[real_index(layout, span, j, c)];
+  for (int e = span; e < D; ++e) s += q[e] * k[e];
   return s;
 }
 

@@ -9,9 +9,17 @@
 namespace relpos::reference {
 
 // Real coordinate of the (re, im) component of complex coordinate j in a head of dimension D.
-inline int real_index(Layout layout, int D, int j, int component) {
-  return layout == Layout::Interleaved ? 2 * j + component : j + component * (D / 2);
+// Real index of component (0: real, 1: imaginary) of complex coordinate j, pairs addressed in
+// `span` coordinates (pair_span).
+inline int real_index(Layout layout, int span, int j, int component) {
+  return layout == Layout::Interleaved ? 2 * j + component : j + component * (span / 2);
 }
+
+// The coordinates the pairs are addressed in: the head dim, except in the half-split layout,
+// where pairs are (j, j + span/2) over the covered pairs, span = 2 x covered pairs (GPT-NeoX's
+// partial rotary: rotate_half on the first rotary_dim coordinates; the whole head when every
+// pair is covered). The coordinates past the span are untouched.
+int pair_span(const Mechanism& m, Layout layout);
 
 // Primal (key) map A(p) = G(-p) of one head at centred position p, as a dense D x D matrix built
 // with Eigen's matrix exponential of the realified generator (no closed form involved):

@@ -174,6 +174,8 @@ NameTokens parse_name_tokens(const std::string& alias, size_t family_words, unsi
   return t;
 }
 
+// The reference's method names expand with the reference's rotation sense (direction=paper):
+// they name its configurations.
 std::string expand_reference_alias(const std::string& name_in) {
   // only a bare method name is an alias: "jordan_exact_c010 + alibi" is a composed spec whose
   // terms are expanded one by one
@@ -190,32 +192,34 @@ std::string expand_reference_alias(const std::string& name_in) {
   if (name == "rope" && !suffix.empty()) {
     out = "rope";
   } else if (name == "jordan_rope") {
-    out = "jordan(m=2, regime=stabilized)";
+    out = "jordan(m=2, regime=stabilized, direction=paper)";
   } else if (name == "jordan_no_gamma") {
-    out = "jordan(m=2, regime=stabilized, zero_gamma=true)";
+    out = "jordan(m=2, regime=stabilized, zero_gamma=true, direction=paper)";
   } else if (name == "jordan_raw_tau") {
-    out = "jordan(m=2, regime=raw)";
+    out = "jordan(m=2, regime=raw, direction=paper)";
   } else if (toks.size() == 2 && toks[0] == "jordan" && toks[1].size() > 1 && toks[1][0] == 'm' &&
              all_digits(toks[1].substr(1))) {
-    out = fmt::format("jordan(m={}, regime=stabilized)",
+    out = fmt::format("jordan(m={}, regime=stabilized, direction=paper)",
                       static_cast<int64_t>(token_number(name_in, toks[1], 1)));
   } else if (toks.size() == 2 && toks[0] == "jordan" && toks[1].size() > 3 &&
              toks[1].starts_with("eta") && all_digits(toks[1].substr(3))) {
-    out = fmt::format("jordan(m=2, regime=stabilized, eta0={})",
+    out = fmt::format("jordan(m=2, regime=stabilized, eta0={}, direction=paper)",
                       fixed(token_number(name_in, toks[1], 3) / 1000.0));
   } else if (toks.size() >= 2 && toks[0] == "jordan" && toks[1] == "exact") {
     const NameTokens t =
         parse_name_tokens(name, 2, kTokM | kTokC | kTokEta | kTokEta1 | kTokScaled);
-    out = fmt::format("jordan(m={}, regime=scaled, c={}, eta0={}, eta_max={})", t.m.value_or(2),
-                      fixed(t.c.value_or(1.0)), fixed(t.eta.value_or(0.0)), t.eta1 ? "1" : "0.1");
+    out = fmt::format("jordan(m={}, regime=scaled, c={}, eta0={}, eta_max={}, direction=paper)",
+                      t.m.value_or(2), fixed(t.c.value_or(1.0)), fixed(t.eta.value_or(0.0)),
+                      t.eta1 ? "1" : "0.1");
   } else if (toks.size() >= 2 && toks[0] == "jordan" &&
              (toks[1] == "jetmix" || toks[1] == "jetmixfull")) {
     const bool full = toks[1] == "jetmixfull";
     const NameTokens t = parse_name_tokens(name, 2, kTokM | kTokC | kTokGates);
     std::vector<std::string> g;
     for (double x : t.gates) g.push_back(fixed(x));
-    out = fmt::format("{}(m={}, c={}, {}={})", full ? "jetmixfull" : "jetmix", t.m.value_or(4),
-                      fixed(t.c.value_or(1.0)), full ? "alpha" : "gates", fmt::join(g, "/"));
+    out = fmt::format("{}(m={}, c={}, {}={}, direction=paper)", full ? "jetmixfull" : "jetmix",
+                      t.m.value_or(4), fixed(t.c.value_or(1.0)), full ? "alpha" : "gates",
+                      fmt::join(g, "/"));
     if (g.empty())
       throw InputError(
           fmt::format("reference method name '{}' has no gate tokens gGGG", brief(name_in)));

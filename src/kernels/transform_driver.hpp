@@ -34,14 +34,25 @@ void dispatch_order(int order, F&& f) {
   dispatch_order_in(order, f, std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7, 8>{});
 }
 
-// Identity on the complex coordinates no segment covers.
+// The span the pairs are addressed in: the head dim, except in the half-split layout, whose pairs
+// are (j, j + span/2) over the covered pairs only (span = 2 x covered pairs: GPT-NeoX's partial
+// rotary, rotate_half on the first rotary_dim coordinates; the whole head when every pair is
+// covered).
+template <Layout LY>
+int pair_span(int covered, int D) {
+  return LY == Layout::HalfSplit ? 2 * covered : D;
+}
+
+// Identity on the coordinates no segment covers: pairs first..span/2 - 1, then the
+// coordinates past the span.
 template <class T, Layout LY>
-void copy_uncovered(int first, int D, const T* x, T* y) {
+void copy_uncovered(int first, int span, int D, const T* x, T* y) {
   if (!x || !y || x == y) return;
-  for (int j = first; j < D / 2; ++j) {
-    y[Addr<LY>::re(j, D)] = x[Addr<LY>::re(j, D)];
-    y[Addr<LY>::im(j, D)] = x[Addr<LY>::im(j, D)];
+  for (int j = first; j < span / 2; ++j) {
+    y[Addr<LY>::re(j, span)] = x[Addr<LY>::re(j, span)];
+    y[Addr<LY>::im(j, span)] = x[Addr<LY>::im(j, span)];
   }
+  for (int e = span; e < D; ++e) y[e] = x[e];
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -95,7 +106,7 @@ template <class T, Layout LY>
 void map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
               TrigView<T> trig, const MapJob<T>* jobs, int njobs) {
   const int64_t D = plan.head_dim, NB = plan.total_blocks;
-  const int covered = covered_pairs(plan);
+  const int covered = covered_pairs(plan), span = pair_span<LY>(covered, static_cast<int>(D));
   const Tiling tiling(dims);
 #pragma omp parallel
   {
@@ -166,7 +177,7 @@ void map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const 
                 const T* coef = plain                          ? nullptr
                                 : RoleTraits<ROLE>::key_series ? sc.ck.data() + tt * s.blocks
                                                                : sc.cq.data() + tt * s.blocks;
-                map_segment<T, M, LY, ROLE>(s, static_cast<int>(D), trig.cos + trow,
+                map_segment<T, M, LY, ROLE>(s, span, trig.cos + trow,
                                             trig.sin + trow, coef, n * s.blocks, jb.x + row * D,
                                             jb.y + row * D);
               });
@@ -176,7 +187,7 @@ void map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const 
       for (int tt = 0; tt < n; ++tt) {
         const int64_t row = bh * dims.T + t0 + tt;
         for (int i = 0; i < njobs; ++i)
-          copy_uncovered<T, LY>(covered, static_cast<int>(D), jobs[i].x + row * D,
+          copy_uncovered<T, LY>(covered, span, static_cast<int>(D), jobs[i].x + row * D,
                                 jobs[i].y + row * D);
       }
     }
@@ -209,7 +220,7 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
     return;
   }
   const int64_t D = plan.head_dim, NB = plan.total_blocks;
-  const int covered = covered_pairs(plan);
+  const int covered = covered_pairs(plan), span = pair_span<LY>(covered, static_cast<int>(D));
   const Tiling tiling(dims);
   const GradSlots slot{static_cast<size_t>(dims.H * NB)};
   const size_t nacc = any(G) ? (3 + plan.gate_rows) * slot.hb : 0;
@@ -272,7 +283,7 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
               const int off = tt * s.blocks;
               const auto seg = [&]<MapRole ROLE>() {
                 backward_segment<T, M, LY, ROLE>(
-                    s, static_cast<int>(D), trig.cos + trow, trig.sin + trow,
+                    s, span, trig.cos + trow, trig.sin + trow,
                     plain ? nullptr : (key ? sc.ck.data() : sc.cq.data()) + off, stride,
                     params ? xin[io] + row * D : nullptr, gy[io] + row * D,
                     gx[io] ? gx[io] + row * D : nullptr, sc.dl.data() + off, sc.de.data() + off,
@@ -291,7 +302,8 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
         if (gy[io] && gx[io])
           for (int tt = 0; tt < n; ++tt) {
             const int64_t row = bh * dims.T + t0 + tt;
-            copy_uncovered<T, LY>(covered, static_cast<int>(D), gy[io] + row * D, gx[io] + row * D);
+            copy_uncovered<T, LY>(covered, span, static_cast<int>(D), gy[io] + row * D,
+                                  gx[io] + row * D);
           }
     }
   }

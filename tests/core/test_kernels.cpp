@@ -695,8 +695,12 @@ TEST(KernelClamp, LongWindowsEnterAndLeaveTheClamp) {
 
 // Spec 1.1 (reference RotaryEmbedding): q and k of RoPE rotate by +omega p,
 // y0 = x0 cos a - x1 sin a, y1 = x0 sin a + x1 cos a; Jordan blocks rotate by -omega p (spec 1.3).
-TEST(KernelConventions, RopeRotatesByPlusOmegaPJordanByMinus) {
-  for (const std::string spec : {"rope", "jordan(m=2, regime=raw, zero_gamma=true)"}) {
+// One rotation sense across the catalog (rope's); the Jordan-RoPE paper's opposite sense with
+// direction=paper.
+TEST(KernelConventions, RopeAndJordanRotateByPlusOmegaPThePaperSenseByMinus) {
+  for (const std::string spec :
+       {"rope", "jordan(m=2, regime=raw, zero_gamma=true)", "damped_rope(zero_gamma=true)",
+        "jordan(m=2, regime=raw, zero_gamma=true, direction=paper)"}) {
     const Mechanism m = build_mechanism(spec, 4, 1);
     const auto plan = kernels::TransformPlan::from(m, Layout::Interleaved);
     const std::vector<double> pos = {3.0};
@@ -709,7 +713,7 @@ TEST(KernelConventions, RopeRotatesByPlusOmegaPJordanByMinus) {
     std::vector<double> y(4);
     kernels::transform_forward<double>(plan, dims, P, par, trig.view(), nullptr, x.data(), nullptr,
                                        y.data());
-    const double sign = spec == "rope" ? 1.0 : -1.0;
+    const double sign = spec.find("direction=paper") == std::string::npos ? 1.0 : -1.0;
     EXPECT_NEAR(y[0], std::cos(3.0), 1e-15) << spec;
     EXPECT_NEAR(y[1], sign * std::sin(3.0), 1e-15) << spec;
   }

@@ -346,9 +346,9 @@ TEST(RopeScaling, EveryRotaryFamily) {
     const auto want = hf_llama3(10000, 32, 4, 1, 4, 512);
     expect_rel(freqs(m), std::vector<double>(want.begin(), want.begin() + 8), kTol, "damped");
   }
-  // signs are kept: RoPE stores -omega, Jordan +omega
+  // signs are kept: RoPE's sense stores -omega, the paper's sense (direction=paper) +omega
   const auto r = build_mechanism("rope + linear(factor=2)", 8, 1);
-  const auto j = build_mechanism("jordan(m=1) + linear(factor=2)", 8, 1);
+  const auto j = build_mechanism("jordan(m=1, direction=paper) + linear(factor=2)", 8, 1);
   EXPECT_LT(r.segments()[0].omega[0], 0);
   EXPECT_GT(j.segments()[0].omega[0], 0);
   // the order of the terms does not matter

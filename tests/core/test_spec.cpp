@@ -120,8 +120,8 @@ TEST(SpecGrammar, Errors) {
 // Reference aliases (spec 1.4 naming rules)
 
 TEST(SpecAliases, ExpandToSpecStrings) {
-  EXPECT_EQ(expand_reference_alias("jordan_rope"), "jordan(m=2, regime=stabilized)");
-  EXPECT_EQ(expand_reference_alias("jordan_raw_tau"), "jordan(m=2, regime=raw)");
+  EXPECT_EQ(expand_reference_alias("jordan_rope"), "jordan(m=2, regime=stabilized, direction=paper)");
+  EXPECT_EQ(expand_reference_alias("jordan_raw_tau"), "jordan(m=2, regime=raw, direction=paper)");
   EXPECT_EQ(expand_reference_alias("rope_alibi"), "rope + alibi");
   EXPECT_EQ(expand_reference_alias("damped_rope_alibi"), "damped_rope + alibi");
   // plain mechanism names and unknown names are not aliases
@@ -377,12 +377,12 @@ TEST(SpecAliases, RopeAlibiAndDampedRope) {
     EXPECT_TRUE(s.learn_gamma);
     EXPECT_DOUBLE_EQ(s.gamma_init, 1e-4);
     EXPECT_DOUBLE_EQ(s.gamma_min, 1e-4);
-    expect_prefix_grid(s, 32);
+    expect_prefix_grid(s, 32, -1.0);  // rope's sense (direction=rope, the default)
     EXPECT_TRUE(m.transform_exact());
     const auto& s1 = only_segment(build_mechanism("damped_rope(m=1)", 32, 2));
     EXPECT_EQ(s1.order, 1);
     EXPECT_EQ(s1.blocks, 16);
-    expect_prefix_grid(s1, 32);
+    expect_prefix_grid(s1, 32, -1.0);
   }
 }
 
@@ -517,11 +517,11 @@ TEST(SpecAliases, TrailingJunkIsAnError) {
   expect_input_error("jordan_exact_m3_c050_alibi_alibi", 48, 4, {"unknown token 'alibi'"});
   // what the reference accepts still expands
   EXPECT_EQ(expand_reference_alias("jordan_exact_scaled"),
-            "jordan(m=2, regime=scaled, c=1, eta0=0, eta_max=0.1)");
+            "jordan(m=2, regime=scaled, c=1, eta0=0, eta_max=0.1, direction=paper)");
   EXPECT_EQ(expand_reference_alias("jordan_exact_m3_c050_eta100_eta1_alibi"),
-            "jordan(m=3, regime=scaled, c=0.5, eta0=0.1, eta_max=1) + alibi");
+            "jordan(m=3, regime=scaled, c=0.5, eta0=0.1, eta_max=1, direction=paper) + alibi");
   EXPECT_EQ(expand_reference_alias("jordan_jetmixfull_m4_c150_g100_g050_g030_g020"),
-            "jetmixfull(m=4, c=1.5, alpha=1/0.5/0.3/0.2)");
+            "jetmixfull(m=4, c=1.5, alpha=1/0.5/0.3/0.2, direction=paper)");
 }
 
 // Regression (issue 7): a 100 KB spec is named in a message by its start and length only.

@@ -11,6 +11,7 @@ std::vector<TermDef> damped_rope_family() {
         {"theta", "10000", "frequency base"}};
     for (auto& o : jordan_common_options("raw"))
       if (o.key != "regime" && o.key != "c") opts.push_back(o);
+    opts.push_back(direction_option());
     d.push_back({{"damped_rope",
                   "transform",
                   "e^{-gamma d} RoPE; m=2 (reference) uses D/4 frequencies, each on two pairs",
@@ -26,6 +27,7 @@ std::vector<TermDef> damped_rope_family() {
                    s.blocks = b.m.head_dim / (2 * m);
                    s.omega = rope_frequencies(a.positive("theta"), b.m.head_dim, s.blocks);
                    s.grid = {a.positive("theta"), b.m.head_dim};
+                   set_direction(a, s);
                    b.add(s);
                    set_center(a, b.m, true);
                  }});

@@ -172,6 +172,11 @@ void set_shear(const Args& a, JordanSegment& s);                   // exponentia
 // convention: q and k rotate by +omega p, i.e. G(d) = R(-omega d); as a segment (maps rotate by
 // -omega p) that is a negated frequency.
 JordanSegment rope_segment(double theta, int dim, int pairs);
+// The rotation sense of a damped or sheared rotary term: "rope" (default) turns keys as rope
+// does, so that zero damping and shear give rope exactly; "paper" keeps the Jordan-RoPE paper's
+// (and its reference's) e^{+i omega d}, which is rope at negated positions.
+OptionInfo direction_option();
+void set_direction(const Args& a, JordanSegment& s);
 
 // One function per family file; list.inc names them all.
 #define RELPOS_FAMILY(NAME) std::vector<TermDef> NAME##_family();

@@ -9,6 +9,7 @@ std::vector<TermDef> jet_gates_family() {
   const auto gate_options = [](const std::string& m, const std::string& list_key,
                                const std::string& list_default, const std::string& gmax) {
     auto o = jordan_common_options("stabilized");
+    o.push_back(direction_option());
     o.insert(o.begin(), {"m", m, "Jordan order (2..8)"});
     for (auto& x : o) {
       if (x.key == "c") x.default_value = "1.5";
@@ -30,6 +31,7 @@ std::vector<TermDef> jet_gates_family() {
     s.blocks = D / (2 * m);
     s.omega = rope_frequencies(a.positive("theta"), D, s.blocks);
     s.grid = {a.positive("theta"), D};
+    set_direction(a, s);
     return s;
   };
   d.push_back({{"jetmix",

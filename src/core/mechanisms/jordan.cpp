@@ -12,6 +12,7 @@ std::vector<TermDef> jordan_family() {
     opts.push_back({"grid", "prefix",
                     "prefix: first D/(2m) of theta^(-2k/D) (reference); span: theta^(-2km/D)"});
     opts.push_back({"zero_omega", "false", "force omega = 0 (real Jordan block)"});
+    opts.push_back(direction_option());
     d.push_back({{"jordan",
                   "transform",
                   "complex Jordan block of order m: e^{(-gamma+i omega)d} sum_r (eta s "
@@ -35,6 +36,7 @@ std::vector<TermDef> jordan_family() {
                                     : spanning_frequencies(theta, D, m);
                    s.grid = {theta, prefix ? D : D / m};
                    if (a.flag("zero_omega")) s.omega.assign(s.blocks, 0.0);
+                   set_direction(a, s);
                    b.add(s);
                    set_center(a, b.m, s.exact());
                  }});

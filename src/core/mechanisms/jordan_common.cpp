@@ -126,6 +126,18 @@ JordanSegment rope_segment(double theta, int dim, int pairs) {
   return s;
 }
 
+OptionInfo direction_option() {
+  return {"direction", "rope",
+          "rotation sense: rope (as rope: zero damping and shear give rope exactly) or paper "
+          "(the Jordan-RoPE paper's and reference's e^{+i omega d}: rope at negated positions)"};
+}
+
+void set_direction(const Args& a, JordanSegment& s) {
+  // rope_segment's convention (negative omega) is rope's
+  if (a.choice("direction", {"rope", "paper"}) == "rope")
+    for (auto& w : s.omega) w = -w;
+}
+
 std::vector<OptionInfo> shear_options(std::vector<OptionInfo> o) {
   o.push_back({"eta0", "0", "initial nilpotent amplitude eta (eta = eta_max tanh(b))"});
   o.push_back({"eta_max", "0.1", "bound of |eta|"});

@@ -1,0 +1,625 @@
+"""Hugging Face transformers models on relpos attention (an optional extra: ``import
+relpos.transformers`` needs the ``transformers`` package; ``import relpos`` does not).
+
+    import relpos.transformers
+    relpos.transformers.apply(model)                                      # the model's own encoding
+    relpos.transformers.apply(model, "jordan(m=2, regime=scaled, c=1)")   # any relpos mechanism
+
+:func:`apply` switches every attention layer of a loaded model (``supported()`` lists the
+families) to relpos: the layer's projections are kept, the model's own position encoding
+(rotary embedding, ALiBi tensor) is no longer applied, and each layer runs the mechanism's
+transforms (a :class:`relpos.PositionEncoding` over the key/value heads, registered as the layer's
+``relpos`` submodule so its parameters train and are saved) on q and k at the model's positions,
+stores the transformed keys in Hugging Face's own cache (``DynamicCache``), and scores them with
+:func:`relpos.fused_attention` (causal, grouped-query heads, sliding windows, ALiBi slopes and
+learned lag tables, padding). docs/transformers.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        causal_mask_function,
+        prepare_padding_mask,
+        sdpa_mask,
+    )
+except ImportError as e:  # pragma: no cover - the optional dependency is missing
+    raise ImportError(
+        "relpos.transformers needs Hugging Face transformers 5.x (pip install transformers==5.24.0, "
+        "the version requirements.txt pins); the relpos package itself does not"
+    ) from e
+
+import torch
+from torch import nn
+
+from . import mechanism
+from .attention import fused_attention
+from .encoding import InputError, PositionEncoding, rope_scaling_spec
+
+__all__ = ["apply", "spec_for", "supported", "RelposAttention"]
+
+if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - an old install
+    raise ImportError(f"relpos.transformers needs transformers >= 5 (its AttentionMaskInterface and "
+                      f"Cache API); found {transformers.__version__}")
+
+# The name under which the mask function below (and a guard attention function) are registered;
+# apply() sets it as the model's attention implementation, so HF builds masks with our function.
+IMPLEMENTATION = "relpos"
+
+# Whether relpos.fused_attention takes key_start (keys j < key_start[b] invisible: left padding).
+# Without it, a left-padded batch runs one kernel call per row (_padded_attention).
+_KEY_START = "key_start" in inspect.signature(fused_attention).parameters
+
+_MAX_LAG_TABLE = 1 << 20  # the kernel's longest lag table (longer lags use its last entry)
+
+
+# ---------------------------------------------------------------------------------------------
+# masks: what HF's create_causal_mask hands the layers when the implementation is "relpos"
+
+
+def _intervals(valid: torch.Tensor) -> torch.Tensor | None:
+    """Per row, the key range [start, end) where ``valid [B, Tk]`` is true, as int64 [B, 1, 1, 2]
+    (empty rows: 0, 0), or None when some row's valid keys are not one contiguous range."""
+    B, Tk = valid.shape
+    idx = torch.arange(Tk, device=valid.device)
+    count = valid.sum(-1)
+    start = torch.where(valid, idx, Tk).amin(-1)
+    end = torch.where(valid, idx + 1, 0).amax(-1)
+    empty = count == 0
+    if not bool(((end - start == count) | empty).all()):
+        return None
+    start, end = torch.where(empty, 0, start), torch.where(empty, 0, end)
+    return torch.stack([start, end], -1).to(torch.int64).view(B, 1, 1, 2)
+
+
+def relpos_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                mask_function=causal_mask_function, attention_mask=None, local_size=None,
+                use_vmap=False, device="cpu", **kwargs):
+    """HF mask interface for relpos layers (registered as ``"relpos"``). Returns
+
+    - ``None``: causal (and the layer's sliding window) over every key, no padding;
+    - an int64 tensor ``[B, 1, 1, 2]``: the same, restricted to the keys ``start <= j < end`` of
+      each row (left and right padding), which the kernel runs with ``key_start`` / ``key_len``;
+    - a boolean tensor ``[B, 1, Tq, Tk]`` (HF's sdpa mask) for any other pattern (holes in the
+      padding, packed sequences detected from position_ids, custom mask functions), which the
+      layer runs on a slower materialised path.
+
+    The shape is 4-D so that masks prepared in advance (``generate`` with a compileable cache)
+    pass through HF's mask creation untouched; the dtype tells the forms apart.
+    """
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    valid = None if padding is None else padding[:, kv_offset: kv_offset + kv_length].bool()
+    if mask_function is causal_mask_function and local_size is None:
+        if valid is None or bool(valid.all()):
+            return None
+        ranges = _intervals(valid)
+        if ranges is not None:
+            return ranges
+    full = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap,
+                     device=device)
+    # the standard pattern (valid keys, causal, window of local_size) runs through the kernel
+    qi = torch.arange(q_length, device=full.device) + q_offset
+    kj = torch.arange(kv_length, device=full.device) + kv_offset
+    standard = kj[None, :] <= qi[:, None]
+    if local_size is not None:
+        standard = standard & (kj[None, :] > qi[:, None] - local_size)
+    keys = (torch.ones(batch_size, kv_length, dtype=torch.bool, device=full.device) if valid is None
+            else valid)
+    if torch.equal(full, (standard[None, None] & keys[:, None, None, :]).expand_as(full)):
+        if bool(keys.all()):
+            return None
+        ranges = _intervals(keys)
+        if ranges is not None:
+            return ranges
+    return full
+
+
+def _unswitched_attention(module, *args, **kwargs):
+    raise InputError(f"{type(module).__name__} asked for the '{IMPLEMENTATION}' attention function: "
+                     "relpos.transformers.apply() switches whole attention layers, and this one was "
+                     "not switched (unsupported layer type)")
+
+
+AttentionMaskInterface.register(IMPLEMENTATION, relpos_mask)
+AttentionInterface.register(IMPLEMENTATION, _unswitched_attention)
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-layer module
+
+
+def _spec_refusal(info: dict) -> str | None:
+    """Why the HF layers cannot run this mechanism (they take position transforms of q and k,
+    ALiBi slopes and learned lag tables), or None."""
+    for t in info["transforms"]:
+        if t["kind"] == "vector_rotation":
+            return (f"{info['spec']!r} rotates by vector positions [T, d_c]; a language model's "
+                    "tokens have scalar positions")
+        if t.get("learned_frequencies") or t.get("basis", "none") != "none":
+            return (f"{info['spec']!r} learns its frequencies or basis in the layer "
+                    "(relpos.Attention's runtime); not available in relpos.transformers yet")
+        if t.get("values") or t.get("outputs"):
+            return (f"{info['spec']!r} turns values and outputs by frames (journey); not available "
+                    "in relpos.transformers yet")
+    for b in info["biases"]:
+        if b["shape"] != "lag_table":
+            return (f"{info['spec']!r}: bias {b['name']!r} ({b['shape'].replace('_', '-')}) is "
+                    "computed from the tokens; not available in relpos.transformers yet")
+    return None
+
+
+class RelposAttention(nn.Module):
+    """The relpos part of one switched HF attention layer (registered on it as ``relpos``).
+
+    Owns ``encoding``, a :class:`relpos.PositionEncoding` over the key/value heads (its
+    parameters, state-dict names ``<layer>.relpos.encoding.<name>``). ``forward(q, k, v, cache,
+    layer_idx, position_ids, mask)`` takes the new tokens' untransformed q ``[B, Hq, T, D]``, k
+    and v ``[B, Hk, T, D]``, transforms q and k at ``position_ids`` (HF's positions; default the
+    cache slots), appends the transformed k and v to ``cache`` (an HF ``DynamicCache``) and
+    returns the attention output ``[B, Hq, T, D]`` over every cached key, with the mask's
+    visibility. The kernel scores at the cache slots (HF's causal and sliding-window masks are
+    defined on them), so ALiBi slopes and lag tables see the slot lag, which is the position lag
+    whenever each row's visible tokens are consecutive (padding on either side, packed documents).
+    """
+
+    def __init__(self, spec: str, head_dim: int, num_heads: int, num_kv_heads: int, *,
+                 scale: float, window: float = 0.0, dropout: float = 0.0, slope_scale: float = 1.0,
+                 pair_layout: str = "half_split", check_finite: bool = True) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise InputError(f"key/value heads ({num_kv_heads}) must divide query heads ({num_heads})")
+        self.encoding = PositionEncoding(spec, head_dim, num_kv_heads, pair_layout=pair_layout,
+                                         check_finite=check_finite)
+        self.spec = self.encoding.spec
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        info = mechanism(self.spec, head_dim, num_heads)
+        why = _spec_refusal(info) or torch.ops.relpos.attention_refusal(
+            self.spec, head_dim, num_kv_heads, num_heads)
+        if why:
+            raise InputError(why)
+        self._has_transform = bool(info["transforms"])
+        self._center_mid = info["center"] == "mid"
+        slopes = [s for b in info["biases"] if b["slopes"] for s in b["slopes"]]
+        self._slopes = ([float(s) * slope_scale for s in slopes] if slopes else None)
+        self._lag_table = any(b["learned"] for b in info["biases"])
+        self.scale, self.window, self.dropout = float(scale), float(window or 0.0), float(dropout)
+
+    def extra_repr(self) -> str:
+        return (f"spec={self.spec!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"window={self.window:g}")
+
+    def transform(self, q, k, positions):
+        """q ``[B, Hq, T, D]`` and k ``[B, Hk, T, D]`` through the encoding at ``positions``
+        (``[T]`` or ``[B, T]``, float64), every query head through its key/value head's map (HF's
+        grouping: query head h uses key/value head h // (Hq / Hk)); one call, so one centre and
+        one context length for both."""
+        if not self._has_transform:
+            return q, k
+        B, Hq, T, D = q.shape
+        Hk = k.shape[1]
+        g = Hq // Hk
+        if g == 1:
+            return self.encoding(q, k, positions)
+        both = torch.cat([q.reshape(B, Hk, g * T, D), k], 2)
+        pos = torch.cat([positions.repeat(g), positions] if positions.dim() == 1
+                        else [positions.repeat(1, g), positions], -1)
+        tq, tk = self.encoding(both, both, pos)
+        return tq[:, :, : g * T].reshape(B, Hq, T, D), tk[:, :, g * T:]
+
+    def forward(self, q, k, v, cache=None, layer_idx: int = 0, position_ids=None, mask=None):
+        if self.training and self.dropout > 0:
+            raise InputError(f"attention dropout {self.dropout:g}: the fused kernel has none; set "
+                             "the config's attention dropout to 0 to train through relpos")
+        B, Hq, T, D = q.shape
+        q_offset = kv_offset = 0
+        if cache is not None:
+            if getattr(cache, "is_compileable", False):
+                raise InputError(f"{type(cache).__name__}: relpos.transformers decodes with "
+                                 "DynamicCache (generate's default), not a static cache")
+            if self._center_mid:
+                raise InputError(f"{self.spec!r}: center=mid puts the centre in the middle of each "
+                                 "call, so keys cached in earlier calls would be off; use a fixed "
+                                 "centre to decode")
+            # HF's own mask geometry for this layer, read before the update (as create_causal_mask)
+            q_offset = int(cache.get_query_offset(layer_idx))
+            _, kv_offset = cache.get_mask_sizes(T, layer_idx)
+            kv_offset = int(kv_offset)
+        qslot = torch.arange(T, dtype=torch.float64) + q_offset
+        if position_ids is None:
+            pos = qslot
+        else:
+            pos = position_ids.to(torch.float64)
+            if pos.dim() == 2 and pos.shape[0] == 1:
+                pos = pos[0]
+        q, k = self.transform(q, k, pos)
+        if cache is not None:
+            k, v = cache.update(k, v, layer_idx)
+        Tk = k.shape[2]
+        kslot = torch.arange(Tk, dtype=torch.float64) + kv_offset
+        return self.attend(q, k, v, qslot, kslot, mask)
+
+    # -- scoring
+
+    def _bias_args(self, qslot, kslot, dtype) -> dict:
+        out = {}
+        if self._slopes is not None:
+            out["slopes"] = torch.tensor(self._slopes, dtype=dtype)
+        if self._lag_table:
+            span = float(qslot.max() - kslot.min()) if qslot.numel() and kslot.numel() else 0.0
+            length = int(min(max(math.ceil(span), 0), _MAX_LAG_TABLE)) + 1
+            out["lag_table"] = self.encoding.lag_table(length).to(dtype)
+        return out
+
+    def attend(self, q, k, v, qslot, kslot, mask):
+        """Softmax attention of the transformed q over the transformed k at the slot positions,
+        with the mask HF built (see :func:`relpos_mask`)."""
+        kw = dict(q_positions=qslot, k_positions=kslot, causal=True, window=self.window,
+                  scale=self.scale, **self._bias_args(qslot, kslot, q.dtype))
+        if mask is None:
+            return fused_attention(q, k, v, **kw)[0]
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise InputError(f"attention mask: expected a 2-D padding mask on the model (HF builds the "
+                             f"layers' masks) or a boolean [B, 1, Tq, Tk] mask, got {got}")
+        B, _, Tq, _ = q.shape
+        Tk = k.shape[2]
+        if mask.dtype == torch.int64 and tuple(mask.shape) == (B, 1, 1, 2):
+            return _padded_attention(q, k, v, mask.view(B, 2), kw)
+        if mask.dtype != torch.bool:
+            raise InputError(f"attention mask: a {mask.dtype} 4-D mask is not read (additive masks "
+                             "may carry biases); pass a boolean one (True: visible)")
+        if mask.shape[1] != 1 or mask.shape[0] != B or tuple(mask.shape[2:]) != (Tq, Tk):
+            raise InputError(f"attention mask: expected [B, 1, Tq, Tk] = [{B}, 1, {Tq}, {Tk}], "
+                             f"got {list(mask.shape)}")
+        return _masked_attention(q, k, v, mask[:, 0], qslot, kslot, kw)
+
+
+def _padded_attention(q, k, v, ranges, kw):
+    """The kernel over the keys ``ranges[b, 0] <= j < ranges[b, 1]`` of each row."""
+    start, end = ranges[:, 0].contiguous(), ranges[:, 1].contiguous()
+    if _KEY_START:  # the kernel's own left and right padding: one call
+        return fused_attention(q, k, v, key_start=start, key_len=end, **kw)[0]
+    if not bool(start.any()):  # right padding only
+        return fused_attention(q, k, v, key_len=end, **kw)[0]
+    # left padding before key_start: one call per row over its keys (the same numbers)
+    kpos = kw.pop("k_positions")
+    outs = []
+    for b in range(q.shape[0]):
+        s, e = int(start[b]), int(end[b])
+        if e <= s:
+            outs.append(torch.zeros_like(q[b:b + 1]))
+            continue
+        outs.append(fused_attention(q[b:b + 1], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
+                                    k_positions=kpos[s:e], **kw)[0])
+    return torch.cat(outs, 0)
+
+
+def _masked_attention(q, k, v, visible, qslot, kslot, kw):
+    """Any boolean mask ``visible [B, Tq, Tk]``: softmax attention materialised in plain torch
+    (the kernel's formula: ``q k^T * scale - slope_h (p_i - p_j) + table_h[p_i - p_j]``, rows
+    without a visible key give zeros). Slower than the kernel; differentiable."""
+    B, Hq, Tq, D = q.shape
+    g = Hq // k.shape[1]
+    kk, vv = (k, v) if g == 1 else (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+    scores = (q @ kk.transpose(-1, -2)) * kw["scale"]
+    lag = qslot[:, None] - kslot[None, :]
+    if "slopes" in kw:
+        scores = scores - kw["slopes"][:, None, None] * lag.to(q.dtype)
+    if "lag_table" in kw:
+        table = kw["lag_table"]
+        idx = lag.round().clamp(0, table.shape[1] - 1).long()
+        scores = scores + table[:, idx]
+    vis = visible[:, None]
+    scores = scores.masked_fill(~vis, torch.finfo(q.dtype).min)
+    probs = torch.softmax(scores, -1) * vis
+    return probs @ vv
+
+
+# ---------------------------------------------------------------------------------------------
+# the families: how each one's attention layer projects q, k, v and finishes
+
+
+def _llama_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                   **kwargs):
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    out = self.relpos(q, k, v, cache, self.layer_idx, kwargs.get("position_ids"), attention_mask)
+    out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+    return self.o_proj(out), None
+
+
+def _phi_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                 **kwargs):
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if self.qk_layernorm:
+        q, k = self.q_layernorm(q), self.k_layernorm(k)
+    out = self.relpos(q, k, v, cache, self.layer_idx, kwargs.get("position_ids"), attention_mask)
+    out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+    return self.dense(out), None
+
+
+def _neox_forward(self, hidden_states, attention_mask=None, layer_past=None,
+                  position_embeddings=None, **kwargs):
+    input_shape = hidden_states.shape[:-1]
+    qkv = self.query_key_value(hidden_states).view(*input_shape, -1, 3 * self.head_size).transpose(1, 2)
+    q, k, v = qkv.chunk(3, dim=-1)
+    out = self.relpos(q, k, v, layer_past, self.layer_idx, kwargs.get("position_ids"), attention_mask)
+    out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+    return self.dense(out), None
+
+
+def _bloom_forward(self, hidden_states, residual, alibi=None, attention_mask=None, layer_past=None,
+                   use_cache=False, output_attentions=False, **kwargs):
+    from transformers.models.bloom.modeling_bloom import dropout_add
+
+    B, T, _ = hidden_states.shape
+    q, k, v = self._reshape(self.query_key_value(hidden_states))
+    out = self.relpos(q, k, v, layer_past, self.layer_idx, None, attention_mask)
+    context = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+    if self.pretraining_tp > 1 and self.slow_but_exact:  # as BloomAttention
+        slices = self.hidden_size / self.pretraining_tp
+        output = torch.zeros_like(context)
+        for i in range(self.pretraining_tp):
+            lo, hi = int(i * slices), int((i + 1) * slices)
+            output = output + nn.functional.linear(context[:, :, lo:hi], self.dense.weight[:, lo:hi])
+    else:
+        output = self.dense(context)
+    return dropout_add(output, residual, self.hidden_dropout, self.training), None
+
+
+def _falcon_forward(self, hidden_states, alibi=None, attention_mask=None, position_ids=None,
+                    layer_past=None, use_cache=False, output_attentions=False,
+                    position_embeddings=None, **kwargs):
+    B, T, _ = hidden_states.shape
+    fused = self.query_key_value(hidden_states)
+    if self.new_decoder_architecture:
+        qkv = fused.view(B, T, -1, self.num_heads // self.num_kv_heads + 2, self.head_dim)
+        q, k, v = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]
+    elif not self.multi_query:
+        qkv = fused.view(B, T, self.num_heads, 3, self.head_dim)
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+    else:
+        qkv = fused.view(B, T, self.num_heads + 2, self.head_dim)
+        q, k, v = qkv[:, :, :-2], qkv[:, :, -2:-1], qkv[:, :, -1:]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = self.relpos(q, k, v, layer_past, self.layer_idx, position_ids, attention_mask)
+    out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+    return self.dense(out), None
+
+
+def _llama_heads(m, config):
+    return m.head_dim, config.num_attention_heads, config.num_key_value_heads
+
+
+def _family(model_type: str):
+    """(attention class, forward, heads(module, config) -> (D, Hq, Hk), scale(module), window,
+    dropout) of a supported family, importing its HF module lazily."""
+    import importlib
+
+    def cls(mod, name):
+        return getattr(importlib.import_module(f"transformers.models.{mod}.modeling_{mod}"), name)
+
+    if model_type in ("llama", "mistral", "qwen2"):
+        name = {"llama": "LlamaAttention", "mistral": "MistralAttention", "qwen2": "Qwen2Attention"}
+        return dict(
+            cls=cls(model_type, name[model_type]), forward=_llama_forward, heads=_llama_heads,
+            scale=lambda m: m.scaling, dropout=lambda m: float(m.attention_dropout),
+            # Mistral's window is the config's (all layers); Qwen2's is per layer (layer_types)
+            window=lambda m, c: (m.sliding_window if hasattr(m, "sliding_window")
+                                 else getattr(c, "sliding_window", None) if model_type == "mistral"
+                                 else None),
+        )
+    if model_type == "phi":
+        return dict(
+            cls=cls("phi", "PhiAttention"), forward=_phi_forward, heads=_llama_heads,
+            scale=lambda m: m.scaling, dropout=lambda m: float(m.attention_dropout),
+            window=lambda m, c: None,
+        )
+    if model_type == "gpt_neox":
+        return dict(
+            cls=cls("gpt_neox", "GPTNeoXAttention"), forward=_neox_forward,
+            heads=lambda m, c: (m.head_size, c.num_attention_heads, c.num_attention_heads),
+            scale=lambda m: m.scaling, dropout=lambda m: float(m.attention_dropout),
+            window=lambda m, c: None,
+        )
+    if model_type == "bloom":
+        return dict(
+            cls=cls("bloom", "BloomAttention"), forward=_bloom_forward,
+            heads=lambda m, c: (m.head_dim, m.num_heads, m.num_heads),
+            scale=lambda m: m.inv_norm_factor, dropout=lambda m: float(m.attention_dropout.p),
+            window=lambda m, c: None,
+        )
+    if model_type == "falcon":
+        return dict(
+            cls=cls("falcon", "FalconAttention"), forward=_falcon_forward,
+            heads=lambda m, c: (m.head_dim, m.num_heads, m.num_kv_heads),
+            scale=lambda m: m.inv_norm_factor, dropout=lambda m: float(m.attention_dropout.p),
+            window=lambda m, c: None,
+        )
+    return None
+
+
+# model_type -> the model classes transformers has for it (documentation and error messages)
+_SUPPORTED = {
+    "bloom": "Bloom (ALiBi)",
+    "falcon": "Falcon (RoPE, or ALiBi with alibi=True; multi-query and new decoder architecture)",
+    "gpt_neox": "GPT-NeoX (partial RoPE)",
+    "llama": "Llama (RoPE with its rope_parameters, grouped-query heads)",
+    "mistral": "Mistral (RoPE, grouped-query heads, sliding window)",
+    "phi": "Phi (partial RoPE, grouped-query heads, optional q/k layer norms)",
+    "qwen2": "Qwen2 (RoPE, grouped-query heads, per-layer sliding window)",
+}
+
+
+def supported() -> dict[str, str]:
+    """The supported families: HF ``config.model_type`` -> what relpos runs for it with
+    ``spec=None``. Every model class of a family (``...ForCausalLM``, ``...Model``,
+    ``...ForSequenceClassification``, ...) is switched the same way."""
+    return dict(_SUPPORTED)
+
+
+def _refuse_unsupported(model_or_config) -> str:
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _SUPPORTED:
+        what = type(model_or_config).__name__
+        raise InputError(f"{what} (model_type {model_type!r}) is not supported by relpos.transformers; "
+                         f"supported model types: {', '.join(sorted(_SUPPORTED))}")
+    return model_type
+
+
+def _number(x) -> str:
+    x = float(x)
+    return str(int(x)) if x.is_integer() and abs(x) < 1e15 else repr(x)
+
+
+def spec_for(config) -> str:
+    """The relpos spec of a supported model config's own position encoding: ``"alibi"`` for
+    Bloom and Falcon with ``alibi=True`` (Falcon divides the slopes by sqrt(head_dim), which
+    :func:`apply` passes to the kernel: relpos's ``alibi`` has no slope scale yet); otherwise the
+    rotary term of ``config.rope_parameters`` (``rope(theta=...)``, or ``partial_rope(fraction=R/D,
+    theta=...)`` with a ``partial_rotary_factor``) plus its context-extension rule
+    (:func:`relpos.rope_scaling_spec` of the dictionary without the two keys the rotary term
+    takes; YaRN without ``factor`` gets HF's ``max_position_embeddings / original``). Raises
+    InputError for an unsupported family or rope type (HF's ``proportional``)."""
+    model_type = _refuse_unsupported(config)
+    if model_type == "bloom" or (model_type == "falcon" and getattr(config, "alibi", False)):
+        return "alibi"
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict) or not rope:
+        raise InputError(f"{type(config).__name__} has no rope_parameters")
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise InputError(f"{type(config).__name__}: rope_parameters per layer type are not supported")
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    factor = float(rope.pop("partial_rotary_factor", 1.0) or 1.0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotated = int(head_dim * factor)
+    if rotated < 2 or rotated % 2:
+        raise InputError(f"partial_rotary_factor {factor:g} of head_dim {head_dim} rotates {rotated} "
+                         "dims; relpos needs a positive even number")
+    base = (f"rope(theta={_number(theta)})" if rotated == head_dim
+            else f"partial_rope(fraction={_number(rotated / head_dim)}, theta={_number(theta)})")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "proportional":
+        raise InputError("HF rope_type 'proportional' has no relpos rule yet (issue 25)")
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if rope_type == "yarn" and rope.get("factor") is None and "original_max_position_embeddings" in rope:
+        rope["factor"] = max_pos / rope["original_max_position_embeddings"]  # HF's default
+    for key in [k for k, v in rope.items() if v is None]:
+        del rope[key]  # HF writes absent optional keys as null
+    term = rope_scaling_spec(rope, max_pos)
+    return f"{base} + {term}" if term else base
+
+
+def _neutralise(model, model_type: str) -> None:
+    """Stops the model computing its own encoding for layers that no longer read it."""
+
+    class _NoRotary(nn.Module):
+        """Stands in for the model's rotary embedding: relpos layers transform q and k
+        themselves and ignore position_embeddings."""
+
+        def forward(self, x, position_ids=None, *args, **kwargs):
+            return None
+
+    for module in list(model.modules()):
+        if hasattr(module, "rotary_emb") and isinstance(module.rotary_emb, nn.Module) and not isinstance(
+                module.rotary_emb, _NoRotary):
+            module.rotary_emb = _NoRotary()
+        if model_type == "falcon" and hasattr(module, "use_alibi"):
+            module.use_alibi = False  # else FalconModel folds its ALiBi tensor into the mask
+
+
+_SWITCHED: dict[type, type] = {}
+
+
+def _switched_class(cls: type, forward) -> type:
+    """A subclass of the HF attention class whose forward runs relpos (kept per class; named so
+    that pickling finds it in this module)."""
+    if cls not in _SWITCHED:
+        name = f"Relpos{cls.__name__}"
+        new = type(name, (cls,), {"forward": forward, "__module__": __name__})
+        globals()[name] = new
+        _SWITCHED[cls] = new
+    return _SWITCHED[cls]
+
+
+_OPTIONS = {"pair_layout", "check_finite"}
+
+
+def apply(model, spec: str | None = None, **options):
+    """Switches a loaded HF model (``supported()``) to relpos attention, in place; returns it.
+
+    ``spec=None`` runs the model's own encoding (:func:`spec_for`), so outputs, ``generate`` and
+    gradients stay those of the model (docs/transformers.md: tolerances and exceptions); any other
+    relpos spec (``"jordan(m=2, regime=scaled, c=1)"``, ``"rope + alibi"``, ``"t5_bias"``) replaces
+    it, its learnable parameters added to every attention layer (``<layer>.relpos.encoding.*``:
+    they train and are saved with the model). Options: ``pair_layout`` (default ``"half_split"``,
+    HF's rotate_half pairs (j, j + D/2)) and ``check_finite`` (default True) of
+    :class:`relpos.PositionEncoding`.
+
+    Raises InputError for an unsupported model, a mechanism the layers cannot run (content
+    biases, learned frequencies, journey frames, vector positions; a learned lag table with
+    grouped-query heads), an unknown option. A model in bfloat16/float16 is refused at its first
+    forward (the kernels take float32 and float64).
+    """
+    if not isinstance(model, nn.Module):
+        raise InputError(f"apply() takes a transformers model (torch.nn.Module), got "
+                         f"{type(model).__name__}")
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise InputError(f"unknown option(s) {sorted(unknown)} (valid: {sorted(_OPTIONS)})")
+    model_type = _refuse_unsupported(model)
+    config = model.config
+    family = _family(model_type)
+    layers = [m for m in model.modules() if isinstance(m, family["cls"])]
+    if not layers:
+        raise InputError(f"{type(model).__name__}: found no {family['cls'].__name__} layer to switch")
+    if any(hasattr(m, "relpos") for m in layers):
+        raise InputError(f"{type(model).__name__} is already switched to relpos")
+    own = spec is None
+    if own:
+        spec = spec_for(config)
+    elif not isinstance(spec, str):
+        raise InputError(f"spec must be a relpos spec string or None, got {type(spec).__name__}")
+    slope_scale = 1.0
+    if own and model_type == "falcon" and getattr(config, "alibi", False):
+        D = config.hidden_size // config.num_attention_heads
+        slope_scale = 1.0 / math.sqrt(D)  # FalconModel: alibi / sqrt(head_dim)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    states = []
+    for m in layers:  # built first: a refused spec leaves the model as it was
+        D, Hq, Hk = family["heads"](m, config)
+        window = family["window"](m, config)
+        state = RelposAttention(spec, D, Hq, Hk, scale=family["scale"](m), window=window or 0.0,
+                                dropout=family["dropout"](m), slope_scale=slope_scale, **options)
+        if dtype in (torch.float32, torch.float64):
+            state.to(dtype)
+        states.append(state)
+    for m, state in zip(layers, states):
+        m.relpos = state
+        m.__class__ = _switched_class(type(m), family["forward"])
+    _neutralise(model, model_type)
+    config._attn_implementation_internal = IMPLEMENTATION
+    config.relpos_spec = states[0].spec
+    return model
