@@ -28,7 +28,10 @@ if not _LIB.exists():  # pragma: no cover - a broken install
 torch.ops.load_library(str(_LIB))
 
 from .attention import attention, fused_attention  # noqa: E402
-from .encoding import InputError, PositionEncoding, _integer, _spec_text, rope_scaling_spec  # noqa: E402
+from .encoding import (  # noqa: E402
+    InputError, PositionEncoding, _integer, _spec_text, attention_factor, frequencies,
+    rope_parameters_spec, rope_scaling_spec,
+)
 from .engine import Attention, KVCache  # noqa: E402
 from .journey import frame_angles, journey_attention, rotate_pairs  # noqa: E402
 from .linear import favor_attention, random_projection  # noqa: E402
@@ -52,6 +55,9 @@ __all__ = [
     "mechanisms",
     "mechanism",
     "rope_scaling_spec",
+    "rope_parameters_spec",
+    "frequencies",
+    "attention_factor",
     "verify",
 ]
 

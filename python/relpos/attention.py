@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .encoding import InputError, PositionEncoding
+from .encoding import InputError, PositionEncoding, _all_finite
 from .journey import _journey_info, journey_attention
 
 # the names of the kernel's bias slots, in the order of the op's ``biases`` list
@@ -253,7 +253,7 @@ def attention(
     # meta and fake tensors (tracing) have no values to check
     if check_finite and not torch.compiler.is_compiling():
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.device.type != "meta" and not torch.isfinite(t).all():
+            if t.device.type != "meta" and not _all_finite(t):
                 raise InputError(f"{name} contains NaN or Inf")
     B, Hq, Tq, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_attention
-from .encoding import InputError, PositionEncoding, _integer, _op
+from .encoding import InputError, PositionEncoding, _all_finite, _integer, _op
 from .journey import rotate_pairs
 
 class KVCache:
@@ -317,7 +317,7 @@ class Attention(nn.Module):
             raise InputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
         if self.check_finite and not torch.compiler.is_compiling():
             for name, t in (("q", q), ("k", k), ("v", v)):
-                if t.device.type != "meta" and not torch.isfinite(t).all():
+                if t.device.type != "meta" and not _all_finite(t):
                     raise InputError(f"{name} contains NaN or Inf")
         if cache is not None:
             if not isinstance(cache, KVCache):

@@ -17,7 +17,6 @@ learned lag tables, padding). docs/transformers.md.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 try:
@@ -40,7 +39,7 @@ from torch import nn
 
 from . import mechanism
 from .attention import fused_attention
-from .encoding import InputError, PositionEncoding, rope_scaling_spec
+from .encoding import InputError, PositionEncoding, rope_parameters_spec
 
 __all__ = ["apply", "spec_for", "supported", "RelposAttention"]
 
@@ -51,10 +50,6 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - an old
 # The name under which the mask function below (and a guard attention function) are registered;
 # apply() sets it as the model's attention implementation, so HF builds masks with our function.
 IMPLEMENTATION = "relpos"
-
-# Whether relpos.fused_attention takes key_start (keys j < key_start[b] invisible: left padding).
-# Without it, a left-padded batch runs one kernel call per row (_padded_attention).
-_KEY_START = "key_start" in inspect.signature(fused_attention).parameters
 
 _MAX_LAG_TABLE = 1 << 20  # the kernel's longest lag table (longer lags use its last entry)
 
@@ -284,23 +279,10 @@ class RelposAttention(nn.Module):
 
 
 def _padded_attention(q, k, v, ranges, kw):
-    """The kernel over the keys ``ranges[b, 0] <= j < ranges[b, 1]`` of each row."""
+    """The kernel over the keys ``ranges[b, 0] <= j < ranges[b, 1]`` of each row (left and right
+    padding), in one call."""
     start, end = ranges[:, 0].contiguous(), ranges[:, 1].contiguous()
-    if _KEY_START:  # the kernel's own left and right padding: one call
-        return fused_attention(q, k, v, key_start=start, key_len=end, **kw)[0]
-    if not bool(start.any()):  # right padding only
-        return fused_attention(q, k, v, key_len=end, **kw)[0]
-    # left padding before key_start: one call per row over its keys (the same numbers)
-    kpos = kw.pop("k_positions")
-    outs = []
-    for b in range(q.shape[0]):
-        s, e = int(start[b]), int(end[b])
-        if e <= s:
-            outs.append(torch.zeros_like(q[b:b + 1]))
-            continue
-        outs.append(fused_attention(q[b:b + 1], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
-                                    k_positions=kpos[s:e], **kw)[0])
-    return torch.cat(outs, 0)
+    return fused_attention(q, k, v, key_start=start, key_len=end, **kw)[0]
 
 
 def _masked_attention(q, k, v, visible, qslot, kslot, kw):
@@ -488,20 +470,14 @@ def _refuse_unsupported(model_or_config) -> str:
     return model_type
 
 
-def _number(x) -> str:
-    x = float(x)
-    return str(int(x)) if x.is_integer() and abs(x) < 1e15 else repr(x)
-
-
 def spec_for(config) -> str:
     """The relpos spec of a supported model config's own position encoding: ``"alibi"`` for
     Bloom and Falcon with ``alibi=True`` (Falcon divides the slopes by sqrt(head_dim), which
-    :func:`apply` passes to the kernel: relpos's ``alibi`` has no slope scale yet); otherwise the
-    rotary term of ``config.rope_parameters`` (``rope(theta=...)``, or ``partial_rope(fraction=R/D,
-    theta=...)`` with a ``partial_rotary_factor``) plus its context-extension rule
-    (:func:`relpos.rope_scaling_spec` of the dictionary without the two keys the rotary term
-    takes; YaRN without ``factor`` gets HF's ``max_position_embeddings / original``). Raises
-    InputError for an unsupported family or rope type (HF's ``proportional``)."""
+    :func:`apply` passes to the kernel: relpos's ``alibi`` has no slope scale yet); otherwise
+    ``rope`` with ``config.rope_parameters`` applied as HF writes them
+    (:func:`relpos.rope_parameters_spec`: ``rope_theta``, ``partial_rotary_factor``, the
+    rope type's rule; the config's ``rope_theta`` when the dictionary has none). Raises InputError
+    for an unsupported family or dictionary."""
     model_type = _refuse_unsupported(config)
     if model_type == "bloom" or (model_type == "falcon" and getattr(config, "alibi", False)):
         return "alibi"
@@ -511,25 +487,8 @@ def spec_for(config) -> str:
     if any(isinstance(v, dict) for v in rope.values()):
         raise InputError(f"{type(config).__name__}: rope_parameters per layer type are not supported")
     rope = dict(rope)
-    theta = rope.pop("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
-    factor = float(rope.pop("partial_rotary_factor", 1.0) or 1.0)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rotated = int(head_dim * factor)
-    if rotated < 2 or rotated % 2:
-        raise InputError(f"partial_rotary_factor {factor:g} of head_dim {head_dim} rotates {rotated} "
-                         "dims; relpos needs a positive even number")
-    base = (f"rope(theta={_number(theta)})" if rotated == head_dim
-            else f"partial_rope(fraction={_number(rotated / head_dim)}, theta={_number(theta)})")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "proportional":
-        raise InputError("HF rope_type 'proportional' has no relpos rule yet (issue 25)")
-    max_pos = getattr(config, "max_position_embeddings", None)
-    if rope_type == "yarn" and rope.get("factor") is None and "original_max_position_embeddings" in rope:
-        rope["factor"] = max_pos / rope["original_max_position_embeddings"]  # HF's default
-    for key in [k for k, v in rope.items() if v is None]:
-        del rope[key]  # HF writes absent optional keys as null
-    term = rope_scaling_spec(rope, max_pos)
-    return f"{base} + {term}" if term else base
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    return rope_parameters_spec("rope", rope, getattr(config, "max_position_embeddings", None))
 
 
 def _neutralise(model, model_type: str) -> None:

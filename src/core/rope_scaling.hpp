@@ -76,6 +76,16 @@ std::string rope_scaling_spec(const RopeScaling& r);
 std::string rope_scaling_spec(const std::string& json_text,
                               std::optional<double> max_position_embeddings = {});
 
+// A spec with a Hugging Face rope dictionary applied, 4.x `rope_scaling` or 5.x `rope_parameters`
+// as they are (core/rope_parameters.cpp): rope_theta sets the rotary term's theta;
+// partial_rotary_factor < 1 turns rope into partial_rope(fraction) (GPT-NeoX / Phi: half-split
+// pairs over the rotary dims); rope_type proportional is partial_rope(grid=head) and a linear rule
+// for its factor; YaRN without factor takes max_pos / original (HF); the other keys are the
+// rule's term (rope_scaling_spec), appended with " + ". Conflicts with values written in the
+// spec, and keys no term reads, are InputErrors naming them.
+std::string rope_parameters_spec(const std::string& spec, const std::string& json_text,
+                                 std::optional<double> max_pos = std::nullopt);
+
 // A geometric frequency grid omega_k = theta^(-2k/dim), k = 0, 1, ...: what the RoPE-style rules
 // (NTK base changes, YaRN's correction range) are defined on. dim = 0: not a grid.
 struct FrequencyGrid {

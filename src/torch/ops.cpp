@@ -199,6 +199,36 @@ std::string rope_scaling_spec_op(const std::string& json, double max_position_em
   });
 }
 
+std::string rope_parameters_spec_op(const std::string& spec, const std::string& json,
+                                   double max_position_embeddings) {
+  return value_errors([&] {
+    std::optional<double> max_pos;
+    if (max_position_embeddings > 0) max_pos = max_position_embeddings;
+    return rope_parameters_spec(spec, json, max_pos);
+  });
+}
+
+// The rotary frequencies of a spec per complex coordinate pair [head_dim / 2] (float64), for a
+// call of context length `length` (its context-extension rule evaluated there; <= 0: the rule as
+// built), in rope's sense: pair j of a key at position p turns by +frequency_j p. Pairs no
+// rotary term covers are 0. Differs by head only through learned parameters, which it leaves out.
+torch::Tensor frequencies_op(const std::string& spec, int64_t head_dim, int64_t heads,
+                             double length) {
+  return value_errors([&] {
+    const Mechanism built = mechanism_for(spec, head_dim, heads);
+    const Mechanism m = length > 0 ? scaled_for_length(built, length) : built;
+    if (m.segments().empty())
+      throw InputError(fmt::format("frequencies: '{}' has no rotary term", m.spec));
+    auto out = torch::zeros({head_dim / 2}, torch::kDouble);
+    auto a = out.accessor<double, 1>();
+    for (const auto& s : m.segments())
+      for (int b = 0; b < s.blocks; ++b)
+        for (int r = 0; r < s.order; ++r)
+          a[s.first_pair + b * s.order + r] = -s.omega[static_cast<size_t>(b)];
+    return out;
+  });
+}
+
 std::string verify_op(const std::vector<std::string>& specs, int64_t max_lag,
                       const std::string& dtype, int64_t head_dim, int64_t heads, int64_t positions,
                       int64_t seed, int64_t layout) {
@@ -422,6 +452,10 @@ TORCH_LIBRARY(relpos, m) {
         relpos::nn::attention_factor_op);
   m.def("rope_scaling_spec(str json, float max_position_embeddings=0.) -> str",
         relpos::nn::rope_scaling_spec_op);
+  m.def("rope_parameters_spec(str spec, str json, float max_position_embeddings=0.) -> str",
+        relpos::nn::rope_parameters_spec_op);
+  m.def("frequencies(str spec, int head_dim, int heads=1, float length=0.) -> Tensor",
+        relpos::nn::frequencies_op);
   m.def(
       "verify(str[] specs, int max_lag, str dtype, int head_dim, int heads, int positions, "
       "int seed, int layout) -> str",

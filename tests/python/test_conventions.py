@@ -63,3 +63,35 @@ def test_zero_damping_and_shear_is_rope_exactly(m):
 def test_reference_names_keep_the_reference_sense():
     for alias in ("jordan_rope", "jordan_raw_tau", "jordan_exact_c010", "jordan_m3"):
         assert "direction=paper" in relpos.mechanism(alias, 24, 2)["spec"]
+
+
+def test_rope_dictionaries_as_hf_writes_them():
+    spec = relpos.rope_parameters_spec
+    assert spec("rope", {"rope_type": "default", "rope_theta": 5e5}) == "rope(theta=500000)"
+    assert spec("rope", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}) \
+        == "partial_rope(fraction=0.25, theta=10000)"
+    assert spec("rope", {"rope_type": "proportional", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                         "factor": 2.0}).startswith("partial_rope(fraction=0.5, grid=head, theta=10000) + linear(")
+    # YaRN without factor: max_position_embeddings / original (HF)
+    assert "factor=4," in spec("rope", {"rope_type": "yarn", "rope_theta": 1e4,
+                                         "original_max_position_embeddings": 1024}, 4096)
+    assert spec("rope", None) == "rope"
+    with pytest.raises(relpos.InputError, match="disagrees"):
+        spec("rope(theta=10000)", {"rope_type": "default", "rope_theta": 5e5})
+    with pytest.raises(relpos.InputError, match="applies to rope"):
+        spec("jordan(m=2)", {"rope_type": "default", "partial_rotary_factor": 0.5})
+    with pytest.raises(relpos.InputError, match="not read"):
+        spec("rope", {"rope_type": "linear", "factor": 2.0, "beta_fast": 3})
+    with pytest.raises(relpos.InputError, match="rotary term"):
+        spec("alibi", {"rope_type": "default", "rope_theta": 5e5})
+
+
+def test_frequencies_and_attention_factor_are_public():
+    f = relpos.frequencies("rope(theta=10000)", 8)
+    torch.testing.assert_close(f, 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    half = relpos.frequencies("rope + linear(factor=2)", 8)
+    torch.testing.assert_close(half, f / 2)
+    assert relpos.attention_factor("rope", 8, 100.0) == 1.0
+    assert relpos.attention_factor("rope + yarn(factor=4, original=64)", 8, 256.0) > 1.0
+    with pytest.raises(relpos.InputError, match="no rotary term"):
+        relpos.frequencies("alibi", 8)

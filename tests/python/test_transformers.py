@@ -426,8 +426,10 @@ def test_supported_and_spec_for():
     assert rt.spec_for(_config("falcon")) == "rope(theta=10000)"
     c = _config("llama")
     c.rope_parameters = {"rope_type": "proportional", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
-    with pytest.raises(relpos.InputError, match="proportional"):
-        rt.spec_for(c)
+    assert rt.spec_for(c) == "partial_rope(fraction=0.5, grid=head, theta=10000)"
+    c.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.3125}
+    with pytest.raises(relpos.InputError, match="odd"):  # 5 of 16 dims: HF's odd grid
+        relpos.PositionEncoding(rt.spec_for(c), 16, 2)
     assert "relpos" in transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
 
 
@@ -484,40 +486,25 @@ def _hf_frequencies(config, length):
 
 
 def _relpos_frequencies(spec, length):
-    """relpos's frequencies for a call of positions 0..length-1: the angles of the kernels' trig
-    table at position 1, and the attention factor at that length."""
-    pos = torch.arange(length, dtype=torch.float64)
-    cos, sin = torch.ops.relpos.trig_table(pos, 0.0, 1, spec, D, HEADS, 1, torch.float64)
-    blocks = cos.numel() // length
-    ang = torch.atan2(sin.view(length, blocks)[1], cos.view(length, blocks)[1])
-    return ang, float(torch.ops.relpos.attention_factor(spec, D, HEADS, float(length)))
+    """relpos's frequencies (relpos.frequencies, rope's sense = HF's inv_freq) and attention
+    factor for a call of positions 0..length-1."""
+    return (relpos.frequencies(spec, D, length),
+            relpos.attention_factor(spec, D, float(length)))
 
 
 def _compare(spec, config, lengths):
     for L in lengths:
         hf, hf_af = _hf_frequencies(config, L)
         ours, af = _relpos_frequencies(spec, L)
-        assert ours.shape == hf.shape, (L, ours.shape, hf.shape)
-        # HF computes the frequencies in float32
-        assert ((ours - hf).abs() / hf).max() < 2e-6, (L, ours, hf)
+        # HF lists the rotated pairs only (partial rotary); relpos every pair, the rest at 0
+        assert (ours[hf.numel():] == 0).all(), (L, ours, hf)
+        ours = ours[:hf.numel()]
+        # HF computes the frequencies in float32; the pairs that stand still are 0 in both
+        assert ((ours - hf).abs() / hf.abs().clamp_min(1e-300)).max() < 2e-6, (L, ours, hf)
         assert abs(af - hf_af) < 1e-6, (L, af, hf_af)
 
 
-_AS_IS_XFAIL = {
-    "default": "issue 25 item 1: rope_theta in the dictionary is ignored (the rope term keeps "
-               "theta=10000)",
-    "default_partial": "issue 25 item 1: partial_rotary_factor with rope_type default is dropped, "
-                       "rope_theta ignored",
-    "proportional": "issue 25 item 1: HF's proportional rope type is not supported",
-    "yarn_without_factor": "issue 25 item 1: rope_theta rejected; YaRN without factor raises "
-                           "'factor is required'",
-}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=_AS_IS_XFAIL.get(
-        k, "issue 25 item 1: HF 5.x rope_parameters carry rope_theta, which rope_scaling rejects")))
-    for k in ROPE_CASES])
+@pytest.mark.parametrize("case", list(ROPE_CASES))
 def test_relpos_reads_hf_rope_parameters_as_they_are(case):
     """The core's own reading of ``config.rope_parameters`` (``PositionEncoding(rope_scaling=...)``)."""
     params, lengths = ROPE_CASES[case]
@@ -528,10 +515,7 @@ def test_relpos_reads_hf_rope_parameters_as_they_are(case):
     _compare(enc.spec, config, lengths)
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(k, marks=pytest.mark.xfail(strict=True, reason="issue 25 item 1: HF's proportional "
-                                                                "rope type has no relpos rule"))
-    if k == "proportional" else k for k in ROPE_CASES])
+@pytest.mark.parametrize("case", list(ROPE_CASES))
 def test_spec_for_gives_hf_frequencies(case):
     """relpos.transformers.spec_for(config): the spec apply() runs for the model's own RoPE."""
     params, lengths = ROPE_CASES[case]

@@ -44,9 +44,9 @@ std::vector<std::string> with_rope_scaling(const VerifyArgs& a) {
   text << in.rdbuf();
   std::optional<double> max_pos;
   if (a.max_position_embeddings > 0) max_pos = a.max_position_embeddings;
-  const std::string term = rope_scaling_spec(text.str(), max_pos);
+  // the dictionary as HF writes it (rope_theta, partial_rotary_factor and the rule's keys)
   std::vector<std::string> out;
-  for (const auto& s : a.specs) out.push_back(term.empty() ? s : fmt::format("{} + {}", s, term));
+  for (const auto& s : a.specs) out.push_back(rope_parameters_spec(s, text.str(), max_pos));
   return out;
 }
 
