@@ -94,7 +94,12 @@ def main():
     k = torch.randn(B, H, T, D, requires_grad=True)
     gq, gk = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
     results = {}
-    for name, spec in [("rope", "rope"), ("jordan_m2", "jordan(m=2, regime=raw, eta0=0.05)")]:
+    # the eager Jordan composition turns in the paper's sense; builds with one rotation sense
+    # across the catalog need direction=paper for it (bench/compare_builds.py runs older ones too)
+    jordan_options = {o["key"] for m in relpos.mechanisms() if m["name"] == "jordan"
+                      for o in m["options"]}
+    paper = ", direction=paper" if "direction" in jordan_options else ""
+    for name, spec in [("rope", "rope"), ("jordan_m2", f"jordan(m=2, regime=raw, eta0=0.05{paper})")]:
         enc = relpos.PositionEncoding(spec, D, H, check_finite=False)  # as the C++ benchmark
         with torch.no_grad():  # varied parameters, as after training
             for p in enc.parameters():
