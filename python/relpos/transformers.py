@@ -310,8 +310,9 @@ def _masked_attention(q, k, v, visible, qslot, kslot, kw):
 # the families: how each one's attention layer projects q, k, v and finishes
 
 
-def _llama_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
-                   **kwargs):
+def _projected_forward(self, hidden_states, attention_mask, cache, kwargs, out_proj, qk_norm=None):
+    """q, k, v from separate projections (Llama-like layers), relpos attention, the output
+    projection; ``qk_norm`` normalises q and k first (Phi's q/k layer norms)."""
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     input_shape = hidden_states.shape[:-1]
@@ -319,25 +320,22 @@ def _llama_forward(self, hidden_states, position_embeddings=None, attention_mask
     q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if qk_norm is not None:
+        q, k = qk_norm(q, k)
     out = self.relpos(q, k, v, cache, self.layer_idx, kwargs.get("position_ids"), attention_mask)
     out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
-    return self.o_proj(out), None
+    return out_proj(out), None
+
+
+def _llama_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                   **kwargs):
+    return _projected_forward(self, hidden_states, attention_mask, cache, kwargs, self.o_proj)
 
 
 def _phi_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                  **kwargs):
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    if self.qk_layernorm:
-        q, k = self.q_layernorm(q), self.k_layernorm(k)
-    out = self.relpos(q, k, v, cache, self.layer_idx, kwargs.get("position_ids"), attention_mask)
-    out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
-    return self.dense(out), None
+    norm = (lambda q, k: (self.q_layernorm(q), self.k_layernorm(k))) if self.qk_layernorm else None
+    return _projected_forward(self, hidden_states, attention_mask, cache, kwargs, self.dense, norm)
 
 
 def _neox_forward(self, hidden_states, attention_mask=None, layer_past=None,

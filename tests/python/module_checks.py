@@ -74,3 +74,19 @@ def check_parameter_gradients(attn, q, k, v, x, eps=1e-6, tol=1e-6, positions=No
             p[idx] += eps
         fd = float((up - down) / (2 * eps))
         assert abs(fd - float(g[idx])) < tol * max(1.0, abs(float(g[idx]))), (p.shape, fd, float(g[idx]))
+
+
+# every mechanism of the catalog; a context-extension rule (kind "scaling") on RoPE
+CATALOG_SPECS = [m["name"] if m["kind"] != "scaling" else f"rope + {m['name']}"
+                 for m in relpos.mechanisms()]
+
+
+def head_dim_for(spec, heads, lo=8, hi=48):
+    """The smallest even head dim in [lo, hi] at which the spec builds with `heads` heads."""
+    for d in range(lo, hi + 1, 2):
+        try:
+            relpos.mechanism(spec, d, heads)
+            return d
+        except relpos.InputError:
+            pass
+    raise AssertionError(f"no head dim fits {spec}")

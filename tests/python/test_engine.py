@@ -8,23 +8,14 @@ import pytest
 import torch
 
 import relpos
+from module_checks import CATALOG_SPECS, head_dim_for
 
 # every mechanism; a context-extension rule (kind "scaling") on RoPE
-SPECS = [m["name"] if m["kind"] != "scaling" else f"rope + {m['name']}" for m in relpos.mechanisms()]
+SPECS = CATALOG_SPECS
 HQ, HK = 4, 2
 
 
-def head_dim_for(spec, lo=8, hi=48):
-    for d in range(lo, hi + 1, 2):
-        try:
-            relpos.mechanism(spec, d, HQ)
-            return d
-        except relpos.InputError:
-            pass
-    raise AssertionError(f"no head dim fits {spec}")
-
-
-DIMS = {s: head_dim_for(s) for s in SPECS}
+DIMS = {s: head_dim_for(s, HQ) for s in SPECS}
 
 
 def needs_more_than_positions(info):
@@ -251,7 +242,7 @@ def test_the_cache_refuses_per_call_centres_and_dynamic_rules():
             cases.append(f"{m['name']}(center=mid)")
     assert any("center=mid" in s for s in cases) and any(s.startswith("rope + ") for s in cases)
     for spec in cases:
-        D = head_dim_for(spec)
+        D = head_dim_for(spec, HQ)
         a = relpos.Attention(spec, D, HQ, HK).double()
         g = torch.Generator().manual_seed(1)
         q = torch.randn(1, HQ, 2, D, generator=g, dtype=torch.float64)

@@ -6,25 +6,16 @@ import pytest
 import torch
 
 import relpos
+from module_checks import CATALOG_SPECS, head_dim_for
 
-SPECS = [m["name"] if m["kind"] != "scaling" else f"rope + {m['name']}" for m in relpos.mechanisms()]
+SPECS = CATALOG_SPECS
 H, M = 2, 12  # heads (query = key/value: every mechanism runs), model_dim of the inputs
 DOCS = (5, 7, 4)  # packed document lengths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def head_dim_for(spec, lo=8, hi=48):
-    for d in range(lo, hi + 1, 2):
-        try:
-            relpos.mechanism(spec, d, H)
-            return d
-        except relpos.InputError:
-            pass
-    raise AssertionError(f"no head dim fits {spec}")
-
-
-DIMS = {s: head_dim_for(s) for s in SPECS}
+DIMS = {s: head_dim_for(s, H) for s in SPECS}
 INFO = {s: relpos.mechanism(s, DIMS[s], H) for s in SPECS}
 
 
