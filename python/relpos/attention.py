@@ -239,13 +239,33 @@ def attention(
     key_start: torch.Tensor | None = None,
     q_segments: torch.Tensor | None = None,
     k_segments: torch.Tensor | None = None,
+    tensor_layout: str = "BHTD",
 ):
     """Attention with a mechanism: ``mechanism`` is a spec string (its initial parameters, frozen),
     a :class:`PositionEncoding` built for the key/value heads (its parameters train), or None
     (no position encoding). Other arguments as :func:`fused_attention`. With grouped-query
     attention every query head uses the transform of its key/value head (the relative law needs one
-    map per scored pair). Returns ``out`` (and ``lse`` with ``return_lse``).
+    map per scored pair). ``tensor_layout="BTHD"`` takes q, k, v ``[B, T, H, D]`` (HF's and
+    flash-attention's layout) and returns ``out`` in it. Returns ``out`` (and ``lse [B, H, T]``
+    with ``return_lse``).
     """
+    if tensor_layout not in ("BHTD", "BTHD"):
+        raise InputError(f"unknown tensor layout '{tensor_layout}' (valid: BHTD, BTHD)")
+    if tensor_layout == "BTHD":
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InputError(f"{name} must be a [B, T, H, D] tensor, got {shape}")
+        if isinstance(mechanism, PositionEncoding) and mechanism.tensor_layout != "BHTD":
+            raise InputError("attention transposes BTHD inputs itself: build the encoding with "
+                             "tensor_layout='BHTD'")
+        res = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mechanism,
+                        q_positions=q_positions, k_positions=k_positions, causal=causal,
+                        window=window, key_len=key_len, scale=scale, lag_table=lag_table,
+                        slopes=slopes, cq=cq, ck=ck, pair_layout=pair_layout,
+                        return_lse=return_lse, check_finite=check_finite, key_start=key_start,
+                        q_segments=q_segments, k_segments=k_segments)
+        return (res[0].transpose(1, 2), res[1]) if return_lse else res.transpose(1, 2)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

@@ -95,3 +95,15 @@ def test_frequencies_and_attention_factor_are_public():
     assert relpos.attention_factor("rope + yarn(factor=4, original=64)", 8, 256.0) > 1.0
     with pytest.raises(relpos.InputError, match="no rotary term"):
         relpos.frequencies("alibi", 8)
+
+
+def test_attention_takes_bthd_like_the_encoding():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 9, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 9, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    want = relpos.attention(q, k, v, "rope + alibi")
+    got = relpos.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "rope + alibi",
+                           tensor_layout="BTHD")
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-13)
+    with pytest.raises(relpos.InputError, match="tensor layout"):
+        relpos.attention(q, k, v, "rope", tensor_layout="THBD")
