@@ -8,6 +8,7 @@
 #include "core/parse.hpp"
 #include "core/registry.hpp"
 #include "kernels/attention/mechanism_attention.hpp"
+#include "torch/finite.hpp"
 #include "torch/journey.hpp"
 #include "torch/linear_attention.hpp"
 #include "torch/mechanisms/content_runtime.hpp"
@@ -297,8 +298,7 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
     throw InputError("q, k, v must share one dtype");
   if (options_.check_finite)
     for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}})
-      if (!torch::isfinite(*t).all().item<bool>())
-        throw InputError(fmt::format("{} contains NaN or Inf", name));
+      if (!all_finite(*t)) throw InputError(fmt::format("{} contains NaN or Inf", name));
   // unread by most mechanisms (a model passes them to every layer), but never mismatched
   if (call.inputs.defined() && (call.inputs.dim() != 3 || call.inputs.size(0) != q.size(0) ||
                                 call.inputs.size(1) != q.size(2)))

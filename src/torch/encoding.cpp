@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/registry.hpp"
+#include "torch/finite.hpp"
 #include "torch/mechanisms/lag_runtime.hpp"
 #include "torch/transform_function.hpp"
 
@@ -304,7 +305,7 @@ torch::Tensor checked_positions(const Mechanism& m, const torch::Tensor& q, cons
     if (t->size(1) != m.heads)
       throw InputError(
           fmt::format("{} has {} heads, the encoding was built for {}", name, t->size(1), m.heads));
-    if (check_finite && !torch::isfinite(*t).all().item<bool>())
+    if (check_finite && !all_finite(*t))
       throw InputError(fmt::format("{} contains NaN or Inf", name));
   }
   if (q.sizes() != k.sizes())
