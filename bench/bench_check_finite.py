@@ -1,0 +1,57 @@
+"""The cost of PositionEncoding's default finiteness check: RoPE forward + backward with
+check_finite=True (the default) against check_finite=False, in one process, alternating rounds.
+
+    .venv/bin/python bench/bench_check_finite.py [--rounds 31] [--threads 2]
+
+Shape B=1, H=8, T=8192, D=64, float32, positions 0..T-1 (bench/bench_ops.py's). Prints the
+medians and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import relpos
+
+B, H, T, D = 1, 8, 8192, 64
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=31)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    q = torch.randn(B, H, T, D, requires_grad=True)
+    k = torch.randn(B, H, T, D, requires_grad=True)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    pos = torch.arange(T, dtype=torch.float64)
+    encs = {c: relpos.PositionEncoding("rope", D, H, check_finite=c) for c in (True, False)}
+
+    def run(enc):
+        qo, ko = enc(q, k, pos)
+        torch.autograd.backward((qo, ko), (gq, gk))
+        q.grad = k.grad = None
+
+    for enc in encs.values():
+        for _ in range(3):
+            run(enc)
+    times = {True: [], False: []}
+    for r in range(a.rounds):
+        for c in ((True, False) if r % 2 else (False, True)):
+            t0 = time.perf_counter()
+            run(encs[c])
+            times[c].append((time.perf_counter() - t0) * 1e3)
+    m = {c: statistics.median(v) for c, v in times.items()}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.rounds} alternating "
+          f"rounds: check_finite=True {m[True]:.2f} ms, False {m[False]:.2f} ms, "
+          f"ratio {m[True] / m[False]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
