@@ -90,19 +90,25 @@ struct Operands {
   kernels::AttentionDims dims;
   bool per_batch = false;
 
+  // The slot pointers of a kernel bias struct (AttentionBias, AttentionBiasGrads: one field per
+  // slot) from at<U>(slot); the per-token sums are float64 in both precisions.
+  template <class T, class S, class At>
+  static void fill_slots(S& s, At&& at) {
+    s.lag_table = at.template operator()<T>(kLagTable);
+    s.slopes = at.template operator()<T>(kSlopes);
+    s.cq = at.template operator()<double>(kCq);
+    s.ck = at.template operator()<double>(kCk);
+    s.gq = at.template operator()<T>(kGq);
+    s.gk = at.template operator()<T>(kGk);
+    s.path_q = at.template operator()<T>(kPathQ);
+    s.path_k = at.template operator()<T>(kPathK);
+    s.path_beta = at.template operator()<T>(kPathBeta);
+  }
   template <class T>
   kernels::AttentionBias<T> kernel_bias() const {
     kernels::AttentionBias<T> b;
-    b.lag_table = ptr<T>(bias[kLagTable]);
+    fill_slots<T>(b, [&]<class U>(int slot) { return ptr<U>(bias[slot]); });
     b.lag_len = bias[kLagTable].defined() ? bias[kLagTable].size(1) : 0;
-    b.slopes = ptr<T>(bias[kSlopes]);
-    b.cq = ptr<double>(bias[kCq]);
-    b.ck = ptr<double>(bias[kCk]);
-    b.gq = ptr<T>(bias[kGq]);
-    b.gk = ptr<T>(bias[kGk]);
-    b.path_q = ptr<T>(bias[kPathQ]);
-    b.path_k = ptr<T>(bias[kPathK]);
-    b.path_beta = ptr<T>(bias[kPathBeta]);
     b.path_dim = bias[kPathQ].defined() ? bias[kPathQ].size(3) : 0;
     b.path_scale = path_scale;
     return b;
@@ -111,15 +117,7 @@ struct Operands {
   template <class T>
   static kernels::AttentionBiasGrads<T> kernel_grads(Biases& g) {
     kernels::AttentionBiasGrads<T> r;
-    r.lag_table = mptr<T>(g[kLagTable]);
-    r.slopes = mptr<T>(g[kSlopes]);
-    r.cq = mptr<double>(g[kCq]);
-    r.ck = mptr<double>(g[kCk]);
-    r.gq = mptr<T>(g[kGq]);
-    r.gk = mptr<T>(g[kGk]);
-    r.path_q = mptr<T>(g[kPathQ]);
-    r.path_k = mptr<T>(g[kPathK]);
-    r.path_beta = mptr<T>(g[kPathBeta]);
+    fill_slots<T>(r, [&]<class U>(int slot) { return mptr<U>(g[slot]); });
     return r;
   }
   kernels::AttentionPositions positions() const {

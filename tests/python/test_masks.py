@@ -156,3 +156,35 @@ def test_bad_masks_raise_input_errors():
     cache = relpos.KVCache(1, 2, 8)
     with pytest.raises(relpos.InputError, match="cache"):
         attn(q, k, v, segments=torch.zeros(1, 6, dtype=torch.int64), cache=cache)
+
+
+def test_nonfinite_values_the_masks_hide_change_nothing():
+    """NaN and Inf in the left padding and in another document reach no output or gradient."""
+    g = torch.Generator().manual_seed(4)
+    B, H, T, D = 2, 2, 100, 16
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    seg = torch.tensor([[0] * 70 + [1] * 30, [3] * 100])
+    start = torch.tensor([0, 37])
+    bad_k, bad_v = k.clone(), v.clone()
+    for t in (bad_k, bad_v):
+        t[0, :, 5] = float("nan")    # document 0 of row 0: hidden from document 1
+        t[1, :, 20] = float("inf")   # left padding of row 1
+    kw = dict(key_start=start, q_segments=seg, k_segments=seg, slopes=torch.full((H,), 0.1,
+                                                                                   dtype=torch.float64))
+    seen = [(0, slice(70, T)), (1, slice(37, T))]  # the rows that see none of them
+
+    def run(kk, vv):
+        leaves = [x.clone().requires_grad_() for x in (q, kk, vv)]
+        out, _ = relpos.fused_attention(*leaves, **kw)
+        w = torch.ones_like(out)
+        grads = torch.autograd.grad((out[0, :, 70:] * w[0, :, 70:]).sum()
+                                    + (out[1, :, 37:] * w[1, :, 37:]).sum(), leaves)
+        return out, grads
+
+    clean, gclean = run(k, v)
+    dirty, gdirty = run(bad_k, bad_v)
+    for b, rows in seen:
+        torch.testing.assert_close(dirty[b, :, rows], clean[b, :, rows], rtol=0, atol=0)
+    torch.testing.assert_close(gdirty[0][0, :, 70:], gclean[0][0, :, 70:], rtol=0, atol=0)
+    torch.testing.assert_close(gdirty[0][1, :, 37:], gclean[0][1, :, 37:], rtol=0, atol=0)

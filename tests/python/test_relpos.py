@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import relpos
+from module_checks import head_dim_for
 
 # context-extension rules (kind "scaling") modify a rotary term: tested with one below
 # (rotations by vector positions are refused by the encoding: relpos.Attention runs them,
@@ -24,16 +25,6 @@ def vector_positions(name):
 SPECS = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling" and not vector_positions(m["name"])]
 
 
-def head_dim_for(spec, heads=2, lo=8, hi=48):
-    for d in range(lo, hi + 1, 2):
-        try:
-            relpos.mechanism(spec, d, heads)
-            return d
-        except relpos.InputError:
-            pass
-    raise AssertionError(f"no head dim fits {spec}")
-
-
 def jitter(enc, scale=0.2):
     with torch.no_grad():
         for p in enc.parameters():
@@ -44,7 +35,7 @@ def jitter(enc, scale=0.2):
 def test_gradcheck_every_mechanism(spec):
     """float64 gradients of the op (q, k and the kernel parameters) and of the module's raw
     parameters against finite differences."""
-    D = head_dim_for(spec)
+    D = head_dim_for(spec, 2)
     enc = relpos.PositionEncoding(spec, D, 2).double()
     jitter(enc)
     q = torch.randn(1, 2, 5, D, dtype=torch.float64, requires_grad=True)
