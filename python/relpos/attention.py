@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .encoding import InputError, PositionEncoding, _all_finite
+from .encoding import _HALF, InputError, PositionEncoding, _all_finite
 from .journey import _journey_info, journey_attention
 
 # the names of the kernel's bias slots, in the order of the op's ``biases`` list
@@ -48,7 +48,8 @@ def fused_attention(
     """Fused softmax attention; returns ``(out, lse)``.
 
     q ``[B, Hq, Tq, D]``, k and v ``[B, Hk, Tk, D]`` (Hk divides Hq: grouped-query attention),
-    float32 or float64 on the CPU. Positions ``[T]`` or ``[B, T]`` (float64 keeps them exact;
+    float32, float64, bfloat16 or float16 on the CPU (half storage: computed in float32, the output
+    in q's dtype and ``lse`` float32; docs/engine.md, "Half precision"). Positions ``[T]`` or ``[B, T]`` (float64 keeps them exact;
     default: queries are the last Tq of the Tk key positions). Key j is visible to query i when
     ``key_start[b] <= j < key_len[b]`` (left and right padding, int ``[B]``), ``p_j <= p_i``
     (causal), ``p_i - p_j < window`` (window > 0) and, for packed sequences,
@@ -270,6 +271,16 @@ def attention(
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise InputError(f"{name} must be a [B, H, T, D] tensor, got {shape}")
+    if q.dtype in _HALF and k.dtype == q.dtype and v.dtype == q.dtype:
+        # half storage: the mechanism and the kernel compute in float32, the output is stored back
+        def up(t):
+            return t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALF else t
+        res = attention(q.float(), k.float(), v.float(), mechanism, q_positions=q_positions,
+                        k_positions=k_positions, causal=causal, window=window, key_len=key_len,
+                        scale=scale, lag_table=up(lag_table), slopes=up(slopes), cq=cq, ck=ck,
+                        pair_layout=pair_layout, return_lse=return_lse, check_finite=check_finite,
+                        key_start=key_start, q_segments=q_segments, k_segments=k_segments)
+        return (res[0].to(q.dtype), res[1]) if return_lse else res.to(q.dtype)
     # meta and fake tensors (tracing) have no values to check
     if check_finite and not torch.compiler.is_compiling():
         for name, t in (("q", q), ("k", k), ("v", v)):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_attention
-from .encoding import InputError, PositionEncoding, _all_finite, _integer, _op
+from .encoding import _HALF, _STORABLE, InputError, PositionEncoding, _all_finite, _integer, _op
 from .journey import rotate_pairs
 
 class KVCache:
@@ -46,8 +46,9 @@ class KVCache:
         cap = 16 if capacity is None else _integer(capacity, "capacity")
         if cap < 0:
             raise InputError(f"KVCache: capacity must be >= 0, got {cap}")
-        if dtype not in (torch.float32, torch.float64):
-            raise InputError(f"KVCache: dtype must be torch.float32 or torch.float64, got {dtype}")
+        if dtype not in _STORABLE:
+            raise InputError("KVCache: dtype must be torch.float32, float64, bfloat16 or float16, "
+                             f"got {dtype}")
         self.dtype = dtype
         self._keys = torch.zeros(self.batch, self.num_kv_heads, cap, self.head_dim, dtype=dtype)
         self._values = torch.zeros_like(self._keys)
@@ -381,6 +382,11 @@ class Attention(nn.Module):
             got = list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
             raise InputError(f"inputs must be [B, T, model_dim] with q's B and T "
                              f"({q.shape[0]}, {q.shape[2]}), got {got}")
+        stored_as = q.dtype
+        if stored_as in _HALF:  # computed in float32 and stored back (the cache keeps half)
+            q, k, v = q.float(), k.float(), v.float()
+            if isinstance(inputs, torch.Tensor) and inputs.dtype in _HALF:
+                inputs = inputs.float()
         B, _, T, _ = q.shape
         if positions is not None and not isinstance(positions, torch.Tensor):
             raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
@@ -437,7 +443,7 @@ class Attention(nn.Module):
             if key_start is not None or segments is not None:
                 raise InputError(f"{self.spec!r}: backend favor takes no key_start or segments "
                                  "(no padding mask)")
-            return self._favor(qt, kt, vt, qpos, key_len, return_lse)
+            return self._favor(qt, kt, vt, qpos, key_len, return_lse).to(stored_as)
         extra, side = {}, []
         if self._content is not None:
             # the runtime's query-side arguments and the new keys' side tensors
@@ -454,7 +460,8 @@ class Attention(nn.Module):
             cache._append(kt, vt, qpos, counts, side)
             if phase_end is not None:
                 cache._phase = phase_end
-            kv_q, kv_k, kv_v, k_positions = qt, cache.keys, cache.values, cache.positions
+            kv_q, kv_k, kv_v, k_positions = (qt, cache.keys.to(qt.dtype), cache.values.to(qt.dtype),
+                                             cache.positions)
             klen = cache.lengths.clone()
             side = cache.content
         if self._content is not None:
@@ -472,6 +479,7 @@ class Attention(nn.Module):
                                    k_segments=segments, **extra)
         if frames is not None and self._frame_outputs:  # the output back out of the query's
             out = rotate_pairs(out, frames, inverse=True, pair_layout=self.pair_layout)
+        out = out.to(stored_as)
         return (out, lse) if return_lse else out
 
     def _favor(self, qt, kt, vt, qpos, key_len, return_lse):

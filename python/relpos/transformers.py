@@ -537,8 +537,8 @@ def apply(model, spec: str | None = None, **options):
 
     Raises InputError for an unsupported model, a mechanism the layers cannot run (content
     biases, learned frequencies, journey frames, vector positions; a learned lag table with
-    grouped-query heads), an unknown option. A model in bfloat16/float16 is refused at its first
-    forward (the kernels take float32 and float64).
+    grouped-query heads), an unknown option. bfloat16 and float16 models run with half storage
+    and float32 compute (docs/engine.md, "Half precision").
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"apply() takes a transformers model (torch.nn.Module), got "

@@ -27,8 +27,8 @@ TransformPlan TransformPlan::from(const Mechanism& m, Layout layout) {
   template <class T>                                                                               \
   void fill_trig(const TransformPlan&, Dims, const Positions&, T*, T*);                            \
   template <class T>                                                                               \
-  void forward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>,        \
-               const T*, const T*, T*, T*);                                                        \
+  int forward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>,         \
+              const T*, const T*, T*, T*, bool);                                                   \
   template <class T>                                                                               \
   void backward(const TransformPlan&, Dims, const Positions&, const Params<T>&, TrigView<T>,       \
                 const T*, const T*, const T*, const T*, T*, T*, const ParamGrads<T>&);             \
@@ -70,11 +70,11 @@ TrigTable<T> build_trig_table(const TransformPlan& plan, Dims dims, const Positi
 }
 
 template <class T>
-void transform_forward(const TransformPlan& plan, Dims dims, const Positions& pos,
-                       const Params<T>& params, TrigView<T> trig, const T* q, const T* k, T* q_out,
-                       T* k_out) {
+int transform_forward(const TransformPlan& plan, Dims dims, const Positions& pos,
+                      const Params<T>& params, TrigView<T> trig, const T* q, const T* k, T* q_out,
+                      T* k_out, bool check_outputs) {
   check_plan(plan);
-  RELPOS_ISA_DISPATCH(forward<T>, plan, dims, pos, params, trig, q, k, q_out, k_out);
+  RELPOS_ISA_DISPATCH(forward<T>, plan, dims, pos, params, trig, q, k, q_out, k_out, check_outputs);
 }
 
 template <class T>
@@ -98,8 +98,9 @@ void transform_apply(const TransformPlan& plan, Dims dims, const Positions& pos,
 #define RELPOS_INSTANTIATE(T)                                                                      \
   template TrigTable<T> build_trig_table<T>(const TransformPlan&, Dims, const Positions&);         \
   template void fill_trig_table<T>(const TransformPlan&, Dims, const Positions&, T*, T*);          \
-  template void transform_forward<T>(const TransformPlan&, Dims, const Positions&,                 \
-                                     const Params<T>&, TrigView<T>, const T*, const T*, T*, T*);   \
+  template int transform_forward<T>(const TransformPlan&, Dims, const Positions&,                  \
+                                    const Params<T>&, TrigView<T>, const T*, const T*, T*, T*,     \
+                                    bool);                                                         \
   template void transform_backward<T>(const TransformPlan&, Dims, const Positions&,                \
                                       const Params<T>&, TrigView<T>, const T*, const T*, const T*, \
                                       const T*, T*, T*, const ParamGrads<T>&);                     \

@@ -43,7 +43,9 @@ struct Positions {
   const double* data = nullptr;
   bool per_batch = false;
   double center = 0.0;
-  double at(int64_t b, int64_t t, int64_t T) const { return data[per_batch ? b * T + t : t] - center; }
+  double at(int64_t b, int64_t t, int64_t T) const {
+    return data[per_batch ? b * T + t : t] - center;
+  }
 };
 
 // Per-head, per-block parameters (the set and layout of core's BlockParamSet / ParamValues);
@@ -79,10 +81,14 @@ template <class T>
 TrigTable<T> build_trig_table(const TransformPlan& plan, Dims dims, const Positions& pos);
 
 // y = A x on keys and y = A^{-T} x on queries; either of q / k may be null. In-place allowed.
+// With `check_outputs`: returns which outputs hold a NaN or Inf (bit 0 q_out, bit 1 k_out),
+// each tile checked right after it is written, while it is in cache (no extra pass over memory);
+// a non-finite input always gives a non-finite output, so this is the callers' finiteness check.
+// Without: returns 0.
 template <class T>
-void transform_forward(const TransformPlan& plan, Dims dims, const Positions& pos,
-                       const Params<T>& params, TrigView<T> trig, const T* q, const T* k,
-                       T* q_out, T* k_out);
+int transform_forward(const TransformPlan& plan, Dims dims, const Positions& pos,
+                      const Params<T>& params, TrigView<T> trig, const T* q, const T* k, T* q_out,
+                      T* k_out, bool check_outputs = false);
 
 // Gradients: gq = A^{-1} gq_out (queries), gk = A^T gk_out (keys); parameter gradients need the
 // forward inputs q, k. Any of q/k (with their gradients) may be null.

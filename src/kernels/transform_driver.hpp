@@ -102,13 +102,17 @@ struct MapJob {
 // A^{-T} = R there, and A^T = A^{-1} = R^T), the order-2 fast path (its forward tile serves A on
 // keys and A^{-T} on queries, its backward tile without parameters the transposes), or the
 // generic map_segment of each job's role.
+//
+// With `check_outputs`, each job's output tile is checked for NaN / Inf right after it is
+// written (it is still in cache); returns the jobs with one, bit i for jobs[i] (else 0).
 template <class T, Layout LY>
-void map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
-              TrigView<T> trig, const MapJob<T>* jobs, int njobs) {
+int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
+             TrigView<T> trig, const MapJob<T>* jobs, int njobs, bool check_outputs = false) {
   const int64_t D = plan.head_dim, NB = plan.total_blocks;
   const int covered = covered_pairs(plan), span = pair_span<LY>(covered, static_cast<int>(D));
   const Tiling tiling(dims);
-#pragma omp parallel
+  int nonfinite = 0;
+#pragma omp parallel reduction(| : nonfinite)
   {
     Scratch<T> sc(plan.total_blocks);
 #pragma omp for schedule(static)
@@ -177,9 +181,8 @@ void map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const 
                 const T* coef = plain                          ? nullptr
                                 : RoleTraits<ROLE>::key_series ? sc.ck.data() + tt * s.blocks
                                                                : sc.cq.data() + tt * s.blocks;
-                map_segment<T, M, LY, ROLE>(s, span, trig.cos + trow,
-                                            trig.sin + trow, coef, n * s.blocks, jb.x + row * D,
-                                            jb.y + row * D);
+                map_segment<T, M, LY, ROLE>(s, span, trig.cos + trow, trig.sin + trow, coef,
+                                            n * s.blocks, jb.x + row * D, jb.y + row * D);
               });
             }
           }
@@ -190,19 +193,25 @@ void map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const 
           copy_uncovered<T, LY>(covered, span, static_cast<int>(D), jobs[i].x + row * D,
                                 jobs[i].y + row * D);
       }
+      if (check_outputs)
+        for (int i = 0; i < njobs; ++i)
+          if (!all_finite(jobs[i].y + (bh * dims.T + t0) * D, n * D)) nonfinite |= 1 << i;
     }
   }
+  return nonfinite;
 }
 
 // y = A x on keys and y = A^{-T} x on queries (either may be null).
+// With `check_outputs`: which outputs hold NaN / Inf, bit 0 qo, bit 1 ko.
 template <class T, Layout LY>
-void forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
-                  TrigView<T> trig, const T* q, const T* k, T* qo, T* ko) {
+int forward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
+                 TrigView<T> trig, const T* q, const T* k, T* qo, T* ko, bool check_outputs) {
   MapJob<T> jobs[2];
-  int n = 0;
-  if (q) jobs[n++] = {MapRole::Contragredient, q, qo};
-  if (k) jobs[n++] = {MapRole::Primal, k, ko};
-  map_impl<T, LY>(plan, dims, pos, P, trig, jobs, n);
+  int n = 0, bit[2] = {};
+  if (q) bit[n] = 1, jobs[n++] = {MapRole::Contragredient, q, qo};
+  if (k) bit[n] = 2, jobs[n++] = {MapRole::Primal, k, ko};
+  const int bad = map_impl<T, LY>(plan, dims, pos, P, trig, jobs, n, check_outputs);
+  return (bad & 1 ? bit[0] : 0) | (bad & 2 ? bit[1] : 0);
 }
 
 // Backward with the parameter gradients: the transposed maps and the parameter-gradient

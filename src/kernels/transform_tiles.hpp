@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "core/charts.hpp"
@@ -23,6 +25,22 @@ namespace relpos::kernels::RELPOS_ISA_NAMESPACE {
 
 constexpr int kMaxOrder = 8;
 constexpr int64_t kTrigAnchor = 32;
+
+// Whether x[0..n) holds no NaN or Inf: the exponent bits of each value, OR-reduced as integers
+// (vectorised without fast-math; a tile is checked while it is still in cache).
+template <class T>
+bool all_finite(const T* x, int64_t n) {
+  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  static_assert(sizeof(T) == sizeof(Bits) && std::numeric_limits<T>::is_iec559);
+  constexpr Bits kExp = static_cast<Bits>(sizeof(T) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
+  Bits least = kExp;  // the least (~x & kExp) seen: 0 exactly when some x is NaN or Inf
+  for (int64_t i = 0; i < n; ++i) {
+    Bits b;
+    std::memcpy(&b, x + i, sizeof b);
+    least = std::min<Bits>(least, ~b & kExp);
+  }
+  return least != 0;
+}
 
 template <Layout LY>
 struct Addr {

@@ -12,6 +12,7 @@
 #include "torch/journey.hpp"
 #include "torch/linear_attention.hpp"
 #include "torch/mechanisms/content_runtime.hpp"
+#include "torch/op_util.hpp"
 
 namespace relpos::nn {
 
@@ -49,9 +50,10 @@ std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_hea
   for (const auto& t : m.transforms) {
     if (rotation_runtime(t)) {  // frames, learned frequencies, phases: the module's runtime
       if (m.transforms.size() != 1)
-        return fmt::format("'{}': transform '{}' runs in its own runtime; it composes with bias "
-                           "terms only, not with other transforms",
-                           m.spec, t.name);
+        return fmt::format(
+            "'{}': transform '{}' runs in its own runtime; it composes with bias "
+            "terms only, not with other transforms",
+            m.spec, t.name);
       if (t.scan != PhaseScan::Exclusive)
         return fmt::format(
             "'{}': the reversed inclusive scan reads later tokens (the reference code's leak); "
@@ -99,8 +101,8 @@ DecodeCache::DecodeCache(int64_t batch, int64_t kv_heads, int64_t head_dim, torc
     if (v < 1) throw InputError(fmt::format("DecodeCache: {} must be >= 1, got {}", name, v));
   if (capacity < 0)
     throw InputError(fmt::format("DecodeCache: capacity must be >= 0, got {}", capacity));
-  if (dtype != torch::kFloat && dtype != torch::kDouble)
-    throw InputError("DecodeCache: the dtype must be float32 or float64");
+  if (!op_util::storable(dtype))
+    throw InputError("DecodeCache: the dtype must be float32, float64, bfloat16 or float16");
   keys_ = torch::zeros({batch, kv_heads, capacity, head_dim}, dtype);
   values_ = torch::zeros_like(keys_);
   positions_ = torch::zeros({batch, capacity}, torch::kDouble);
@@ -139,7 +141,8 @@ void DecodeCache::check(const torch::Tensor& k) const {
         "the cache holds batch {}, {} key/value heads of dim {}; this call has batch {}, {} heads "
         "of dim {}",
         keys_.size(0), keys_.size(1), keys_.size(3), k.size(0), k.size(1), k.size(3)));
-  if (k.scalar_type() != keys_.scalar_type())
+  // (half keys also arrive in float32 from the module, which computes in float32)
+  if (!op_util::goes_with(k.scalar_type(), keys_.scalar_type()))
     throw InputError(fmt::format("the cache holds {}; this call is {}",
                                  c10::toString(keys_.scalar_type()),
                                  c10::toString(k.scalar_type())));
@@ -242,13 +245,12 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
     if (options.window > 0)
       throw InputError(fmt::format("'{}': backend favor has no sliding window", m.spec));
     if (options.features < 0)
-      throw InputError(fmt::format("features must be >= 0 (0: 4 x head dim), got {}",
-                                   options.features));
+      throw InputError(
+          fmt::format("features must be >= 0 (0: 4 x head dim), got {}", options.features));
     favor_projection_ = register_buffer(
-        "favor_projection",
-        random_projection(options.features ? options.features : 4 * head_dim, head_dim, true,
-                          options.feature_seed)
-            .to(torch::kFloat));
+        "favor_projection", random_projection(options.features ? options.features : 4 * head_dim,
+                                              head_dim, true, options.feature_seed)
+                                .to(torch::kFloat));
   } else if (options.backend != "softmax") {
     throw InputError(
         fmt::format("backend must be softmax or favor, got '{}'", brief(options.backend)));
@@ -257,8 +259,8 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
         "features and feature_seed are options of backend favor; this module is backend softmax");
   }
   if (favor_projection_.defined())  // the features' prefix sums are not kept between calls
-    cache_refusal_ = fmt::format(
-        "'{}': backend favor has no decode cache; decode with backend softmax", m.spec);
+    cache_refusal_ =
+        fmt::format("'{}': backend favor has no decode cache; decode with backend softmax", m.spec);
   else if (!options.causal)  // a cached token would never see the later keys its full forward sees
     cache_refusal_ = fmt::format(
         "'{}': a cache decodes causal attention; this module is non-causal (causal = false)",
@@ -302,8 +304,9 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
   // unread by most mechanisms (a model passes them to every layer), but never mismatched
   if (call.inputs.defined() && (call.inputs.dim() != 3 || call.inputs.size(0) != q.size(0) ||
                                 call.inputs.size(1) != q.size(2)))
-    throw InputError(fmt::format("inputs must be [B, T, model_dim] with q's B and T ({}, {}), got {}",
-                                 q.size(0), q.size(2), shape_of(call.inputs)));
+    throw InputError(
+        fmt::format("inputs must be [B, T, model_dim] with q's B and T ({}, {}), got {}", q.size(0),
+                    q.size(2), shape_of(call.inputs)));
   if (rotation_ && rotation_->vector_positions() && !call.positions.defined())
     throw InputError(fmt::format(
         "'{}' rotates by vector positions: pass positions [T, {}] or [B, T, {}] (the kernel's "
@@ -311,9 +314,9 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
         mechanism().spec, rotation_->vector_dims, rotation_->vector_dims));
   if (favor_projection_.defined() &&
       (call.key_len.defined() || call.key_start.defined() || call.segments.defined()))
-    throw InputError(fmt::format(
-        "'{}': backend favor takes no key_len, key_start or segments (no padding mask)",
-        mechanism().spec));
+    throw InputError(
+        fmt::format("'{}': backend favor takes no key_len, key_start or segments (no padding mask)",
+                    mechanism().spec));
   if (call.key_start.defined() && rotation_ && rotation_->time == TimeSource::ContentPhase)
     throw InputError(fmt::format(
         "'{}': its per-token phases are scanned along the row and would run through the left "
@@ -358,6 +361,20 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const AttentionCall& call) {
   check(q, k, v, call);
+  if (op_util::is_half(q.scalar_type())) {
+    // half storage: the mechanism and the kernel compute in float32, the output is stored back
+    // (a cache keeps its half keys and values)
+    AttentionCall c = call;
+    if (c.inputs.defined() && op_util::is_half(c.inputs.scalar_type()))
+      c.inputs = c.inputs.to(torch::kFloat);
+    const auto up = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
+    return computed(up(q), up(k), up(v), c).to(q.scalar_type());
+  }
+  return computed(q, k, v, call);
+}
+
+torch::Tensor AttentionImpl::computed(const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v, const AttentionCall& call) {
   if (call.cache || content_ || rotation_ || favor_projection_.defined())
     return assembled(q, k, v, call);
   AttentionArgs a;
@@ -403,10 +420,9 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   torch::Tensor qt = q, kt = k, vt = v, frames;
   torch::Tensor phase_end;
   if (rotation_) {
-    const Rotated r =
-        rotate_learned(*rotation_, rotation_params_,
-                       {call.inputs, q, k, vector ? call.positions : pos,
-                        cache ? cache->phase() : torch::Tensor(), options_.layout});
+    const Rotated r = rotate_learned(*rotation_, rotation_params_,
+                                     {call.inputs, q, k, vector ? call.positions : pos,
+                                      cache ? cache->phase() : torch::Tensor(), options_.layout});
     qt = r.q;
     kt = r.k;
     phase_end = r.phase_end;
@@ -451,8 +467,8 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
     if (phase_end.defined()) cache->set_phase(phase_end);
     a.k_positions = cache->positions();
     a.key_len = cache->lengths().clone();
-    kt = cache->keys();
-    vt = cache->values();
+    kt = cache->keys().to(qt.scalar_type());
+    vt = cache->values().to(qt.scalar_type());
     if (content_) content = cache->content();
   } else {
     a.k_positions = pos;
@@ -469,13 +485,13 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
         num_heads_ == m.heads
             ? alibi->slopes
             : build_mechanism(m.spec, m.head_dim, static_cast<int>(num_heads_)).alibi()->slopes;
-    a.slopes = torch::tensor(s, torch::kDouble).to(q.scalar_type());
+    a.slopes = torch::tensor(s, torch::kDouble).to(op_util::compute_type(q.scalar_type()));
   }
   if (encoding->has_lag_table()) {  // (one row per head: no GQA, attention_refusal)
     const double span = (pos.max() - a.k_positions.min()).item<double>();
     const int64_t len = static_cast<int64_t>(
         std::clamp(std::ceil(span), 0.0, static_cast<double>(kernels::kMaxLagTable)) + 1);
-    a.lag_table = encoding->lag_table(len).to(q.scalar_type());
+    a.lag_table = encoding->lag_table(len).to(op_util::compute_type(q.scalar_type()));
   }
   auto out = fused_attention(qt, kt, vt, a)[0];
   if (frames.defined() && rotation_->roles.outputs)

@@ -87,7 +87,7 @@ struct AttentionCall {
   // int64 [B, T]: packed sequences, a document id per token (each document one contiguous run
   // of its row); a key is visible only to the queries of its document. Not with a cache.
   torch::Tensor segments = {};
-  torch::Tensor inputs = {};   // the layer's hidden states [B, T, model_dim] (content biases)
+  torch::Tensor inputs = {};  // the layer's hidden states [B, T, model_dim] (content biases)
   DecodeCache* cache = nullptr;
 };
 
@@ -105,6 +105,9 @@ class AttentionImpl : public torch::nn::Module {
  private:
   void check(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
              const AttentionCall& call) const;
+  // forward after check(), in the compute dtype
+  torch::Tensor computed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const AttentionCall& call);
   // the transforms and biases assembled here (not in nn::attention): with a cache, or with a
   // content bias
   torch::Tensor assembled(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -114,7 +117,7 @@ class AttentionImpl : public torch::nn::Module {
   std::optional<std::string> cache_refusal_;
   const BiasTerm* content_ = nullptr;          // the content-dependent bias term, if any
   std::vector<torch::Tensor> content_params_;  // its parameters (registered on this module)
-  const TransformTerm* rotation_ = nullptr;     // a transform with learned frequencies, if any
+  const TransformTerm* rotation_ = nullptr;    // a transform with learned frequencies, if any
   std::vector<torch::Tensor> rotation_params_;
   torch::Tensor favor_projection_;  // backend favor: W [m, D]
 };

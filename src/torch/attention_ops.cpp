@@ -25,9 +25,12 @@ namespace relpos::nn {
 
 namespace {
 
+using op_util::compute_type;
+using op_util::computed;
 using op_util::mptr;
 using op_util::output_like;
 using op_util::ptr;
+using op_util::stored;
 using op_util::value_errors;
 using OptTensor = c10::optional<torch::Tensor>;
 using torch::autograd::AutogradContext;
@@ -157,8 +160,9 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     if (t->dim() != 4)
       throw InputError(
           fmt::format("attention: {} must be [B, H, T, D], got {}", name, shape_of(*t)));
-    if (t->scalar_type() != torch::kFloat && t->scalar_type() != torch::kDouble)
-      throw InputError(fmt::format("attention: {} must be float32 or float64", name));
+    if (!op_util::storable(t->scalar_type()))
+      throw InputError(
+          fmt::format("attention: {} must be float32, float64, bfloat16 or float16", name));
     if (!t->device().is_cpu())
       throw InputError(fmt::format("attention: {} must be on the CPU", name));
   }
@@ -180,9 +184,9 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   if (!(scale >= 0) || std::isinf(scale))
     throw InputError("attention: scale must be >= 0 (0: 1/sqrt(D))");
   Operands o;
-  o.q = q.contiguous();
-  o.k = k.contiguous();
-  o.v = v.contiguous();
+  o.q = computed(q);  // half storage: computed in float32
+  o.k = computed(k);
+  o.v = computed(v);
   o.dims = {B, Hq, Hk, Tq, Tk, D};
   o.q_pos = attention_positions(get(q_pos), B, Tq, "q_positions");
   o.k_pos = attention_positions(get(k_pos), B, Tk, "k_positions");
@@ -197,16 +201,16 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     if (t.dim() != 2 || t.size(0) != Hq || t.size(1) < 1)
       throw InputError(
           fmt::format("attention: lag_table must be [{}, L] with L >= 1, got {}", Hq, shape_of(t)));
-    if (t.scalar_type() != q.scalar_type())
-      throw InputError("attention: lag_table must have q's dtype");
-    o.bias[kLagTable] = t.contiguous();
+    if (!op_util::goes_with(t.scalar_type(), q.scalar_type()))
+      throw InputError("attention: lag_table must have q's dtype (or float32 beside half q)");
+    o.bias[kLagTable] = computed(t);
   }
   if (auto t = in[kSlopes]; t.defined()) {
     if (t.dim() != 1 || t.size(0) != Hq)
       throw InputError(fmt::format("attention: slopes must be [{}], got {}", Hq, shape_of(t)));
-    if (t.scalar_type() != q.scalar_type())
-      throw InputError("attention: slopes must have q's dtype");
-    o.bias[kSlopes] = t.contiguous();
+    if (!op_util::goes_with(t.scalar_type(), q.scalar_type()))
+      throw InputError("attention: slopes must have q's dtype (or float32 beside half q)");
+    o.bias[kSlopes] = computed(t);
   }
   const auto tcq = in[kCq], tck = in[kCk];
   if (tcq.defined() != tck.defined())
@@ -261,9 +265,10 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     if (t.sizes() != torch::IntArrayRef(shape))
       throw InputError(fmt::format("attention: {} must be [{}], got {}", name,
                                    fmt::join(shape, ", "), shape_of(t)));
-    if (t.scalar_type() != q.scalar_type())
-      throw InputError(fmt::format("attention: {} must have q's dtype", name));
-    return t.contiguous();
+    if (!op_util::goes_with(t.scalar_type(), q.scalar_type()))
+      throw InputError(
+          fmt::format("attention: {} must have q's dtype (or float32 beside half q)", name));
+    return computed(t);
   };
   o.bias[kGq] = per_token(in[kGq], {B, Hq, Tq}, "gq");
   o.bias[kGk] = per_token(in[kGk], {B, Hq, Tk}, "gk");
@@ -296,13 +301,14 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
     const auto o =
         prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments}, biases, c);
     const auto& d = o.dims;
+    // lse stays in the compute dtype: the backward and merges of partial results need it exact
     auto out = output_like(o.q);
     auto lse = torch::empty({d.B, d.Hq, d.Tq}, o.q.options());
-    if (out.numel() == 0) return std::make_tuple(out, lse);
+    if (out.numel() == 0) return std::make_tuple(stored(out, q.scalar_type()), lse);
     if (d.Tk == 0) {  // no key at all: every row is empty
       out.zero_();
       lse.fill_(-std::numeric_limits<double>::infinity());
-      return std::make_tuple(out, lse);
+      return std::make_tuple(stored(out, q.scalar_type()), lse);
     }
     AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention", [&] {
       kernels::attention_forward<scalar_t>(d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(),
@@ -310,7 +316,7 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
                                            o.kernel_bias<scalar_t>(), o.options(c),
                                            out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
     });
-    return std::make_tuple(out, lse);
+    return std::make_tuple(stored(out, q.scalar_type()), lse);
   });
 }
 
@@ -333,11 +339,13 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
     const auto o =
         prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments}, biases, c);
     const auto& d = o.dims;
-    const auto out = out_in.contiguous(), lse = lse_in.contiguous();
-    const auto dout = grad_out.defined() ? grad_out.contiguous() : torch::zeros_like(out);
+    const auto out = computed(out_in), lse = lse_in.contiguous();
+    const auto dout = grad_out.defined() ? computed(grad_out) : torch::zeros_like(out);
     // lse is differentiable: its gradient (when lse was used) enters the kernel's Delta
-    const auto dlse = grad_lse && grad_lse->defined() ? grad_lse->contiguous() : torch::Tensor();
+    const auto dlse = grad_lse && grad_lse->defined() ? computed(*grad_lse) : torch::Tensor();
     if (dout.sizes() != out.sizes() || lse.sizes() != torch::IntArrayRef({d.B, d.Hq, d.Tq}) ||
+        lse.scalar_type() != o.q.scalar_type() || out.scalar_type() != o.q.scalar_type() ||
+        dout.scalar_type() != o.q.scalar_type() ||
         (dlse.defined() &&
          (dlse.sizes() != lse.sizes() || dlse.scalar_type() != lse.scalar_type())))
       throw InputError("attention backward: grad_out, out, lse or grad_lse does not match q");
@@ -361,11 +369,13 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
             dlse.defined() ? dlse.data_ptr<scalar_t>() : nullptr);
       });
     }
-    // per-token gradients back in the caller's dtype (the kernel takes them in float64)
+    // every gradient back in its operand's dtype (the kernel takes the per-token sums in float64
+    // and half storage in float32)
     const Biases in = unpack(biases);
-    for (int i : {kCq, kCk})
-      if (db[i].numel()) db[i] = db[i].to(in[i].scalar_type());
-    return Grads{dq, dk, dv, std::vector<torch::Tensor>(db.begin(), db.end())};
+    for (int i = 0; i < kSlots; ++i)
+      if (db[i].numel()) db[i] = stored(db[i], in[i].scalar_type());
+    return Grads{stored(dq, q.scalar_type()), stored(dk, k.scalar_type()),
+                 stored(dv, v.scalar_type()), std::vector<torch::Tensor>(db.begin(), db.end())};
   });
 }
 
@@ -376,7 +386,8 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_meta(
     const OptTensor&, const OptTensor&, bool, double, const OptTensor&, double, bool, double,
     const OptTensor&, const OptTensor&, const OptTensor&) {
   return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
-          torch::empty({q.size(0), q.size(1), q.size(2)}, q.options())};
+          torch::empty({q.size(0), q.size(1), q.size(2)},
+                       q.options().dtype(compute_type(q.scalar_type())))};
 }
 
 Grads fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q,
@@ -483,6 +494,21 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_autograd(
     const OptTensor& q_pos, const OptTensor& k_pos, bool causal, double window,
     const OptTensor& key_len, double scale, bool exclude_self, double path_scale,
     const OptTensor& key_start, const OptTensor& q_segments, const OptTensor& k_segments) {
+  if (op_util::is_half(q.scalar_type()) && k.scalar_type() == q.scalar_type() &&
+      v.scalar_type() == q.scalar_type()) {
+    // half storage under autograd: the graph keeps the float32 copies the kernel reads (the
+    // backward reads them again instead of converting the half tensors a second time) and
+    // rounds the output once
+    const auto up = [](const torch::Tensor& t) {
+      return t.defined() && op_util::is_half(t.scalar_type()) ? t.to(torch::kFloat) : t;
+    };
+    BiasList ub;
+    for (const OptTensor& t : biases) ub.push_back(t ? OptTensor(up(*t)) : t);
+    auto [out, lse] = fused_attention_autograd(up(q), up(k), up(v), ub, q_pos, k_pos, causal,
+                                               window, key_len, scale, exclude_self, path_scale,
+                                               key_start, q_segments, k_segments);
+    return {out.to(q.scalar_type()), lse};
+  }
   const Biases b = value_errors([&] { return unpack(biases); });
   NonDifferentiable n{{},
                       get(q_pos),

@@ -2,11 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/registry.hpp"
 #include "torch/finite.hpp"
 #include "torch/mechanisms/lag_runtime.hpp"
+#include "torch/op_util.hpp"
 #include "torch/transform_function.hpp"
 
 namespace relpos::nn {
@@ -125,9 +127,10 @@ LagParamValues PositionEncodingImpl::lag_values() const {
 
 KernelParams schema_kernel_params(const Mechanism& m, const std::vector<torch::Tensor>& schema) {
   if (schema.size() != 4 * m.params.size())
-    throw InputError(fmt::format("'{}': {} schema tensors given, the mechanism has {} ({} x raw, "
-                                 "fixed, bound, learn)",
-                                 m.spec, schema.size(), 4 * m.params.size(), m.params.size()));
+    throw InputError(
+        fmt::format("'{}': {} schema tensors given, the mechanism has {} ({} x raw, "
+                    "fixed, bound, learn)",
+                    m.spec, schema.size(), 4 * m.params.size(), m.params.size()));
   KernelParams p;
   for (size_t i = 0; i < m.params.size(); ++i) {
     const ParamSpec& ps = m.params[i];
@@ -296,8 +299,8 @@ torch::Tensor checked_positions(const Mechanism& m, const torch::Tensor& q, cons
     if (!t->defined()) throw InputError(fmt::format("{} is undefined", name));
     if (t->dim() != 4)
       throw InputError(fmt::format("{} must be [B, H, T, D], got [{}]", name, shape_str(*t)));
-    if (t->scalar_type() != torch::kFloat && t->scalar_type() != torch::kDouble)
-      throw InputError(fmt::format("{} must be float32 or float64", name));
+    if (!op_util::storable(t->scalar_type()))
+      throw InputError(fmt::format("{} must be float32, float64, bfloat16 or float16", name));
     if (!t->device().is_cpu()) throw InputError(fmt::format("{} must be on the CPU", name));
     if (t->size(3) != m.head_dim)
       throw InputError(fmt::format("{} has head dim {}, the encoding was built for {}", name,
@@ -316,7 +319,13 @@ torch::Tensor checked_positions(const Mechanism& m, const torch::Tensor& q, cons
 PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& q,
                                                            const torch::Tensor& k,
                                                            const torch::Tensor& positions) {
-  const auto pos = checked_positions(mech_, q, k, positions, options_.check_finite);
+  // with a position term the transform kernel checks finiteness on its outputs, which every
+  // non-finite input reaches (fixed maps carry a NaN or Inf along its row): no extra pass
+  const bool kernel_checks =
+      std::any_of(mech_.transforms.begin(), mech_.transforms.end(),
+                  [](const TransformTerm& t) { return t.position_driven(); });
+  const auto pos =
+      checked_positions(mech_, q, k, positions, options_.check_finite && !kernel_checks);
   if (!mech_.has_transform() || q.numel() == 0) return {q, k};
   for (const auto& t : mech_.transforms)
     if (t.vector_positions())
@@ -329,18 +338,20 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
           "{}: term '{}' is driven by per-token angles, not positions: call nn::attention with "
           "the content frames (AttentionArgs::k_frame) instead of the encoding",
           mech_.spec, t.name));
-  // the terms in spec order: fixed maps as matrix products, the position term by the kernels
-  torch::Tensor qq = q, kk = k;
+  // the terms in spec order: fixed maps as matrix products, the position term by the kernels;
+  // half storage computes every term in float32 and rounds once at the end
+  const auto ct = op_util::compute_type(q.scalar_type());
+  torch::Tensor qq = q.to(ct), kk = k.to(ct);
   size_t fixed = 0;
   for (const auto& t : mech_.transforms) {
     if (t.position_driven()) {
-      auto out = position_forward(qq, kk, positions, pos);
+      auto out = position_forward(qq, kk, positions, pos, options_.check_finite);
       qq = out.q;
       kk = out.k;
     } else {
       const auto& [M, Mit] = fixed_maps_[fixed++];
-      qq = torch::matmul(qq, Mit.to(q.scalar_type()).t());
-      kk = torch::matmul(kk, M.to(q.scalar_type()).t());
+      qq = torch::matmul(qq, Mit.to(ct).t());
+      kk = torch::matmul(kk, M.to(ct).t());
     }
   }
   // a context-extension rule's attention factor on q and k (logits scale by its square); its
@@ -349,13 +360,14 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
     qq = qq * af;
     kk = kk * af;
   }
-  return {qq, kk};
+  return {qq.to(q.scalar_type()), kk.to(k.scalar_type())};
 }
 
 PositionEncodingImpl::Output PositionEncodingImpl::position_forward(const torch::Tensor& q,
                                                                     const torch::Tensor& k,
                                                                     const torch::Tensor& positions,
-                                                                    const torch::Tensor& pos) {
+                                                                    const torch::Tensor& pos,
+                                                                    bool check_finite) {
   auto kp = kernel_params();
   const auto dt = q.scalar_type();
   check_exponent_range(dt);
@@ -369,10 +381,15 @@ PositionEncodingImpl::Output PositionEncodingImpl::position_forward(const torch:
   if (!hit)
     c = {pos.clone(), center, dt,
          trig_table(mech_, options_.layout, pos.dim() == 2 ? q.size(0) : 1, pos, center, dt)};
-  const auto out = transform_qk(mech_, options_.layout, q, k,
-                                {kp.gamma.to(dt), kp.eta.to(dt), kp.gates.to(dt), kp.alpha0.to(dt)},
-                                pos, center, c.table);
-  return {out[0], out[1]};
+  try {
+    const auto out =
+        transform_qk(mech_, options_.layout, q, k,
+                     {kp.gamma.to(dt), kp.eta.to(dt), kp.gates.to(dt), kp.alpha0.to(dt)}, pos,
+                     center, c.table, check_finite);
+    return {out[0], out[1]};
+  } catch (const c10::ValueError& e) {  // the kernel's finiteness check, as the module's error
+    throw InputError(e.what_without_backtrace());
+  }
 }
 
 void PositionEncodingImpl::check_exponent_range(torch::ScalarType dt) const {

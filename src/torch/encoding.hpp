@@ -23,7 +23,7 @@ struct EncodingWarnings {
 
 struct EncodingOptions {
   Layout layout = Layout::Interleaved;
-  bool check_finite = true;  // reject NaN / Inf inputs with an error (one extra pass over q, k)
+  bool check_finite = true;  // reject NaN / Inf inputs with an error (checked by the kernel)
 };
 
 // Parameters as the kernels see them (differentiable functions of the raw parameters):
@@ -52,7 +52,7 @@ class PositionEncodingImpl : public torch::nn::Module {
                  const torch::Tensor& positions = {});
 
   KernelParams kernel_params() const;  // schema_kernel_params over this module's tensors
-  ParamValues param_values() const;  // float64 snapshot of kernel_params()
+  ParamValues param_values() const;    // float64 snapshot of kernel_params()
   // ALiBi slopes [H] (undefined tensor when the mechanism has no ALiBi term).
   torch::Tensor alibi_slopes() const;
   // The learned lag table b_h(d), d = 0..len-1, float64 [H, len], differentiable in its
@@ -83,7 +83,8 @@ class PositionEncodingImpl : public torch::nn::Module {
   kernels::TransformPlan plan_;
   EncodingOptions options_;
   Output position_forward(const torch::Tensor& q, const torch::Tensor& k,
-                          const torch::Tensor& positions, const torch::Tensor& pos);
+                          const torch::Tensor& positions, const torch::Tensor& pos,
+                          bool check_finite);
   // the tensors of each parameter of the mechanism's schema (core ParamSpec)
   struct SchemaTensors {
     size_t index = 0;  // into mechanism().params

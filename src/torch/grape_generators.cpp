@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/types.hpp"
+#include "torch/op_util.hpp"
 
 namespace relpos::nn {
 
@@ -93,8 +94,8 @@ void require(bool ok, const std::string& what) {
 
 void require_float(const torch::Tensor& t, const char* fn, const char* name) {
   require(t.defined(), fmt::format("{}: {} is undefined", fn, name));
-  require(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kDouble,
-          fmt::format("{}: {} must be float32 or float64", fn, name));
+  require(op_util::storable(t.scalar_type()),
+          fmt::format("{}: {} must be float32, float64, bfloat16 or float16", fn, name));
 }
 
 void require_x(const torch::Tensor& x, const char* fn) {
@@ -115,7 +116,7 @@ torch::Tensor positions_as(const torch::Tensor& positions, const torch::Tensor& 
 
 torch::ScalarType coefficient_dtype(std::initializer_list<torch::Tensor> params,
                                     const torch::Tensor& positions) {
-  auto ct = params.begin()->scalar_type();
+  auto ct = torch::kFloat;  // half parameters: coefficients in float32
   for (const auto& p : params) ct = c10::promoteTypes(ct, p.scalar_type());
   if (c10::isFloatingType(positions.scalar_type()))
     ct = c10::promoteTypes(ct, positions.scalar_type());
@@ -129,11 +130,12 @@ std::vector<torch::Tensor> rodrigues_s(const torch::Tensor& w) {
   return RodriguesSFunction::apply(w);
 }
 
-torch::Tensor rodrigues_rotate(const torch::Tensor& x, const torch::Tensor& a,
+torch::Tensor rodrigues_rotate(const torch::Tensor& x_in, const torch::Tensor& a,
                                const torch::Tensor& b, const torch::Tensor& omega,
                                const torch::Tensor& positions, bool inverse) {
   const char* fn = "rodrigues_rotate";
-  require_x(x, fn);
+  require_x(x_in, fn);
+  const auto x = op_util::computed(x_in);  // half storage: mixed in float32
   require_float(a, fn, "a");
   require_float(b, fn, "b");
   require_float(omega, fn, "omega");
@@ -164,7 +166,7 @@ torch::Tensor rodrigues_rotate(const torch::Tensor& x, const torch::Tensor& a,
   const auto u = torch::matmul(x, ax), v = torch::matmul(x, bx);  // [B, H, T, 1]
   const auto ca = f1 * v + f2 * (ga * v - be * u);
   const auto cb = f2 * (ga * u - al * v) - f1 * u;
-  return x + ca * ax.view({1, Ha, 1, D}) + cb * bx.view({1, Ha, 1, D});
+  return (x + ca * ax.view({1, Ha, 1, D}) + cb * bx.view({1, Ha, 1, D})).to(x_in.scalar_type());
 }
 
 torch::Tensor orthogonal_basis(const torch::Tensor& W, bool use_exp) {
@@ -184,10 +186,11 @@ torch::Tensor thin_basis(const torch::Tensor& W, int64_t r, bool use_exp) {
   return orthogonal_basis(W, use_exp).narrow(-1, 0, r);
 }
 
-torch::Tensor basis_rotate(const torch::Tensor& x, const torch::Tensor& E, const torch::Tensor& cos,
-                           const torch::Tensor& sin, bool inverse) {
+torch::Tensor basis_rotate(const torch::Tensor& x_in, const torch::Tensor& E,
+                           const torch::Tensor& cos, const torch::Tensor& sin, bool inverse) {
   const char* fn = "basis_rotate";
-  require_x(x, fn);
+  require_x(x_in, fn);
+  const auto x = op_util::computed(x_in);  // half storage: mixed in float32
   require_float(E, fn, "E");
   const int64_t H = x.size(1), D = x.size(3);
   require(D % 2 == 0, fmt::format("{}: D must be even, got {}", fn, D));
@@ -200,13 +203,14 @@ torch::Tensor basis_rotate(const torch::Tensor& x, const torch::Tensor& E, const
   const auto y1 = y.narrow(-1, 0, D / 2), y2 = y.narrow(-1, D / 2, D / 2);
   const auto c = cos.to(x.scalar_type()), s = (inverse ? -sin : sin).to(x.scalar_type());
   const auto z = torch::cat({y1 * c - y2 * s, y1 * s + y2 * c}, -1);
-  return torch::matmul(z, Et.transpose(-1, -2));
+  return (torch::matmul(z, Et.transpose(-1, -2))).to(x_in.scalar_type());
 }
 
-torch::Tensor thin_rotate(const torch::Tensor& x, const torch::Tensor& E_r, const torch::Tensor& M,
-                          const torch::Tensor& positions, bool inverse) {
+torch::Tensor thin_rotate(const torch::Tensor& x_in, const torch::Tensor& E_r,
+                          const torch::Tensor& M, const torch::Tensor& positions, bool inverse) {
   const char* fn = "thin_rotate";
-  require_x(x, fn);
+  require_x(x_in, fn);
+  const auto x = op_util::computed(x_in);  // half storage: mixed in float32
   require_float(E_r, fn, "E_r");
   require_float(M, fn, "M");
   const int64_t H = x.size(1), D = x.size(3);
@@ -226,7 +230,7 @@ torch::Tensor thin_rotate(const torch::Tensor& x, const torch::Tensor& E_r, cons
   const auto Ex = E_r.to(x.scalar_type());
   const auto y = torch::matmul(x, Ex);                           // [B, H, T, r]: E_r^T x
   const auto z = torch::matmul(K, y.unsqueeze(-1)).squeeze(-1);  // (exp(n L_r) - I) E_r^T x
-  return x + torch::matmul(z, Ex.transpose(-1, -2));
+  return (x + torch::matmul(z, Ex.transpose(-1, -2))).to(x_in.scalar_type());
 }
 
 torch::Tensor thin_generator_init(int64_t r, double base, int64_t D, torch::ScalarType dtype) {

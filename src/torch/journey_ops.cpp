@@ -30,13 +30,17 @@ Checked check(const torch::Tensor& x, const torch::Tensor& cos, const torch::Ten
       throw InputError(fmt::format("rotate_pairs: {} must be [B, T, P] or [T, P]", name));
     if (!t->device().is_cpu())
       throw InputError(fmt::format("rotate_pairs: {} must be on the CPU", name));
-    if (t->scalar_type() != x.scalar_type())
-      throw InputError(fmt::format("rotate_pairs: {} must have x's dtype", name));
+    if (t->scalar_type() != x.scalar_type() &&
+        t->scalar_type() != op_util::compute_type(x.scalar_type()))
+      throw InputError(
+          fmt::format("rotate_pairs: {} must have x's dtype (or float32 for a "
+                      "bfloat16/float16 x)",
+                      name));
   }
   if (cos.sizes() != sin.sizes()) throw InputError("rotate_pairs: cos and sin differ in shape");
   if (!x.device().is_cpu()) throw InputError("rotate_pairs: x must be on the CPU");
-  if (x.scalar_type() != torch::kFloat && x.scalar_type() != torch::kDouble)
-    throw InputError("rotate_pairs: x must be float32 or float64");
+  if (!op_util::storable(x.scalar_type()))
+    throw InputError("rotate_pairs: x must be float32, float64, bfloat16 or float16");
   const auto c = cos.dim() == 2 ? cos.unsqueeze(0) : cos;
   const auto s = sin.dim() == 2 ? sin.unsqueeze(0) : sin;
   const int64_t B = x.size(0), T = x.size(2), D = x.size(3);
@@ -45,7 +49,7 @@ Checked check(const torch::Tensor& x, const torch::Tensor& cos, const torch::Ten
         fmt::format("rotate_pairs: angles {} do not fit x {} (need [B or 1, T, P] with 2 P <= D)",
                     c10::str(cos.sizes()), c10::str(x.sizes())));
   if (D % 2) throw InputError(fmt::format("rotate_pairs: head dim {} is odd", D));
-  return {x.contiguous(), c.contiguous(), s.contiguous(),
+  return {op_util::computed(x), op_util::computed(c), op_util::computed(s),
           kernels::RotateDims{B, x.size(1), T, D, c.size(2), c.size(0) == B && B != 1}};
 }
 
@@ -63,7 +67,7 @@ torch::Tensor rotate_cpu(const torch::Tensor& x, const torch::Tensor& cos, const
                                               c.x.data_ptr<scalar_t>(), c.cos.data_ptr<scalar_t>(),
                                               c.sin.data_ptr<scalar_t>(), y.data_ptr<scalar_t>());
     });
-    return y;
+    return op_util::stored(y, x.scalar_type());
   });
 }
 
@@ -72,7 +76,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_backward_cpu(
     const torch::Tensor& sin, bool inverse, int64_t layout) {
   return value_errors([&] {
     auto c = check(x, cos, sin);
-    const auto g = grad.contiguous();
+    const auto g = op_util::computed(grad);
     if (g.sizes() != c.x.sizes() || g.scalar_type() != c.x.scalar_type())
       throw InputError("rotate_pairs_backward: grad must have x's shape and dtype");
     auto dx = torch::empty_like(c.x);
@@ -87,7 +91,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_backward_cpu(
       dc = dc.squeeze(0);
       ds = ds.squeeze(0);
     }
-    return std::make_tuple(dx, dc, ds);
+    return std::make_tuple(op_util::stored(dx, x.scalar_type()),
+                           op_util::stored(dc, cos.scalar_type()),
+                           op_util::stored(ds, sin.scalar_type()));
   });
 }
 

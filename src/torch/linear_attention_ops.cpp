@@ -43,8 +43,8 @@ FavorOperands favor_operands(const torch::Tensor& q, const torch::Tensor& k, con
                                  fmt::join(q.sizes(), " x "), fmt::join(k.sizes(), " x ")));
   if (v.size(0) != q.size(0) || v.size(1) != q.size(1) || v.size(2) != q.size(2))
     throw InputError(fmt::format("{}: v must be [B, H, T, Dv] with q's B, H, T", op));
-  if (q.scalar_type() != torch::kFloat && q.scalar_type() != torch::kDouble)
-    throw InputError(fmt::format("{}: q must be float32 or float64", op));
+  if (!op_util::storable(q.scalar_type()))
+    throw InputError(fmt::format("{}: q must be float32, float64, bfloat16 or float16", op));
   if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type())
     throw InputError(fmt::format("{}: q, k and v must have one dtype", op));
   if (projection.dim() != 2 || projection.size(1) != q.size(3) || projection.size(0) < 1)
@@ -54,9 +54,9 @@ FavorOperands favor_operands(const torch::Tensor& q, const torch::Tensor& k, con
     throw InputError(
         fmt::format("{}: scale must be finite and >= 0 (0: D^-1/4), got {}", op, scale));
   FavorOperands o;
-  o.q = q.contiguous();
-  o.k = k.contiguous();
-  o.v = v.contiguous();
+  o.q = op_util::computed(q);  // half storage: computed in float32
+  o.k = op_util::computed(k);
+  o.v = op_util::computed(v);
   o.d = {q.size(0), q.size(1), q.size(2), q.size(3), v.size(3)};
   const auto w = projection.to(torch::kDouble).contiguous();
   o.W.m = w.size(0);
@@ -78,7 +78,7 @@ torch::Tensor favor_cpu(const torch::Tensor& q, const torch::Tensor& k, const to
                                                  o.k.data_ptr<scalar_t>(), o.v.data_ptr<scalar_t>(),
                                                  o.W, o.o, out.data_ptr<scalar_t>(), cache);
     });
-    return out;
+    return op_util::stored(out, v.scalar_type());
   });
 }
 
@@ -105,7 +105,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> favor_backward_cpu(
           o.o, g.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), cache, op_util::mptr<scalar_t>(dq),
           op_util::mptr<scalar_t>(dk), op_util::mptr<scalar_t>(dv));
     });
-    return std::make_tuple(dq, dk, dv);
+    return std::make_tuple(op_util::stored(dq, q.scalar_type()),
+                           op_util::stored(dk, k.scalar_type()),
+                           op_util::stored(dv, v.scalar_type()));
   });
 }
 

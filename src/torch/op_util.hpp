@@ -50,4 +50,33 @@ inline torch::Tensor output_like(const torch::Tensor& t) {
   return out;
 }
 
+// Half-precision storage. bf16 and fp16 tensors are read into float32, computed there (angles,
+// products and accumulation), and the results stored back in the caller's dtype: the kernels
+// keep one float32 path, and a half tensor never carries an intermediate.
+inline bool is_half(c10::ScalarType t) {
+  return t == torch::kBFloat16 || t == torch::kHalf;
+}
+// The dtypes an operand may be stored in.
+inline bool storable(c10::ScalarType t) {
+  return t == torch::kFloat || t == torch::kDouble || is_half(t);
+}
+// The dtype the kernels compute a stored dtype in.
+inline c10::ScalarType compute_type(c10::ScalarType t) {
+  return is_half(t) ? torch::kFloat : t;
+}
+// t in its compute dtype, contiguous (undefined stays undefined).
+inline torch::Tensor computed(const torch::Tensor& t) {
+  if (!t.defined()) return t;
+  return (is_half(t.scalar_type()) ? t.to(torch::kFloat) : t).contiguous();
+}
+// Whether a parameter of dtype `t` may go with operands stored as `x`: the same dtype, or float32
+// beside half operands (angles and bases kept in float32).
+inline bool goes_with(c10::ScalarType t, c10::ScalarType x) {
+  return t == x || t == compute_type(x);
+}
+// A computed result stored back in `dtype`.
+inline torch::Tensor stored(const torch::Tensor& t, c10::ScalarType dtype) {
+  return !t.defined() || t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
 }  // namespace relpos::nn::op_util

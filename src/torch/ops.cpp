@@ -21,9 +21,12 @@ namespace relpos::nn {
 
 namespace {
 
+using op_util::compute_type;
+using op_util::computed;
 using op_util::mptr;
 using op_util::output_like;
 using op_util::ptr;
+using op_util::stored;
 using op_util::value_errors;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -51,6 +54,8 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes(),
               "relpos: q and k must be [B, H, T, D] of one shape");
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "relpos: q and k must have one dtype");
+  TORCH_CHECK(op_util::storable(q.scalar_type()),
+              "relpos: q and k must be float32, float64, bfloat16 or float16");
   TORCH_CHECK(positions.scalar_type() == torch::kDouble, "relpos: positions must be float64");
   TORCH_CHECK((positions.dim() == 1 && positions.size(0) == q.size(2)) ||
                   (positions.dim() == 2 && positions.size(0) == q.size(0) &&
@@ -68,7 +73,8 @@ std::tuple<torch::Tensor, torch::Tensor> trig_table_cpu(const torch::Tensor& pos
                                                         double center, int64_t batch,
                                                         const std::string& spec, int64_t head_dim,
                                                         int64_t heads, int64_t layout,
-                                                        c10::ScalarType dtype) {
+                                                        c10::ScalarType stored_as) {
+  const auto dtype = compute_type(stored_as);  // half storage: float32 angles
   // the angles are exact only within +-2^53 (and NaN has none): refused by name
   const auto pos = value_errors([&] {
     const bool rows = positions_in.dim() == 2;
@@ -109,25 +115,27 @@ std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
     const torch::Tensor& eta, const torch::Tensor& gates, const torch::Tensor& alpha0,
     const torch::Tensor& positions, const c10::optional<torch::Tensor>& cos_in,
     const c10::optional<torch::Tensor>& sin_in, double center, const std::string& spec,
-    int64_t head_dim, int64_t heads, int64_t layout) {
+    int64_t head_dim, int64_t heads, int64_t layout, bool check_finite) {
   check_inputs(q_in, k_in, positions);
   const auto pos = positions.contiguous();
   const auto plan = plan_for(spec, head_dim, heads, layout, &pos);
-  const auto q = q_in.contiguous(), k = k_in.contiguous();
+  const auto q = computed(q_in), k = computed(k_in);
   const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
   const auto P = positions_of(pos, center);
   const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
                                    layout, q.scalar_type());
   auto qo = output_like(q), ko = output_like(k);
-  const auto gm = gamma.contiguous(), et = eta.contiguous(), gt = gates.contiguous(),
-             a0 = alpha0.contiguous();
+  const auto gm = computed(gamma), et = computed(eta), gt = computed(gates), a0 = computed(alpha0);
+  int nonfinite = 0;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_transform_forward", [&] {
-    kernels::transform_forward<scalar_t>(
+    nonfinite = kernels::transform_forward<scalar_t>(
         plan, dims, P, {ptr<scalar_t>(gm), ptr<scalar_t>(et), ptr<scalar_t>(gt), ptr<scalar_t>(a0)},
         {cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>()}, q.data_ptr<scalar_t>(),
-        k.data_ptr<scalar_t>(), qo.data_ptr<scalar_t>(), ko.data_ptr<scalar_t>());
+        k.data_ptr<scalar_t>(), qo.data_ptr<scalar_t>(), ko.data_ptr<scalar_t>(), check_finite);
   });
-  return {qo, ko};
+  // the kernel checked its outputs tile by tile: a non-finite input always reaches one
+  TORCH_CHECK_VALUE(!nonfinite, nonfinite & 1 ? "q contains NaN or Inf" : "k contains NaN or Inf");
+  return {stored(qo, q_in.scalar_type()), stored(ko, k_in.scalar_type())};
 }
 
 using Grads6 = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
@@ -145,15 +153,14 @@ Grads6 transform_backward_cpu(const torch::Tensor& gq_out_in, const torch::Tenso
   check_inputs(q_in, k_in, positions);
   const auto pos = positions.contiguous();
   const auto plan = plan_for(spec, head_dim, heads, layout, &pos);
-  const auto q = q_in.contiguous(), k = k_in.contiguous();
-  const auto gqo = gq_out_in.defined() ? gq_out_in.contiguous() : torch::zeros_like(q);
-  const auto gko = gk_out_in.defined() ? gk_out_in.contiguous() : torch::zeros_like(k);
+  const auto q = computed(q_in), k = computed(k_in);
+  const auto gqo = gq_out_in.defined() ? computed(gq_out_in) : torch::zeros_like(q);
+  const auto gko = gk_out_in.defined() ? computed(gk_out_in) : torch::zeros_like(k);
   const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
   const auto P = positions_of(pos, center);
   const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
                                    layout, q.scalar_type());
-  const auto gm = gamma.contiguous(), et = eta.contiguous(), gt = gates.contiguous(),
-             a0 = alpha0.contiguous();
+  const auto gm = computed(gamma), et = computed(eta), gt = computed(gates), a0 = computed(alpha0);
   // every output is a tensor (the op schema has no optional outputs); unrequested ones are
   // zeros and not computed
   torch::Tensor gq = mask[0] ? output_like(q) : torch::zeros_like(q);
@@ -169,7 +176,9 @@ Grads6 transform_backward_cpu(const torch::Tensor& gq_out_in, const torch::Tenso
         {mask[2] ? mptr<scalar_t>(ggamma) : nullptr, mask[3] ? mptr<scalar_t>(geta) : nullptr,
          mask[4] ? mptr<scalar_t>(ggates) : nullptr, mask[5] ? mptr<scalar_t>(galpha0) : nullptr});
   });
-  return {gq, gk, ggamma, geta, ggates, galpha0};
+  return {stored(gq, q_in.scalar_type()),      stored(gk, k_in.scalar_type()),
+          stored(ggamma, gamma.scalar_type()), stored(geta, eta.scalar_type()),
+          stored(ggates, gates.scalar_type()), stored(galpha0, alpha0.scalar_type())};
 }
 
 // ---- Model and diagnostics as JSON (the Python package's relpos.mechanisms / verify) ------------
@@ -200,7 +209,7 @@ std::string rope_scaling_spec_op(const std::string& json, double max_position_em
 }
 
 std::string rope_parameters_spec_op(const std::string& spec, const std::string& json,
-                                   double max_position_embeddings) {
+                                    double max_position_embeddings) {
   return value_errors([&] {
     std::optional<double> max_pos;
     if (max_position_embeddings > 0) max_pos = max_position_embeddings;
@@ -286,7 +295,9 @@ int64_t encoding_warnings_op(const c10::optional<torch::Tensor>& user_positions,
 std::tuple<torch::Tensor, torch::Tensor> trig_table_meta(const torch::Tensor& positions, double,
                                                          int64_t batch, const std::string& spec,
                                                          int64_t head_dim, int64_t heads,
-                                                         int64_t layout, c10::ScalarType dtype) {
+                                                         int64_t layout,
+                                                         c10::ScalarType stored_as) {
+  const auto dtype = compute_type(stored_as);
   const auto plan = plan_for(spec, head_dim, heads, layout);
   const int64_t rows = positions.dim() == 2 ? batch : 1;
   const int64_t n = rows * positions.size(-1) * plan.total_blocks;
@@ -298,7 +309,7 @@ std::tuple<torch::Tensor, torch::Tensor> transform_meta(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&, const torch::Tensor&,
     const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
     const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, double,
-    const std::string&, int64_t, int64_t, int64_t) {
+    const std::string&, int64_t, int64_t, int64_t, bool) {
   return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
           torch::empty_like(k, torch::MemoryFormat::Contiguous)};
 }
@@ -325,12 +336,12 @@ std::tuple<torch::Tensor, torch::Tensor> call_transform(
     const torch::Tensor& eta, const torch::Tensor& gates, const torch::Tensor& alpha0,
     const torch::Tensor& positions, const c10::optional<torch::Tensor>& cos,
     const c10::optional<torch::Tensor>& sin, double center, const std::string& spec,
-    int64_t head_dim, int64_t heads, int64_t layout) {
+    int64_t head_dim, int64_t heads, int64_t layout, bool check_finite) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("relpos::transform", "")
                              .typed<decltype(transform_cpu)>();
   return op.call(q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec, head_dim,
-                 heads, layout);
+                 heads, layout, check_finite);
 }
 
 Grads6 call_transform_backward(const torch::Tensor& gq, const torch::Tensor& gk,
@@ -358,10 +369,10 @@ class TransformFunction : public torch::autograd::Function<TransformFunction> {
                                const c10::optional<torch::Tensor>& cos,
                                const c10::optional<torch::Tensor>& sin, double center,
                                const std::string& spec, int64_t head_dim, int64_t heads,
-                               int64_t layout) {
+                               int64_t layout, bool check_finite) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [qo, ko] = call_transform(q, k, gamma, eta, gates, alpha0, positions, cos, sin, center,
-                                   spec, head_dim, heads, layout);
+                                   spec, head_dim, heads, layout, check_finite);
     const torch::Tensor none;
     ctx->save_for_backward({q, k, gamma, eta, gates, alpha0, positions,
                             cos && cos->defined() ? *cos : none,
@@ -400,6 +411,7 @@ class TransformFunction : public torch::autograd::Function<TransformFunction> {
             {},
             {},
             {},
+            {},
             {}};
   }
 };
@@ -409,9 +421,9 @@ std::tuple<torch::Tensor, torch::Tensor> transform_autograd(
     const torch::Tensor& eta, const torch::Tensor& gates, const torch::Tensor& alpha0,
     const torch::Tensor& positions, const c10::optional<torch::Tensor>& cos,
     const c10::optional<torch::Tensor>& sin, double center, const std::string& spec,
-    int64_t head_dim, int64_t heads, int64_t layout) {
+    int64_t head_dim, int64_t heads, int64_t layout, bool check_finite) {
   auto out = TransformFunction::apply(q, k, gamma, eta, gates, alpha0, positions, cos, sin, center,
-                                      spec, head_dim, heads, layout);
+                                      spec, head_dim, heads, layout, check_finite);
   return {out[0], out[1]};
 }
 
@@ -434,12 +446,13 @@ std::vector<torch::Tensor> transform_qk(const Mechanism& m, Layout layout, const
                                         const torch::Tensor& k,
                                         const BlockParamSet<torch::Tensor>& p,
                                         const torch::Tensor& positions, double center,
-                                        const std::vector<torch::Tensor>& trig) {
+                                        const std::vector<torch::Tensor>& trig, bool check_finite) {
   const auto pos = positions.to(torch::kDouble).contiguous();
   const auto cos = trig.size() == 2 ? c10::optional<torch::Tensor>(trig[0].detach()) : c10::nullopt;
   const auto sin = trig.size() == 2 ? c10::optional<torch::Tensor>(trig[1].detach()) : c10::nullopt;
-  auto [qo, ko] = call_transform(q, k, p.gamma, p.eta, p.gates, p.alpha0, pos, cos, sin, center,
-                                 m.spec, m.head_dim, m.heads, layout == Layout::HalfSplit);
+  auto [qo, ko] =
+      call_transform(q, k, p.gamma, p.eta, p.gates, p.alpha0, pos, cos, sin, center, m.spec,
+                     m.head_dim, m.heads, layout == Layout::HalfSplit, check_finite);
   return {qo, ko};
 }
 
@@ -472,7 +485,7 @@ TORCH_LIBRARY(relpos, m) {
   m.def(
       "transform(Tensor q, Tensor k, Tensor gamma, Tensor eta, Tensor gates, Tensor alpha0, "
       "Tensor positions, Tensor? cos, Tensor? sin, float center, str spec, int head_dim, "
-      "int heads, int layout) -> (Tensor, Tensor)");
+      "int heads, int layout, bool check_finite=False) -> (Tensor, Tensor)");
   m.def(
       "transform_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor gamma, "
       "Tensor eta, Tensor gates, Tensor alpha0, Tensor positions, Tensor? cos, Tensor? sin, "

@@ -27,9 +27,10 @@ torch::Tensor as_btc(const torch::Tensor& x, const char* what) {
     throw InputError(fmt::format("causal_scan: {} must be [B, T, C] or [T, C]", what));
   if (!x.device().is_cpu())
     throw InputError(fmt::format("causal_scan: {} must be on the CPU", what));
-  if (x.scalar_type() != torch::kFloat && x.scalar_type() != torch::kDouble)
-    throw InputError(fmt::format("causal_scan: {} must be float32 or float64", what));
-  return (x.dim() == 2 ? x.unsqueeze(0) : x).contiguous();
+  if (!op_util::storable(x.scalar_type()))
+    throw InputError(
+        fmt::format("causal_scan: {} must be float32, float64, bfloat16 or float16", what));
+  return op_util::computed(x.dim() == 2 ? x.unsqueeze(0) : x);  // half: summed in float32
 }
 
 template <bool Forward>
@@ -47,6 +48,7 @@ torch::Tensor run_scan(const torch::Tensor& in, const std::string& mode) {
         kernels::causal_scan_backward<scalar_t>(m, d, x.data_ptr<scalar_t>(),
                                                 out.data_ptr<scalar_t>());
     });
+    out = op_util::stored(out, in.scalar_type());
     return in.dim() == 2 ? out.squeeze(0) : out;
   });
 }

@@ -31,11 +31,14 @@ Operands operands(const torch::Tensor& x, const torch::Tensor& basis, const torc
   for (const auto* t : {&x, &basis, &freqs, &positions})
     if (!t->defined() || !t->device().is_cpu())
       throw InputError(fmt::format("{}: every tensor must be defined and on the CPU", op));
-  if (x.scalar_type() != torch::kFloat && x.scalar_type() != torch::kDouble)
-    throw InputError(fmt::format("{}: x must be float32 or float64", op));
-  if (basis.scalar_type() != x.scalar_type() || freqs.scalar_type() != x.scalar_type())
-    throw InputError(fmt::format("{}: basis and freqs must have x's dtype ({})", op,
-                                 c10::toString(x.scalar_type())));
+  if (!op_util::storable(x.scalar_type()))
+    throw InputError(fmt::format("{}: x must be float32, float64, bfloat16 or float16", op));
+  if (!op_util::goes_with(basis.scalar_type(), x.scalar_type()) ||
+      !op_util::goes_with(freqs.scalar_type(), x.scalar_type()))
+    throw InputError(
+        fmt::format("{}: basis and freqs must have x's dtype ({}; float32 beside a "
+                    "bfloat16/float16 x)",
+                    op, c10::toString(x.scalar_type())));
   Operands o;
   o.d.B = x.size(0);
   o.d.H = x.size(1);
@@ -70,9 +73,9 @@ Operands operands(const torch::Tensor& x, const torch::Tensor& basis, const torc
   if (!positions.is_floating_point() && positions.scalar_type() != torch::kLong &&
       positions.scalar_type() != torch::kInt)
     throw InputError(fmt::format("{}: positions must be real or integer", op));
-  o.x = x.contiguous();
-  o.U = basis.contiguous();
-  o.lambda = freqs.contiguous();
+  o.x = op_util::computed(x);  // half storage: computed in float32
+  o.U = op_util::computed(basis).to(o.x.scalar_type());
+  o.lambda = op_util::computed(freqs).to(o.x.scalar_type());
   o.pos = positions.to(torch::kDouble).contiguous();
   return o;
 }
@@ -87,7 +90,7 @@ torch::Tensor rotate_cpu(const torch::Tensor& x, const torch::Tensor& basis,
                                             o.U.data_ptr<scalar_t>(), o.lambda.data_ptr<scalar_t>(),
                                             o.pos.data_ptr<double>(), y.data_ptr<scalar_t>());
     });
-    return y;
+    return op_util::stored(y, x.scalar_type());
   });
 }
 
@@ -113,7 +116,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_backward_cpu(
           dx.data_ptr<scalar_t>(), params ? dU.data_ptr<double>() : nullptr,
           params ? dl.data_ptr<double>() : nullptr);
     });
-    return std::make_tuple(mask[0] ? dx : torch::Tensor(),
+    return std::make_tuple(mask[0] ? op_util::stored(dx, x.scalar_type()) : torch::Tensor(),
                            mask[1] ? dU.to(basis.scalar_type()) : torch::Tensor(),
                            mask[2] ? dl.to(freqs.scalar_type()) : torch::Tensor());
   });

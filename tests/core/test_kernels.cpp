@@ -275,6 +275,58 @@ TEST(KernelForward, MechanismsWithoutTransformCopy) {
   }
 }
 
+// With check_outputs the kernel reports which outputs hold a NaN or Inf, for a bad value in any
+// row and coordinate (uncovered ones included) of q or k, every kernel mechanism, both layouts,
+// both precisions; clean inputs report nothing, and the outputs are those of the unchecked call.
+template <class T>
+void check_finiteness_report(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (const auto& spec : kernel_specs())
+    for (const Layout layout : {Layout::Interleaved, Layout::HalfSplit}) {
+      const auto dims = test::fitting_head_dims(spec, 3, 3);
+      if (dims.empty()) continue;
+      SCOPED_TRACE(spec + " " + test::layout_name(layout));
+      const Problem pr = make_problem(spec, dims.back(), 2, 3, 70, layout, false, rng);
+      const auto plan = pr.plan();
+      const auto P = pr.positions();
+      const test::TypedParams<T> tp(pr.params);
+      const auto trig = kernels::build_trig_table<T>(plan, pr.dims, P);
+      const auto q = test::cast_vec<T>(test::normal_vec(pr.size(), rng));
+      const auto k = test::cast_vec<T>(test::normal_vec(pr.size(), rng));
+      std::vector<T> qo(q.size()), ko(k.size());
+      EXPECT_EQ(kernels::transform_forward<T>(plan, pr.dims, P, tp.view(), trig.view(), q.data(),
+                                              k.data(), qo.data(), ko.data(), true),
+                0);
+      EXPECT_EQ(qo, test::run_forward<T>(pr, pr.params, q, k).q);
+      const T bad[] = {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity(),
+                       -std::numeric_limits<T>::infinity()};
+      for (int trial = 0; trial < 6; ++trial) {
+        auto qb = q, kb = k;
+        const bool on_q = trial % 2 == 0;
+        auto& x = on_q ? qb : kb;
+        const auto at = std::uniform_int_distribution<size_t>(0, x.size() - 1)(rng);
+        x[at] = bad[trial % 3];
+        const int got =
+            kernels::transform_forward<T>(plan, pr.dims, P, tp.view(), trig.view(), qb.data(),
+                                          kb.data(), qo.data(), ko.data(), true);
+        EXPECT_EQ(got, on_q ? 1 : 2) << "element " << at;
+        // k alone: its bit is still bit 1 of the call
+        if (!on_q) {
+          EXPECT_EQ(kernels::transform_forward<T>(plan, pr.dims, P, tp.view(), trig.view(), nullptr,
+                                                  kb.data(), nullptr, ko.data(), true),
+                    2);
+        }
+      }
+    }
+}
+
+TEST(KernelForward, ReportsNonFiniteOutputsFloat64) {
+  check_finiteness_report<double>(31);
+}
+TEST(KernelForward, ReportsNonFiniteOutputsFloat32) {
+  check_finiteness_report<float>(32);
+}
+
 TEST(KernelForward, RejectsUnsupportedPlans) {
   const Mechanism m = build_mechanism("jordan(m=2, regime=raw)", 8, 1);
   const ParamValues pv = default_params(m);

@@ -34,5 +34,5 @@ def test_compiles_fullgraph():
 def test_named_errors():
     with pytest.raises(ValueError, match="mode"):
         torch.ops.relpos.causal_scan(torch.randn(2, 3), "inclusive")
-    with pytest.raises(ValueError, match="float32 or float64"):
+    with pytest.raises(ValueError, match="float32, float64, bfloat16 or float16"):
         torch.ops.relpos.causal_scan(torch.ones(2, 3, dtype=torch.long))

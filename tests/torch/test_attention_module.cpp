@@ -77,10 +77,9 @@ torch::Tensor decode_in_chunks(nn::Attention& a, const torch::Tensor& q, const t
   std::vector<torch::Tensor> outs;
   int64_t t = 0;
   for (int64_t n : {3, 1, 2, 1}) {
-    outs.push_back(a->forward(q.narrow(2, t, n), k.narrow(2, t, n), v.narrow(2, t, n),
-                              {.positions = tokens(p, t, n),
-                               .inputs = x.narrow(1, t, n),
-                               .cache = &cache}));
+    outs.push_back(
+        a->forward(q.narrow(2, t, n), k.narrow(2, t, n), v.narrow(2, t, n),
+                   {.positions = tokens(p, t, n), .inputs = x.narrow(1, t, n), .cache = &cache}));
     t += n;
   }
   return torch::cat(outs, 2);
@@ -135,6 +134,40 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
   }
   EXPECT_GT(accepted, 10);
   EXPECT_GT(decoded, 10);
+}
+
+// Half storage: bf16 and fp16 q, k, v (inputs too) give an output of their dtype within a few
+// units of its last place of the float64 module's (float32 parameters, float32 compute), and a
+// cache of that dtype decodes to the same outputs as the full forward, to its rounding.
+TEST(AttentionModule, HalfStorageIsWithinRoundingOfFloat64) {
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const double tol = dtype == torch::kBFloat16 ? 2e-2 : 4e-3;
+    for (const auto& spec : catalog_specs()) {
+      SCOPED_TRACE(spec + " " + c10::toString(dtype));
+      const int D = head_dim_for(spec);
+      if (nn::attention_refusal(build_mechanism(spec, D, kHk), kHq)) continue;
+      nn::Attention ref = module(spec, D), half = module(spec, D);
+      half->to(torch::kFloat);
+      const int64_t B = 2, T = 7;
+      const auto x = inputs(B, T, D);
+      const auto P = call_positions(ref->mechanism(), B, T);
+      const auto want = ref->forward(x.q, x.k, x.v, {.positions = P});
+      const auto got = half->forward(x.q.to(dtype), x.k.to(dtype), x.v.to(dtype), {.positions = P});
+      ASSERT_EQ(got.scalar_type(), dtype);
+      EXPECT_LT(max_diff(got.to(torch::kDouble), want), tol * want.abs().max().item<double>());
+      const Mechanism& m = half->mechanism();
+      if (P.defined() || m.center == CenterMode::Mid || m.rope_scaling.dynamic()) continue;
+      const torch::NoGradGuard no_grad;
+      nn::DecodeCache cache(B, kHk, D, dtype, 2);
+      std::vector<torch::Tensor> outs;
+      for (int64_t t = 0; t < T; ++t)
+        outs.push_back(half->forward(x.q.narrow(2, t, 1).to(dtype), x.k.narrow(2, t, 1).to(dtype),
+                                     x.v.narrow(2, t, 1).to(dtype), {.cache = &cache}));
+      EXPECT_EQ(cache.keys().scalar_type(), dtype);
+      EXPECT_LT(max_diff(torch::cat(outs, 2).to(torch::kDouble), got.to(torch::kDouble)),
+                tol * want.abs().max().item<double>());
+    }
+  }
 }
 
 // Packed documents (segments, positions restarting per document) equal separate calls; a
@@ -324,9 +357,9 @@ TEST(AttentionModule, ContentBiasesRunFromInputs) {
     EXPECT_LT(max_diff(decode_in_chunks(a, q, k, v, x), full), 1e-12);
     auto x2 = x.clone();
     x2.select(1, T - 1).add_(3.0);
-    EXPECT_EQ(max_diff(a->forward(q, k, v, {.inputs = x2}).narrow(2, 0, T - 1),
-                       full.narrow(2, 0, T - 1)),
-              0.0);
+    EXPECT_EQ(
+        max_diff(a->forward(q, k, v, {.inputs = x2}).narrow(2, 0, T - 1), full.narrow(2, 0, T - 1)),
+        0.0);
     if (nn::content_runtime(*term).reads_inputs) {
       EXPECT_THROW(a->forward(q, k, v), InputError);
     }
@@ -360,9 +393,10 @@ TEST(AttentionModule, LearnedRotationsRunWithTheirParameters) {
       SCOPED_TRACE(spec);
       ++found;
       torch::manual_seed(5);
-      nn::Attention a(spec, D, kHq,
-                      nn::AttentionOptions{
-                          .num_kv_heads = kHk, .layout = Layout::HalfSplit, .model_dim = model_dim});
+      nn::Attention a(
+          spec, D, kHq,
+          nn::AttentionOptions{
+              .num_kv_heads = kHk, .layout = Layout::HalfSplit, .model_dim = model_dim});
       a->to(torch::kDouble);
       {
         const torch::NoGradGuard no_grad;
@@ -432,15 +466,17 @@ TEST(AttentionModule, FavorBackendIsTheRandomFeatureKernelOnTheTransformedQuerie
   const auto out = a->forward(x.q, x.k, x.v);
   const auto W = a->named_buffers()["favor_projection"];
   EXPECT_EQ(W.sizes(), (std::vector<int64_t>{24, D}));
-  EXPECT_TRUE(torch::equal(W, nn::random_projection(24, D, true, 0).to(torch::kFloat).to(W.dtype())));
+  EXPECT_TRUE(
+      torch::equal(W, nn::random_projection(24, D, true, 0).to(torch::kFloat).to(W.dtype())));
   // q~ per query group and k~ through the encoding (RoPE is orthogonal: one centre or another)
   const auto pos = torch::arange(6, torch::kDouble);
-  const auto qt = a->encoding->forward(x.q.reshape({2, kHk, 2 * 6, D}), x.q.reshape({2, kHk, 12, D}),
-                                       pos.repeat({2}))
-                      .q.reshape({2, kHq, 6, D});
+  const auto qt =
+      a->encoding
+          ->forward(x.q.reshape({2, kHk, 2 * 6, D}), x.q.reshape({2, kHk, 12, D}), pos.repeat({2}))
+          .q.reshape({2, kHq, 6, D});
   const auto kt = a->encoding->forward(x.k, x.k, pos).k;
-  const auto want = nn::favor_attention(qt, kt.repeat_interleave(2, 1),
-                                        x.v.repeat_interleave(2, 1), W, true, 0.0);
+  const auto want = nn::favor_attention(qt, kt.repeat_interleave(2, 1), x.v.repeat_interleave(2, 1),
+                                        W, true, 0.0);
   EXPECT_LT(max_diff(out, want), 1e-12);
   // refused: logit biases, frames of values, windows, key_len, a cache, unknown backends
   for (const char* spec : {"alibi", "rope + kerple", "journey"})

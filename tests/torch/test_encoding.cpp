@@ -366,7 +366,8 @@ TEST(Ops, MetaKernelsGiveShapesOnly) {
                                         m.spec,
                                         int64_t{16},
                                         int64_t{4},
-                                        int64_t{0}};
+                                        int64_t{0},
+                                        false};  // check_finite (boxed calls fill no defaults)
   op.callBoxed(&stack);
   ASSERT_EQ(stack.size(), 2u);
   EXPECT_EQ(stack[0].toTensor().sizes(), q.sizes());

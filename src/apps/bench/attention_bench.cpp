@@ -53,6 +53,7 @@
 #include "kernels/attention/attention.hpp"
 #include "kernels/isa.hpp"
 #include "nlohmann/json.hpp"
+#include "torch/attention.hpp"
 
 namespace relpos::bench {
 
@@ -71,13 +72,18 @@ enum class Impl {
   SdpaFox,
   OursAp,
   ComposedAp,
-  SdpaAp
+  SdpaAp,
+  OursBf16,
+  SdpaBf16,
+  OursFp16,
+  SdpaFp16
 };
 enum class Mode { Fwd, FwdBwd };
 enum class Bias { None, Alibi, Fox, GrapeAp };
 constexpr Impl kImpls[] = {Impl::Ours,       Impl::Sdpa,        Impl::SdpaMask, Impl::OursLag,
                            Impl::OursFox,    Impl::ComposedFox, Impl::SdpaFox,  Impl::OursAp,
-                           Impl::ComposedAp, Impl::SdpaAp};
+                           Impl::ComposedAp, Impl::SdpaAp,      Impl::OursBf16, Impl::SdpaBf16,
+                           Impl::OursFp16,   Impl::SdpaFp16};
 constexpr Bias kBiases[] = {Bias::None, Bias::Alibi, Bias::Fox, Bias::GrapeAp};
 constexpr int64_t kPathDim = 8;         // GRAPE-AP probe dimension P
 constexpr double kPathScale = 1.0 / 8;  // GRAPE-AP path_scale
@@ -104,8 +110,26 @@ const char* name(Impl i) {
       return "composed_grape_ap";
     case Impl::SdpaAp:
       return "sdpa_grape_ap";
+    case Impl::OursBf16:
+      return "ours_bf16";
+    case Impl::SdpaBf16:
+      return "sdpa_bf16";
+    case Impl::OursFp16:
+      return "ours_fp16";
+    case Impl::SdpaFp16:
+      return "sdpa_fp16";
   }
   return "?";
+}
+// The storage dtype of a case's q, k, v and output (the --dtype cases: half storage).
+at::ScalarType storage_of(Impl i) {
+  return i == Impl::OursBf16 || i == Impl::SdpaBf16   ? at::kBFloat16
+         : i == Impl::OursFp16 || i == Impl::SdpaFp16 ? at::kHalf
+                                                      : at::kFloat;
+}
+// --dtype's name of a storage dtype.
+const char* dtype_name(at::ScalarType t) {
+  return t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : "fp32";
 }
 const char* name(Bias b) {
   switch (b) {
@@ -124,6 +148,10 @@ Bias bias_of(Impl i) {
   switch (i) {
     case Impl::Ours:
     case Impl::Sdpa:
+    case Impl::OursBf16:
+    case Impl::SdpaBf16:
+    case Impl::OursFp16:
+    case Impl::SdpaFp16:
       return Bias::None;
     case Impl::SdpaMask:
     case Impl::OursLag:
@@ -171,6 +199,7 @@ struct Args {
   std::vector<std::string> modes = {"fwd", "fwdbwd"};
   std::vector<std::string> biases = {"none", "alibi"};
   std::vector<std::string> cases;  // empty: every case of the selected biases
+  std::string dtype = "fp32";      // bf16 / fp16: the half-storage cases beside the fp32 ones
   int64_t long_T = -1;             // -1: 32768 with the default T list, none otherwise
   double max_mask_gib = -1;        // -1: 60% of MemAvailable at the start
   bool memory = true, scaling = true;
@@ -205,6 +234,8 @@ at::Tensor alibi_slopes(int64_t H) {
 struct Inputs {
   Shape s;
   at::Tensor q, k, v, dout, lag, mask;
+  // q, k, v, dout rounded to the half dtype of the --dtype cases (made by make_half)
+  at::Tensor qh, kh, vh, douth;
   // FoX: c [B, H, T] float64 cumulative log forget gates. GRAPE-AP: probes pq, pk [B, H, T, P],
   // beta [H]. upper [T, T] bool, true above the diagonal (j > i): the causal mask of the
   // materialised FoX / GRAPE-AP cases (made by make_upper, like the ALiBi mask).
@@ -217,7 +248,7 @@ struct Inputs {
 // (make_mask, make_upper).
 Inputs make_inputs(const Shape& s) {
   at::manual_seed(0);
-  Inputs in{s, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  Inputs in{s, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   in.q = at::randn({s.B, s.H, s.T, s.D});
   in.k = at::randn({s.B, s.H, s.T, s.D});
   in.v = at::randn({s.B, s.H, s.T, s.D});
@@ -230,6 +261,14 @@ Inputs make_inputs(const Shape& s) {
   const std::vector<double> slopes = relpos::alibi_slopes(static_cast<int>(s.H));
   in.beta = at::tensor(slopes, at::kDouble).to(at::kFloat).contiguous();
   return in;
+}
+
+// The half copies of q, k, v, dout (untimed: a half model holds its activations in half).
+void make_half(Inputs& in, at::ScalarType t) {
+  in.qh = in.q.to(t);
+  in.kh = in.k.to(t);
+  in.vh = in.v.to(t);
+  in.douth = in.dout.to(t);
 }
 
 // [T, T] bool, true above the diagonal.
@@ -396,6 +435,39 @@ Outs run_materialised(const Inputs& in, Bias b, bool sdpa, Mode mode) {
   return r;
 }
 
+// Half storage through the op users call (relpos::nn::fused_attention, its autograd for the
+// backward): q, k, v, the output and the gradients in the half dtype; outputs returned in fp32
+// for the checks.
+Outs run_ours_half(const Inputs& in, Mode mode) {
+  nn::AttentionArgs args;
+  args.causal = true;
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  if (mode == Mode::Fwd) {
+    c10::InferenceMode guard;
+    return {f32(nn::fused_attention(in.qh, in.kh, in.vh, args)[0]), {}, {}, {}, {}};
+  }
+  const at::Tensor q = in.qh.detach().requires_grad_(true), k = in.kh.detach().requires_grad_(true),
+                   v = in.vh.detach().requires_grad_(true);
+  const at::Tensor out = nn::fused_attention(q, k, v, args)[0];
+  const auto g = torch::autograd::grad({out}, {q, k, v}, {in.douth});
+  return {f32(out.detach()), f32(g[0]), f32(g[1]), f32(g[2]), {}};
+}
+
+// SDPA on the half copies (its own half kernels), outputs in fp32 for the checks.
+Outs run_sdpa_half(const Inputs& in, Mode mode) {
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  if (mode == Mode::Fwd) {
+    c10::InferenceMode guard;
+    return {
+        f32(at::scaled_dot_product_attention(in.qh, in.kh, in.vh, {}, 0.0, true)), {}, {}, {}, {}};
+  }
+  const at::Tensor q = in.qh.detach().requires_grad_(true), k = in.kh.detach().requires_grad_(true),
+                   v = in.vh.detach().requires_grad_(true);
+  const at::Tensor out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+  const auto g = torch::autograd::grad({out}, {q, k, v}, {in.douth});
+  return {f32(out.detach()), f32(g[0]), f32(g[1]), f32(g[2]), {}};
+}
+
 Outs run_sdpa(const Inputs& in, bool mask, Mode mode) {
   std::optional<at::Tensor> m;
   if (mask) m = in.mask;
@@ -429,6 +501,12 @@ Outs run_case(const Inputs& in, Impl impl, Mode mode) {
     case Impl::SdpaFox:
     case Impl::SdpaAp:
       return run_materialised(in, bias_of(impl), true, mode);
+    case Impl::OursBf16:
+    case Impl::OursFp16:
+      return run_ours_half(in, mode);
+    case Impl::SdpaBf16:
+    case Impl::SdpaFp16:
+      return run_sdpa_half(in, mode);
   }
   return {};
 }
@@ -438,6 +516,8 @@ Outs run_case(const Inputs& in, Impl impl, Mode mode) {
 void prepare(Inputs& in, Impl impl) {
   if (impl == Impl::SdpaMask && !in.mask.defined()) make_mask(in);
   if (materialises(impl) && !in.upper.defined()) make_upper(in);
+  if (storage_of(impl) != at::kFloat && in.qh.scalar_type() != storage_of(impl))
+    make_half(in, storage_of(impl));
 }
 
 // CPU time of the whole process (every thread), ms.
@@ -487,13 +567,16 @@ struct Check {
 
 Check compare(int64_t T, Mode mode, Impl ours, const Outs& a, Impl ref, const Outs& b) {
   Check c{T, mode, name(ours), name(ref), {}, true, {}};
+  // fp32 accumulation in both; half storage adds the rounding of q, k, v, the output and the
+  // gradients (a few units of 2^-8 for bf16, 2^-11 for fp16)
+  const at::ScalarType st = storage_of(ours);
+  const double tol = st == at::kBFloat16 ? 3e-2 : st == at::kHalf ? 4e-3 : 1e-3;
   const auto one = [&](const char* what, const at::Tensor& x, const at::Tensor& y) {
     if (!x.defined() || !y.defined()) return;
     const double diff = (x - y).abs().max().item<double>();
     const double scale = y.abs().max().item<double>();
     c.diffs.push_back({what, {diff, scale}});
-    // fp32 accumulation in both; a NaN fails too
-    if (!(diff <= 1e-3 * std::max(1.0, scale))) c.ok = false;
+    if (!(diff <= tol * std::max(1.0, scale))) c.ok = false;  // a NaN fails too
   };
   one("out", a.out, b.out);
   one("dq", a.dq, b.dq);
@@ -724,7 +807,9 @@ void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
       // FoX / GRAPE-AP against their composition: at the smallest T only (the composition
       // rounds c to fp32, whose error grows with T; see composed_bias)
       std::vector<std::pair<Impl, Impl>> pairs = {{Impl::Ours, Impl::Sdpa},
-                                                  {Impl::OursLag, Impl::SdpaMask}};
+                                                  {Impl::OursLag, Impl::SdpaMask},
+                                                  {Impl::OursBf16, Impl::Sdpa},
+                                                  {Impl::OursFp16, Impl::Sdpa}};
       if (!long_run && s.T == *std::min_element(a.T.begin(), a.T.end()))
         for (Bias b : {Bias::Fox, Bias::GrapeAp}) {
           pairs.push_back({cases_of(b).ours, cases_of(b).composed});
@@ -922,8 +1007,9 @@ json report_json(const Report& rep) {
   const Args& a = rep.a;
   json j;
   j["benchmark"] = "attention";
-  j["shape"] = {{"B", a.B}, {"H", a.H},           {"D", a.D},
-                {"T", a.T}, {"dtype", "float32"}, {"causal", true}};
+  j["shape"] = {{"B", a.B},      {"H", a.H},           {"D", a.D},
+                {"T", a.T},      {"dtype", "float32"}, {"half_dtype", a.dtype},
+                {"causal", true}};
   j["biases"] = a.biases;
   if (selected(a, Bias::Fox) || selected(a, Bias::GrapeAp))
     j["bias_setup"] = {
@@ -1067,11 +1153,13 @@ void write_md_results(std::ostream& os, const Report& rep, const std::vector<Res
 void write_md(std::ostream& os, const Report& rep) {
   const Args& a = rep.a;
   os << fmt::format(
-      "# relpos bench attention\n\nB={} H={} D={} fp32 causal; kernel build {}; LibTorch {}; "
+      "# relpos bench attention\n\nB={} H={} D={} fp32 causal{}; kernel build {}; LibTorch {}; "
       "threads: at::get_num_threads {} / omp_get_max_threads {} / in a parallel region {}; "
       "{} repeats (medians), {} warm-up\n\n",
-      a.B, a.H, a.D, kernels::kernel_isa(), torch_version(), rep.at_threads, rep.omp_max,
-      rep.omp_used, a.repeats, a.warmup);
+      a.B, a.H, a.D,
+      a.dtype == "fp32" ? "" : fmt::format(" (and {} storage: the _{} cases)", a.dtype, a.dtype),
+      kernels::kernel_isa(), torch_version(), rep.at_threads, rep.omp_max, rep.omp_used, a.repeats,
+      a.warmup);
   os << fmt::format(
       "at::mm {}^3 fp32: {:.1f} GFLOP/s at the start ({:.1f} ms), {:.1f} GFLOP/s at the end\n\n",
       rep.mm_start.n, rep.mm_start.gflops, rep.mm_start.median_ms, rep.mm_end.gflops);
@@ -1092,6 +1180,26 @@ void write_md(std::ostream& os, const Report& rep) {
                         fmt_opt(px), fmt_opt(y), fmt_opt(py),
                         fmt_opt(y ? std::optional<double>(1 / *y) : std::nullopt), fmt_opt(z));
     }
+  if (a.dtype != "fp32") {
+    const Impl oh = a.dtype == "bf16" ? Impl::OursBf16 : Impl::OursFp16,
+               sh = a.dtype == "bf16" ? Impl::SdpaBf16 : Impl::SdpaFp16;
+    os << fmt::format(
+        "\nHalf storage ({0}): ratios of the medians (in brackets: the median over the rounds of "
+        "the ratio within a round)\n\n| T | pass | ours_{0} / ours (fp32) | ours_{0} / sdpa_{0} | "
+        "ours_{0} / sdpa (fp32) |\n|---|---|---|---|---|\n",
+        a.dtype);
+    for (int64_t T : a.T)
+      for (Mode m : {Mode::Fwd, Mode::FwdBwd}) {
+        const auto x = ratio(rep.results, T, m, oh, Impl::Ours);
+        const auto y = ratio(rep.results, T, m, oh, sh);
+        const auto z = ratio(rep.results, T, m, oh, Impl::Sdpa);
+        if (!x && !y && !z) continue;
+        os << fmt::format("| {} | {} | {} ({}) | {} ({}) | {} ({}) |\n", T, name(m), fmt_opt(x),
+                          fmt_opt(paired_ratio(rep.results, T, m, oh, Impl::Ours)), fmt_opt(y),
+                          fmt_opt(paired_ratio(rep.results, T, m, oh, sh)), fmt_opt(z),
+                          fmt_opt(paired_ratio(rep.results, T, m, oh, Impl::Sdpa)));
+      }
+  }
   bool any_bias = false;
   for (int64_t T : a.T)
     for (Mode m : {Mode::Fwd, Mode::FwdBwd})
@@ -1166,6 +1274,7 @@ void run(const Args& in_args) {
   std::vector<Impl> impls;
   for (Impl i : kImpls)
     if (selected(a, bias_of(i)) &&
+        (storage_of(i) == at::kFloat || a.dtype == dtype_name(storage_of(i))) &&
         (a.cases.empty() || std::find(a.cases.begin(), a.cases.end(), name(i)) != a.cases.end()))
       impls.push_back(i);
   if (impls.empty())
@@ -1234,6 +1343,10 @@ void add_attention_command(CLI::App& app) {
                   "composed_grape_ap, sdpa_grape_ap); default none,alibi")
       ->delimiter(',')
       ->check(CLI::IsMember(bias_names));
+  cmd->add_option("--dtype", a->dtype,
+                  "fp32, or bf16 / fp16: adds ours_<dtype> (half storage through the op) and "
+                  "sdpa_<dtype> (SDPA on the half tensors) beside the fp32 cases, and their ratios")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   cmd->add_option("--cases", a->cases,
                   "restrict to these cases (comma-separated) of the --bias list; default: all "
                   "of them")

@@ -1,0 +1,149 @@
+"""Half-precision storage over the whole catalog, with no per-mechanism code: bf16 and fp16
+inputs, outputs and caches, computed in float32 (angles, products, accumulation), against the
+float64 module; the ops keep their callers' dtype; and the finiteness check the transform kernel
+runs on its own outputs."""
+
+import pytest
+import torch
+
+import relpos
+from module_checks import CATALOG_SPECS, decode_in_chunks, head_dim_for, jittered
+
+H, M, T = 2, 12, 11
+# Stated tolerances, relative to the largest reference entry: a few units in the last place of
+# the storage format (bf16 keeps 8 bits, fp16 11): q, k, v and the output are each rounded once.
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+HALF = list(TOL)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DIMS = {s: head_dim_for(s, H) for s in CATALOG_SPECS}
+INFO = {s: relpos.mechanism(s, DIMS[s], H) for s in CATALOG_SPECS}
+
+
+def vector_dims(spec):
+    return next((t["vector_dims"] for t in INFO[spec]["transforms"]
+                 if t["time"] == "vector_position"), None)
+
+
+def module(spec):
+    torch.manual_seed(3)
+    return jittered(relpos.Attention(spec, DIMS[spec], H, H, model_dim=M), 0.2)
+
+
+def operands(spec, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, H, T, DIMS[spec], generator=g, dtype=torch.float64) for _ in range(3))
+    x = torch.randn(1, T, M, generator=g, dtype=torch.float64)
+    dc = vector_dims(spec)
+    pos = None if dc is None else torch.randint(0, 6, (T, dc), generator=g).to(torch.float64)
+    return q, k, v, x, pos
+
+
+def rel_err(got, ref):
+    return ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("spec", CATALOG_SPECS)
+def test_half_storage_matches_float64(spec, dtype):
+    """Output and the q, k, v and parameter gradients of half inputs within TOL of the float64
+    module (parameters float32, as mixed-precision training keeps them)."""
+    attn = module(spec)
+    q, k, v, x, pos = operands(spec)
+    ref_attn = attn.double()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = ref_attn(*leaves, inputs=x, positions=pos)
+    w = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves + list(ref_attn.parameters()),
+                                    allow_unused=True)
+    attn = ref_attn.float()
+    half = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = attn(*half, inputs=x.to(dtype), positions=pos)
+    assert out.dtype == dtype
+    grads = torch.autograd.grad((out.double() * w).sum(), half + list(attn.parameters()),
+                                allow_unused=True)
+    assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
+    for name, g, r in zip(["q", "k", "v"] + [n for n, _ in attn.named_parameters()], grads,
+                          ref_grads):
+        if r is None or not r.abs().max() > 0:
+            continue
+        assert g is not None and g.dtype == (dtype if name in "qkv" else torch.float32), name
+        assert rel_err(g, r) < TOL[dtype], (name, rel_err(g, r))
+
+
+@pytest.mark.parametrize("spec", CATALOG_SPECS)
+def test_half_module_and_cache(spec):
+    """A module cast to bf16 as a whole runs (its parameters bf16, its output and gradients bf16)
+    and decoding through a bf16 cache equals its full forward to bf16 rounding."""
+    attn = module(spec).to(torch.bfloat16)
+    q, k, v, x, pos = (None if t is None else t.to(torch.bfloat16) for t in operands(spec, 1))
+    if pos is not None:
+        pos = pos.double()
+    q.requires_grad_()
+    out = attn(q, k, v, inputs=x, positions=pos)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and torch.isfinite(q.grad).all()
+    if attn._cache_refusal is not None or pos is not None:
+        return
+    with torch.no_grad():
+        full = attn(q, k, v, inputs=x)
+        got = decode_in_chunks(attn, q, k, v, x, [4, 1, 3, 1, 2])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), full.float(), rtol=0, atol=3e-2 * full.abs().max())
+
+
+def test_cache_keeps_half_storage():
+    cache = relpos.KVCache(1, 2, 8, dtype=torch.float16)
+    attn = relpos.Attention("rope", 8, 2)
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float16)
+    attn(q, q, q, cache=cache)
+    assert cache.keys.dtype == torch.float16 and cache.length == 3
+    with pytest.raises(relpos.InputError, match="the cache holds torch.float16"):
+        attn(q.float(), q.float(), q.float(), cache=cache)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_ops_keep_the_callers_dtype(dtype):
+    """Each op takes half operands, returns them in their dtype (lse in float32) and agrees with
+    its float64 result; angles and bases may stay float32 beside them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64)
+    ang = torch.randn(9, 4, generator=g, dtype=torch.float64)
+    cases = {
+        "rotate_pairs": lambda t, a: relpos.rotate_pairs(t, a.to(torch.float32 if t.dtype in HALF
+                                                                 else t.dtype)),
+        "attention": lambda t, a: relpos.attention(t, t, t, "rope + alibi"),
+        "encoding": lambda t, a: torch.cat(
+            relpos.PositionEncoding("jordan(m=2)", 8, 2).to(
+                torch.float64 if t.dtype == torch.float64 else torch.float32)(t, t), -1),
+        "favor": lambda t, a: relpos.Attention("rope", 8, 2, backend="favor").to(
+            torch.float64 if t.dtype == torch.float64 else torch.float32)(t, t, t),
+        "scan": lambda t, a: torch.ops.relpos.causal_scan(t[0, 0], "exclusive"),
+    }
+    for name, f in cases.items():
+        ref = f(x, ang)
+        got = f(x.to(dtype), ang)
+        assert got.dtype == dtype, name
+        assert rel_err(got, ref) < TOL[dtype], (name, rel_err(got, ref))
+    out, lse = relpos.fused_attention(x.to(dtype), x.to(dtype), x.to(dtype))
+    assert out.dtype == dtype and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("spec", [s for s in CATALOG_SPECS
+                                  if any(t["time"] == "position" for t in INFO[s]["transforms"])])
+def test_transform_kernel_checks_finiteness(spec):
+    """Every encoding with a position term: a NaN or Inf anywhere in q or k is refused by name
+    (the kernel checks its outputs), with the check on by default."""
+    try:
+        enc = relpos.PositionEncoding(spec, DIMS[spec], H)
+    except relpos.InputError:
+        pytest.skip("not an encoding on its own")
+    x = torch.randn(2, H, 70, DIMS[spec])
+    enc(x, x)
+    for name, bad in (("q", float("nan")), ("k", float("inf")), ("k", -float("inf"))):
+        y = x.clone()
+        y[1, 1, 67, -1] = bad
+        with pytest.raises(relpos.InputError, match=f"{name} contains NaN or Inf"):
+            enc(y, x) if name == "q" else enc(x, y)
