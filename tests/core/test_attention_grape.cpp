@@ -182,6 +182,9 @@ std::vector<GrapeCase> cases() {
       {{1, 2, 2, 280, 280, 16}, 8, true, true, 0, true},         // positions: folded edges
       {{1, 2, 2, 280, 280, 16}, 8, false, true, 90, true},       // positions and a window
       {{2, 2, 1, 200, 270, 16}, 4, true, true, 0, false, true},  // key padding
+      // the decode kernel (g x Tq <= 16 rows per key/value head): gated slopes over key chunks
+      {{2, 4, 2, 3, 700, 16}, 0, true, true, 0},
+      {{1, 2, 2, 1, 500, 16}, 0, true, true, 50, true},
   };
 }
 
