@@ -1,0 +1,116 @@
+"""Single-token decode against SDPA on a cached K/V, in one process, round robin.
+
+    .venv/bin/python bench/bench_decode.py [--ctx 4096,16384,32768] [--rounds 21] [--threads 2]
+
+Per context length and head layout (MHA 8:8 and GQA 8:2, D 64, batch 1, float32), the time of
+one decode step:
+  ours_op      relpos.fused_attention(q [1, 8, 1, 64], K, V) on the cached keys and values
+  ours_module  relpos.Attention(spec)(q, k, v, cache=KVCache) as users decode: the new token's
+               transform, the finiteness check (on by default), the append and the kernel; the
+               cache is reset to ctx - 1 keys before each call (untimed)
+  sdpa         torch's scaled_dot_product_attention(q, K, V, enable_gqa=...) on the same cache,
+               no mask (the one query sees every cached key)
+and for a biased mechanism (--spec alibi): sdpa_bias, SDPA with the bias row of the one query
+materialised ([1, H, 1, ctx], built outside the timed call). Prints medians, the ratio of
+medians and the median of the per-round ratios (each round runs every case once, in turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import relpos
+
+H, D = 8, 64
+
+
+def timed(f):
+    t0 = time.perf_counter()
+    f()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def cases_for(spec, ctx, hk, g):
+    """name -> (setup, call): setup runs untimed before each call."""
+    k = torch.randn(1, hk, ctx, D, generator=g)
+    v = torch.randn(1, hk, ctx, D, generator=g)
+    q = torch.randn(1, H, 1, D, generator=g)
+    qpos = torch.tensor([ctx - 1.0], dtype=torch.float64)
+    attn = relpos.Attention(spec, D, H, hk)
+    cache = relpos.KVCache(1, hk, D, capacity=ctx)
+    # the module's own keys for the first ctx - 1 tokens (its transform applied by prefill)
+    with torch.no_grad():
+        attn(torch.randn(1, H, ctx - 1, D, generator=g), k[:, :, :-1], v[:, :, :-1], cache=cache)
+    prefill_len = cache.lengths.clone()
+    kc, vc = cache.keys.clone(), cache.values.clone()
+    kn, vn = k[:, :, -1:], v[:, :, -1:]
+
+    def reset():
+        cache.lengths.copy_(prefill_len)
+
+    s = [b["slopes"] for b in relpos.mechanism(spec, D, H)["biases"] if b["slopes"]]
+    slopes = torch.tensor(s[0], dtype=torch.float64) if s else None
+    kf, vf = torch.cat([kc, kn], 2), torch.cat([vc, vn], 2)  # the whole cache, as SDPA reads it
+    out = {
+        "ours_op": (None, lambda: relpos.fused_attention(
+            q, kf, vf, q_positions=qpos,
+            slopes=None if slopes is None else slopes.float())),
+        "ours_module": (reset, lambda: attn(q, kn, vn, cache=cache)),
+        "sdpa": (None, lambda: F.scaled_dot_product_attention(q, kf, vf, enable_gqa=hk != H)),
+    }
+    if slopes is not None:
+        lag = (ctx - 1) - torch.arange(ctx, dtype=torch.float64)
+        bias = (-slopes[:, None] * lag[None, :]).float().view(1, H, 1, ctx)
+        out["sdpa_bias"] = (None, lambda: F.scaled_dot_product_attention(
+            q, kf, vf, attn_mask=bias, enable_gqa=hk != H))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", default="4096,16384,32768")
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--spec", default="rope")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, spec {a.spec!r}, "
+          f"B 1, Hq {H}, D {D}, float32, {a.rounds} rounds (medians; per-round ratio in brackets)")
+    print()
+    print("| ctx | heads | case | ms | / sdpa | / sdpa (per round) |")
+    print("|---|---|---|---|---|---|")
+    for ctx in (int(x) for x in a.ctx.split(",")):
+        for hk in (H, 2):
+            cases = cases_for(a.spec, ctx, hk, g)
+            times = {n: [] for n in cases}
+            with torch.no_grad():
+                for _ in range(2):  # warm-up
+                    for setup, call in cases.values():
+                        if setup:
+                            setup()
+                        call()
+                for r in range(a.rounds):
+                    names = list(cases) if r % 2 == 0 else list(cases)[::-1]
+                    for n in names:
+                        setup, call = cases[n]
+                        if setup:
+                            setup()
+                        times[n].append(timed(call))
+            base = "sdpa_bias" if "sdpa_bias" in cases else "sdpa"
+            for n, ts in times.items():
+                med = statistics.median(ts)
+                per = statistics.median(x / y for x, y in zip(ts, times[base]))
+                print(f"| {ctx} | {H}:{hk} | {n} | {med:.3f} | "
+                      f"{med / statistics.median(times[base]):.2f} | {per:.2f} |")
+    print()
+    print(f"(ratios against {'sdpa_bias, the materialised bias row' if a.spec != 'rope' else 'sdpa'})")
+
+
+if __name__ == "__main__":
+    main()
