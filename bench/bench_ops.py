@@ -1,12 +1,18 @@
-"""Forward + backward of the position transforms from Python, in one process: the relpos op
-against what a user would write - the same math in eager PyTorch, and that composition under
-torch.compile (the strongest thing a user can write without relpos).
+"""Forward + backward of the position transforms from Python, in one process, round robin: the
+relpos op as users get it (the default finiteness check on), and unchecked, against what a user
+would write - the same math in eager PyTorch with the cos/sin table computed once, outside the
+call (as Hugging Face's rotary embeddings cache it), and that code under torch.compile (the
+strongest thing a user can write without relpos).
 
-    .venv/bin/python bench/bench_ops.py [--repeats 15] [--threads N] [--json]
+    .venv/bin/python bench/bench_ops.py [--rounds 15] [--threads N] [--json]
 
 Shape B=1, H=8, T=8192, D=64, float32, positions 0..T-1, interleaved pairs; gradients for q, k and
-(Jordan) gamma and eta. Each case is checked against the relpos op before it is timed. Prints
-medians (ms) and the ratios.
+(Jordan) gamma and eta. Cases: rope; jordan_m2 (raw chart, its damping and shear recomputed per
+call from the trained parameters, as they change every step; the rotation's table once);
+rotate_pairs (per-token angles [T, D/2], e.g. JoFormer's journey frames: relpos takes the
+angles, the baseline a cos/sin table computed once). Each case is checked against the relpos op
+before it is timed. Every round runs every case once in turn (alternating the order); prints
+medians (ms), the ratio of the medians and the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ import relpos
 B, H, T, D = 1, 8, 8192, 64
 
 
-def rope_eager(q, k, pos, theta=10000.0):
+def rope_table(pos, theta=10000.0):
+    """cos, sin [T, D/2] in float32: what a model computes once and caches."""
     inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
     ang = pos[:, None] * inv[None, :]
-    cos, sin = ang.cos().to(q.dtype), ang.sin().to(q.dtype)
+    return ang.cos().float(), ang.sin().float()
 
+
+def rope_eager(q, k, cos, sin):
     def rot(x):
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
@@ -36,15 +45,24 @@ def rope_eager(q, k, pos, theta=10000.0):
     return rot(q), rot(k)
 
 
-def jordan2_eager(q, k, gamma, eta, pos, center, max_exp=30.0, theta=10000.0):
-    """Raw-chart order-2 Jordan blocks (Jordan-RoPE 3.3): keys A(p) = e^{gamma p} R(-omega p) U(-p),
-    queries A(p)^{-T}, U(t) = [[1, eta t], [0, 1]] on the two complex slots of each block."""
+def rotate_eager(x, cos, sin):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+
+
+def jordan_table(pos, center, theta=10000.0):
+    """The order-2 blocks' rotation table [T, NB, 1] (angles -omega p), computed once."""
     nb = D // 4
     omega = theta ** (-2.0 * torch.arange(nb, dtype=torch.float64) / D)
-    p = (pos - center)[:, None]  # [T, 1] float64
-    ang = -(p * omega)  # [T, NB]
-    cs, sn = ang.cos().to(q.dtype)[..., None], ang.sin().to(q.dtype)[..., None]
-    pf = p.to(q.dtype)
+    ang = -((pos - center)[:, None] * omega)
+    return ang.cos().float()[..., None], ang.sin().float()[..., None]
+
+
+def jordan2_eager(q, k, gamma, eta, pf, cs, sn, max_exp=30.0):
+    """Raw-chart order-2 Jordan blocks (Jordan-RoPE 3.3): keys A(p) = e^{gamma p} R(-omega p) U(-p),
+    queries A(p)^{-T}, U(t) = [[1, eta t], [0, 1]] on the two complex slots of each block; pf the
+    centred positions [T] in float32."""
+    nb = D // 4
     a = gamma.view(1, H, 1, nb) * pf.view(1, 1, T, 1)
     ek = torch.exp(a.clamp(-max_exp, max_exp))[..., None]
     eq = torch.exp((-a).clamp(-max_exp, max_exp))[..., None]
@@ -70,20 +88,9 @@ def jordan2_eager(q, k, gamma, eta, pos, center, max_exp=30.0, theta=10000.0):
     return qo, ko
 
 
-def median_ms(fn, repeats):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -93,64 +100,102 @@ def main():
     q = torch.randn(B, H, T, D, requires_grad=True)
     k = torch.randn(B, H, T, D, requires_grad=True)
     gq, gk = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
-    results = {}
     # the eager Jordan composition turns in the paper's sense; builds with one rotation sense
     # across the catalog need direction=paper for it (bench/compare_builds.py runs older ones too)
     jordan_options = {o["key"] for m in relpos.mechanisms() if m["name"] == "jordan"
                       for o in m["options"]}
     paper = ", direction=paper" if "direction" in jordan_options else ""
+    transforms = {}  # name -> {label: fn returning the tensors to differentiate}
+    params = []
     for name, spec in [("rope", "rope"), ("jordan_m2", f"jordan(m=2, regime=raw, eta0=0.05{paper})")]:
-        enc = relpos.PositionEncoding(spec, D, H, check_finite=False)  # as the C++ benchmark
-        with torch.no_grad():  # varied parameters, as after training
-            for p in enc.parameters():
+        encs = {c: relpos.PositionEncoding(spec, D, H, check_finite=c) for c in (True, False)}
+        torch.manual_seed(1)
+        with torch.no_grad():  # varied parameters, as after training (the same in both)
+            for p in encs[True].parameters():
                 p.add_(0.3 * torch.randn_like(p))
-        center = enc.center_for(pos)
-
-        def params():
-            kp = enc.kernel_params()
-            return kp["gamma"], kp["eta"]
-
+            encs[False].load_state_dict(encs[True].state_dict())
+        params += [p for e in encs.values() for p in e.parameters()]
+        enc = encs[True]
         if name == "rope":
-            ours = lambda: enc(q, k, pos)  # noqa: E731
-            eager = lambda: rope_eager(q, k, pos)  # noqa: E731
+            cos, sin = rope_table(pos)
+            compiled_fn = torch.compile(rope_eager)
+            base = {"eager": lambda: rope_eager(q, k, cos, sin),
+                    "compiled": lambda c=compiled_fn: c(q, k, cos, sin)}
         else:
-            ours = lambda: enc(q, k, pos)  # noqa: E731
-            eager = lambda: jordan2_eager(q, k, *params(), pos, center)  # noqa: E731
-        compiled_fn = torch.compile(rope_eager if name == "rope" else jordan2_eager)
-        compiled = (
-            (lambda: compiled_fn(q, k, pos))
-            if name == "rope"
-            else (lambda: compiled_fn(q, k, *params(), pos, center))
-        )
-        ref = ours()
-        for label, f in [("eager", eager), ("compiled", compiled)]:
-            out = f()
-            for x, y in zip(out, ref):
-                torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4, msg=f"{name} {label} differs")
+            center = enc.center_for(pos)
+            cs, sn = jordan_table(pos, center)
+            pf = (pos - center).float()
+            compiled_fn = torch.compile(jordan2_eager)
 
-        def fwd_bwd(f):
-            def run():
-                qo, ko = f()
-                torch.autograd.backward((qo, ko), (gq, gk))
-                q.grad = k.grad = None
-                for p in enc.parameters():
-                    p.grad = None
+            def kp(enc=enc):
+                p = enc.kernel_params()
+                return p["gamma"], p["eta"]
 
-            return run
+            base = {"eager": lambda kp=kp: jordan2_eager(q, k, *kp(), pf, cs, sn),
+                    "compiled": lambda c=compiled_fn, kp=kp: c(q, k, *kp(), pf, cs, sn)}
+        transforms[name] = {"relpos": lambda e=encs[True]: e(q, k, pos),
+                            "relpos_unchecked": lambda e=encs[False]: e(q, k, pos), **base}
+    angles = torch.randn(T, D // 2, dtype=torch.float64)
+    cos_a, sin_a = angles.cos().float(), angles.sin().float()
+    rot_compiled = torch.compile(rotate_eager)
+    transforms["rotate_pairs"] = {
+        "relpos": lambda: (relpos.rotate_pairs(q, angles),),
+        "eager": lambda: (rotate_eager(q, cos_a, sin_a),),
+        "compiled": lambda: (rot_compiled(q, cos_a, sin_a),),
+    }
 
-        r = {lab: median_ms(fwd_bwd(f), a.repeats) for lab, f in [("relpos", ours), ("eager", eager), ("compiled", compiled)]}
-        r["speedup_vs_eager"] = r["eager"] / r["relpos"]
-        r["speedup_vs_compiled"] = r["compiled"] / r["relpos"]
+    def fwd_bwd(f):
+        def run():
+            outs = f()
+            torch.autograd.backward(outs, (gq, gk)[: len(outs)])
+            q.grad = k.grad = None
+            for p in params:
+                p.grad = None
+        return run
+
+    runs = {}
+    for name, cases in transforms.items():
+        ref = cases["relpos"]()
+        for label, f in cases.items():
+            for x, y in zip(f(), ref):
+                torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4,
+                                           msg=f"{name} {label} differs")
+        for label, f in cases.items():
+            runs[(name, label)] = fwd_bwd(f)
+    for f in runs.values():  # warm-up (compilation included)
+        for _ in range(3):
+            f()
+    times = {key: [] for key in runs}
+    for r in range(a.rounds):
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+        for key in order:
+            t0 = time.perf_counter()
+            runs[key]()
+            times[key].append((time.perf_counter() - t0) * 1e3)
+    results = {}
+    for name, cases in transforms.items():
+        r = {label: statistics.median(times[(name, label)]) for label in cases}
+        for base in ("eager", "compiled"):
+            r[f"{base}_over_relpos"] = r[base] / r["relpos"]
+            r[f"{base}_over_relpos_per_round"] = statistics.median(
+                x / y for x, y in zip(times[(name, base)], times[(name, "relpos")]))
         results[name] = r
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "shape": [B, H, T, D], "repeats": a.repeats}
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "shape": [B, H, T, D], "rounds": a.rounds}
     if a.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2))
         return
-    print(f"torch {meta['torch']}, {meta['threads']} threads, B={B} H={H} T={T} D={D} float32, fwd+bwd, median of {a.repeats}")
-    print("| transform | relpos ms | eager ms | torch.compile ms | vs eager | vs compile |")
-    print("|---|---|---|---|---|---|")
+    print(f"torch {meta['torch']}, {meta['threads']} threads, B={B} H={H} T={T} D={D} float32, "
+          f"fwd+bwd, {a.rounds} rounds round robin (medians; per-round ratio in brackets)")
+    print()
+    print("| transform | relpos ms (checked) | unchecked ms | eager ms | torch.compile ms | "
+          "eager / relpos | compile / relpos |")
+    print("|---|---|---|---|---|---|---|")
     for n, r in results.items():
-        print(f"| {n} | {r['relpos']:.2f} | {r['eager']:.2f} | {r['compiled']:.2f} | {r['speedup_vs_eager']:.1f}x | {r['speedup_vs_compiled']:.1f}x |")
+        unchecked = f"{r['relpos_unchecked']:.2f}" if "relpos_unchecked" in r else "-"
+        print(f"| {n} | {r['relpos']:.2f} | {unchecked} | {r['eager']:.2f} | {r['compiled']:.2f} | "
+              f"{r['eager_over_relpos']:.2f} ({r['eager_over_relpos_per_round']:.2f}) | "
+              f"{r['compiled_over_relpos']:.2f} ({r['compiled_over_relpos_per_round']:.2f}) |")
 
 
 if __name__ == "__main__":

@@ -71,23 +71,26 @@ torch::Tensor rotate_cpu(const torch::Tensor& x, const torch::Tensor& cos, const
   });
 }
 
+// angle_grads: whether dcos and dsin are wanted (else they are empty and not computed: a frame
+// of fixed angles needs none, and their sums over heads cost more than the rotation).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_backward_cpu(
     const torch::Tensor& grad, const torch::Tensor& x, const torch::Tensor& cos,
-    const torch::Tensor& sin, bool inverse, int64_t layout) {
+    const torch::Tensor& sin, bool inverse, int64_t layout, bool angle_grads) {
   return value_errors([&] {
     auto c = check(x, cos, sin);
     const auto g = op_util::computed(grad);
     if (g.sizes() != c.x.sizes() || g.scalar_type() != c.x.scalar_type())
       throw InputError("rotate_pairs_backward: grad must have x's shape and dtype");
     auto dx = torch::empty_like(c.x);
-    auto dc = torch::empty_like(c.cos), ds = torch::empty_like(c.sin);
+    auto dc = angle_grads ? torch::empty_like(c.cos) : torch::empty({0}, c.cos.options()),
+         ds = angle_grads ? torch::empty_like(c.sin) : torch::empty({0}, c.sin.options());
     AT_DISPATCH_FLOATING_TYPES(c.x.scalar_type(), "relpos_rotate_pairs_backward", [&] {
       kernels::rotate_pairs_backward<scalar_t>(
           c.dims, layout_of(layout), inverse, c.x.data_ptr<scalar_t>(), c.cos.data_ptr<scalar_t>(),
           c.sin.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(),
-          dc.data_ptr<scalar_t>(), ds.data_ptr<scalar_t>());
+          op_util::mptr<scalar_t>(dc), op_util::mptr<scalar_t>(ds));
     });
-    if (cos.dim() == 2) {
+    if (angle_grads && cos.dim() == 2) {
       dc = dc.squeeze(0);
       ds = ds.squeeze(0);
     }
@@ -103,10 +106,12 @@ torch::Tensor rotate_meta(const torch::Tensor& x, const torch::Tensor&, const to
 }
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_backward_meta(
     const torch::Tensor&, const torch::Tensor& x, const torch::Tensor& cos,
-    const torch::Tensor& sin, bool, int64_t) {
-  return {torch::empty_like(x, torch::MemoryFormat::Contiguous),
-          torch::empty_like(cos, torch::MemoryFormat::Contiguous),
-          torch::empty_like(sin, torch::MemoryFormat::Contiguous)};
+    const torch::Tensor& sin, bool, int64_t, bool angle_grads) {
+  const auto like = [&](const torch::Tensor& t) {
+    return angle_grads ? torch::empty_like(t, torch::MemoryFormat::Contiguous)
+                       : torch::empty({0}, t.options());
+  };
+  return {torch::empty_like(x, torch::MemoryFormat::Contiguous), like(cos), like(sin)};
 }
 
 torch::Tensor call_rotate(const torch::Tensor& x, const torch::Tensor& cos,
@@ -135,10 +140,12 @@ class RotatePairsFunction : public torch::autograd::Function<RotatePairsFunction
                                .findSchemaOrThrow("relpos::rotate_pairs_backward", "")
                                .typed<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>(
                                    const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                                   const torch::Tensor&, bool, int64_t)>();
+                                   const torch::Tensor&, bool, int64_t, bool)>();
+    const bool angles = ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
     auto [dx, dc, ds] =
         op.call(grad[0], saved[0], saved[1], saved[2], ctx->saved_data["inverse"].toBool(),
-                ctx->saved_data["layout"].toInt());
+                ctx->saved_data["layout"].toInt(), angles);
+    if (!angles) return {dx, {}, {}, {}, {}};
     return {dx, dc, ds, {}, {}};
   }
 };
@@ -222,7 +229,7 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "Tensor");
   m.def(
       "rotate_pairs_backward(Tensor grad, Tensor x, Tensor cos, Tensor sin, bool inverse, "
-      "int layout) -> (Tensor, Tensor, Tensor)");
+      "int layout, bool angle_grads=True) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(relpos, CPU, m) {
