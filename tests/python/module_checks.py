@@ -90,3 +90,15 @@ def head_dim_for(spec, heads, lo=8, hi=48):
         except relpos.InputError:
             pass
     raise AssertionError(f"no head dim fits {spec}")
+
+
+def catalog_shapes(specs, heads):
+    """Each spec's head dim (head_dim_for) and its mechanism JSON at `heads` heads."""
+    dims = {s: head_dim_for(s, heads) for s in specs}
+    return dims, {s: relpos.mechanism(s, dims[s], heads) for s in specs}
+
+
+def vector_dims(info):
+    """d_c of a mechanism JSON's rotation by vector positions, or None when it has none."""
+    return next((t["vector_dims"] for t in info["transforms"] if t["time"] == "vector_position"),
+                None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import relpos
-from module_checks import CATALOG_SPECS, decode_in_chunks, head_dim_for, jittered
+from module_checks import CATALOG_SPECS, catalog_shapes, decode_in_chunks, jittered, vector_dims
 
 H, M, T = 2, 12, 11
 # Stated tolerances, relative to the largest reference entry: a few units in the last place of
@@ -17,13 +17,7 @@ HALF = list(TOL)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DIMS = {s: head_dim_for(s, H) for s in CATALOG_SPECS}
-INFO = {s: relpos.mechanism(s, DIMS[s], H) for s in CATALOG_SPECS}
-
-
-def vector_dims(spec):
-    return next((t["vector_dims"] for t in INFO[spec]["transforms"]
-                 if t["time"] == "vector_position"), None)
+DIMS, INFO = catalog_shapes(CATALOG_SPECS, H)
 
 
 def module(spec):
@@ -35,7 +29,7 @@ def operands(spec, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, H, T, DIMS[spec], generator=g, dtype=torch.float64) for _ in range(3))
     x = torch.randn(1, T, M, generator=g, dtype=torch.float64)
-    dc = vector_dims(spec)
+    dc = vector_dims(INFO[spec])
     pos = None if dc is None else torch.randint(0, 6, (T, dc), generator=g).to(torch.float64)
     return q, k, v, x, pos
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import relpos
-from module_checks import CATALOG_SPECS, head_dim_for
+from module_checks import CATALOG_SPECS, catalog_shapes, vector_dims
 
 SPECS = CATALOG_SPECS
 H, M = 2, 12  # heads (query = key/value: every mechanism runs), model_dim of the inputs
@@ -15,13 +15,7 @@ DOCS = (5, 7, 4)  # packed document lengths
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-DIMS = {s: head_dim_for(s, H) for s in SPECS}
-INFO = {s: relpos.mechanism(s, DIMS[s], H) for s in SPECS}
-
-
-def vector_dims(spec):
-    return next((t["vector_dims"] for t in INFO[spec]["transforms"]
-                 if t["time"] == "vector_position"), None)
+DIMS, INFO = catalog_shapes(SPECS, H)
 
 
 def scans_inputs(spec):
@@ -48,7 +42,7 @@ def data(spec, T, B=1, seed=0):
 
 def positions(spec, lengths, g):
     """Per document: 0..n-1, or random grid cells for vector positions; concatenated."""
-    dc = vector_dims(spec)
+    dc = vector_dims(INFO[spec])
     parts = [torch.arange(n, dtype=torch.float64) if dc is None
              else torch.randint(0, 6, (n, dc), generator=g).to(torch.float64) for n in lengths]
     return parts
@@ -95,7 +89,7 @@ def test_left_padding_equals_the_unpadded_call(spec):
     attn = module(spec)
     T, pads = 9, torch.tensor([3, 0])
     q, k, v, x = data(spec, T, B=2, seed=2)
-    dc = vector_dims(spec)
+    dc = vector_dims(INFO[spec])
     pos = (torch.arange(T, dtype=torch.float64)[None] - pads[:, None]).to(torch.float64)
     if dc is not None:
         pos = torch.randint(0, 6, (2, T, dc), generator=torch.Generator().manual_seed(3)).double()
