@@ -45,9 +45,9 @@ void ModelConfig::validate() const {
   range(heads, 1, 1024, "heads");
   range(layers, 0, 1024, "layers");
   range(mlp_ratio, 1, 64, "mlp_ratio");
-  if (attention != "fused" && attention != "composed")
+  if (attention != "fused" && attention != "composed" && attention != "sdpa")
     throw InputError(
-        fmt::format("model: attention must be fused or composed, got '{}'", attention));
+        fmt::format("model: attention must be fused, composed or sdpa, got '{}'", attention));
   if (d_model % heads)
     throw InputError(fmt::format("model: d_model {} is not divisible by heads {}", d_model, heads));
   if (weights != "softmax" && weights != "softplus")
@@ -192,6 +192,15 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& po
     y = softplus_attention(q, k, qkv[2], positions, frame);
   } else if (c_.attention == "fused") {
     y = nn::attention(q, k, qkv[2], *enc_, args);
+  } else if (c_.attention == "sdpa") {
+    const Mechanism& m = enc_->mechanism();
+    if (!m.biases.empty() || nn::journey_term(m) || positions.defined() || !c_.include_self)
+      throw InputError(fmt::format(
+          "model: attention = sdpa takes mechanisms without biases or frames at the default "
+          "positions, include_self; '{}' needs fused or composed",
+          m.spec));
+    const auto t = enc_->forward(q, k, positions);
+    y = at::scaled_dot_product_attention(t.q, t.k, qkv[2], {}, 0.0, /*is_causal=*/true);
   } else {
     if (nn::journey_term(enc_->mechanism()))
       throw InputError(

@@ -43,7 +43,9 @@ struct ModelConfig {
   Layout layout = Layout::Interleaved;
   // "fused": the engine (transforms, then the fused kernel with biases inside); "composed": the
   // same math from plain LibTorch ops with materialised T x T scores (the baseline of the
-  // performance comparisons and a cross-check)
+  // performance comparisons and a cross-check); "sdpa": the mechanism's transforms, then LibTorch's
+  // scaled_dot_product_attention, causal (the strongest baseline a LibTorch user has: mechanisms
+  // without biases or frames, default positions, include_self)
   std::string attention = "fused";
   // PJ-RoPE's synthetic bridge (spec pj-rope.md 3.3): include_self = false lets no query see its
   // own position (strictly causal); freeze_qk zeroes the query/key projections, so the logits are

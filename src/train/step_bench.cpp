@@ -54,17 +54,27 @@ std::string step_benchmark(const models::ModelConfig& base, int64_t T, int64_t b
   };
   std::string md = fmt::format(
       "model d {} / {} heads / {} layers / ratio {}, T {}, batch {}, {} threads, {} rounds "
-      "(medians)\n\n| mechanism | attention | ms / step | tokens/s | step vs first | every round "
-      "(ms) |\n|---|---|---:|---:|---:|---|\n",
+      "(medians, round robin)\n\n| mechanism | attention | ms / step | tokens/s | step vs first | "
+      "vs sdpa (per round) | every round (ms) |\n|---|---|---:|---:|---:|---:|---|\n",
       base.d_model, base.heads, base.layers, base.mlp_ratio, T, batch, threads, rounds);
   const double first = median(entries.front().ms);
   for (size_t i = 0; i < entries.size(); ++i) {
     const double m = median(entries[i].ms);
     std::string all;
     for (double x : entries[i].ms) all += fmt::format("{}{:.0f}", all.empty() ? "" : " ", x);
-    md += fmt::format("| {} | {} | {:.1f} | {:.0f} | {:.3f}x | {} |\n", cases[i].mechanism,
+    // against the same mechanism on SDPA, when it ran: ratio of the medians, and the median of
+    // the per-round ratios (the two ran in the same round)
+    std::string vs_sdpa = "-";
+    for (size_t j = 0; j < entries.size(); ++j)
+      if (cases[j].attention == "sdpa" && cases[j].mechanism == cases[i].mechanism) {
+        std::vector<double> per;
+        for (size_t r = 0; r < entries[i].ms.size(); ++r)
+          per.push_back(entries[i].ms[r] / entries[j].ms[r]);
+        vs_sdpa = fmt::format("{:.3f} ({:.3f})", m / median(entries[j].ms), median(per));
+      }
+    md += fmt::format("| {} | {} | {:.1f} | {:.0f} | {:.3f}x | {} | {} |\n", cases[i].mechanism,
                       cases[i].attention, m, 1e3 * static_cast<double>(batch * T) / m, m / first,
-                      all);
+                      vs_sdpa, all);
   }
   return md;
 }

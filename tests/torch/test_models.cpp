@@ -88,13 +88,24 @@ TEST(Models, BadConfigsAreNamed) {
   EXPECT_THROW(m->forward(torch::full({1, 4}, 11, torch::kLong)), InputError);
 }
 
-TEST(Models, FusedAndComposedAttentionAgree) {
-  for (const std::string spec : {"rope + alibi", "jordan(m=2, regime=scaled, c=1, eta0=0.05)"}) {
-    SCOPED_TRACE(spec);
+// The fused engine, the materialised composition and (mechanisms without biases) LibTorch's SDPA
+// after the mechanism's transforms compute one model; SDPA refuses a bias by name.
+TEST(Models, FusedComposedAndSdpaAttentionAgree) {
+  {
+    auto c = small("rope + alibi");
+    c.attention = "sdpa";
+    models::TransformerLM m(c);
+    EXPECT_THROW(m->forward(torch::randint(0, 11, {1, 8}, torch::kLong)), InputError);
+  }
+  for (const auto& [spec, other] : {std::pair<std::string, std::string>{"rope + alibi", "composed"},
+                                    {"jordan(m=2, regime=scaled, c=1, eta0=0.05)", "composed"},
+                                    {"jordan(m=2, regime=scaled, c=1, eta0=0.05)", "sdpa"},
+                                    {"rope", "sdpa"}}) {
+    SCOPED_TRACE(spec + " " + other);
     auto c = small(spec);
     torch::manual_seed(5);
     models::TransformerLM fused(c);
-    c.attention = "composed";
+    c.attention = other;
     models::TransformerLM composed(c);
     {
       torch::NoGradGuard ng;

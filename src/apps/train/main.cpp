@@ -243,7 +243,8 @@ int main(int argc, char** argv) {
 
   int64_t bench_T = 1024, bench_batch = 4;
   int bench_rounds = 5, bench_threads = 2;
-  std::vector<std::string> bench_specs = {"nope", "jordan(m=2, regime=stabilized)"};
+  std::vector<std::string> bench_specs = {"nope", "rope", "jordan(m=2, regime=stabilized)"};
+  std::vector<std::string> bench_attention = {"fused", "sdpa", "composed"};
   auto* step_cmd = app.add_subcommand(
       "bench-step",
       "Training-step cost of the Table 5 model with each mechanism, fused and composed attention");
@@ -252,11 +253,16 @@ int main(int argc, char** argv) {
   step_cmd->add_option("--rounds", bench_rounds, "Rounds (medians)")->check(CLI::Range(1, 1000));
   step_cmd->add_option("--threads", bench_threads, "Threads")->check(CLI::Range(1, 1024));
   step_cmd->add_option("--mechanisms", bench_specs, "Mechanisms (the first is the baseline)");
+  step_cmd
+      ->add_option("--attention", bench_attention,
+                   "Attention paths: fused (the engine), sdpa (the mechanism's transforms, then "
+                   "LibTorch's SDPA; mechanisms without biases), composed (materialised scores)")
+      ->check(CLI::IsMember({"fused", "sdpa", "composed"}));
   step_cmd->callback([&] {
     models::ModelConfig base;  // the Table 5 model (jordan-rope.md 2.3)
     std::vector<train::StepBenchCase> cases;
-    for (const auto& s : bench_specs) cases.push_back({s, "fused"});
-    for (const auto& s : bench_specs) cases.push_back({s, "composed"});
+    for (const auto& att : bench_attention)
+      for (const auto& s : bench_specs) cases.push_back({s, att});
     fmt::print("{}", train::step_benchmark(base, bench_T, bench_batch, bench_rounds, cases,
                                            bench_threads));
   });
