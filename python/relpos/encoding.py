@@ -372,6 +372,12 @@ class PositionEncoding(nn.Module):
                     q, k = q * af, k * af
             out = (q, k)
         out = tuple(t.to(stored_as) for t in out)
+        if eager and self.check_finite and stored_as == torch.float16:
+            # float16 tops out at 65504: a damped map's growth that float32 holds can overflow
+            for name, t in zip(("q", "k"), out):
+                if not _all_finite(t):
+                    raise InputError(f"{name} overflows float16 after the transform (above 65504): "
+                                     "pass bfloat16 or float32")
         if self.tensor_layout == "BTHD":
             return out[0].transpose(1, 2), out[1].transpose(1, 2)
         return out

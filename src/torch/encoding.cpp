@@ -360,7 +360,15 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
     qq = qq * af;
     kk = kk * af;
   }
-  return {qq.to(q.scalar_type()), kk.to(k.scalar_type())};
+  Output out{qq.to(q.scalar_type()), kk.to(k.scalar_type())};
+  // float16 tops out at 65504: a damped map's growth that float32 holds can overflow
+  if (options_.check_finite && q.scalar_type() == torch::kHalf)
+    for (const auto& [name, t] : {std::pair{"q", &out.q}, std::pair{"k", &out.k}})
+      if (!all_finite(*t))
+        throw InputError(fmt::format(
+            "{} overflows float16 after the transform (above 65504): pass bfloat16 or float32",
+            name));
+  return out;
 }
 
 PositionEncodingImpl::Output PositionEncodingImpl::position_forward(const torch::Tensor& q,

@@ -14,6 +14,7 @@
 #include "diag/verify.hpp"
 #include "kernels/transform.hpp"
 #include "torch/encoding.hpp"
+#include "torch/finite.hpp"
 #include "torch/op_util.hpp"
 #include "torch/transform_function.hpp"
 
@@ -135,7 +136,14 @@ std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
   });
   // the kernel checked its outputs tile by tile: a non-finite input always reaches one
   TORCH_CHECK_VALUE(!nonfinite, nonfinite & 1 ? "q contains NaN or Inf" : "k contains NaN or Inf");
-  return {stored(qo, q_in.scalar_type()), stored(ko, k_in.scalar_type())};
+  auto qs = stored(qo, q_in.scalar_type()), ks = stored(ko, k_in.scalar_type());
+  // float16 tops out at 65504: a damped map's growth that float32 holds can overflow
+  if (check_finite && q_in.scalar_type() == torch::kHalf)
+    for (const auto& [name, t] : {std::pair{"q", &qs}, std::pair{"k", &ks}})
+      TORCH_CHECK_VALUE(all_finite(*t), name,
+                        " overflows float16 after the transform (above 65504): pass bfloat16 "
+                        "or float32");
+  return {qs, ks};
 }
 
 using Grads6 = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,

@@ -405,6 +405,19 @@ std::vector<Config> configs() {
   c.window = 0;
   c.scheme = AttentionBackwardScheme::PerHead;
   out.push_back(c);
+  // the decode kernel's two paths with biases: 2 rows per key/value head as dot products, 6 as
+  // transposed lanes over several key tiles
+  c.Tq = 1;
+  c.padding = false;
+  c.tokens = c.gates = true;
+  out.push_back(c);
+  c.Tq = 3;
+  c.Tk = 600;
+  c.window = 100;
+  c.padding = true;
+  c.tokens = c.gates = false;
+  c.lag = c.slopes = true;
+  out.push_back(c);
   return out;
 }
 

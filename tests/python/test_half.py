@@ -141,3 +141,20 @@ def test_transform_kernel_checks_finiteness(spec):
         y[1, 1, 67, -1] = bad
         with pytest.raises(relpos.InputError, match=f"{name} contains NaN or Inf"):
             enc(y, x) if name == "q" else enc(x, y)
+
+
+def test_float16_overflow_is_refused():
+    """A rotation turns (6e4, 6e4) into (0, 8.5e4), past float16's 65504: the encoding refuses
+    it by name instead of returning an infinity; bfloat16 holds it."""
+    enc = relpos.PositionEncoding("rope", 8, 1)
+    q = torch.zeros(1, 1, 1, 8)
+    q[..., :2] = 6e4
+    pos = torch.tensor([torch.pi / 4], dtype=torch.float64)  # pair 0 turns by 1 rad per position
+    with pytest.raises(relpos.InputError, match="q overflows float16"):
+        enc(q.half(), q.half(), pos)
+    out, _ = enc(q.bfloat16(), q.bfloat16(), pos)
+    assert torch.isfinite(out).all() and out.float().abs().max() > 8e4
+    with pytest.raises(ValueError, match="overflows float16"):  # the op with its check
+        kp = enc.kernel_params()
+        torch.ops.relpos.transform(q.half(), q.half(), kp["gamma"], kp["eta"], kp["gates"],
+                                   kp["alpha0"], pos, None, None, 0.0, enc.spec, 8, 1, 0, True)

@@ -345,6 +345,20 @@ TEST(EncodingCatalog, MixThenRopeIsShiftInvariant) {
   EXPECT_GT((a.k - b.k).abs().max().item<double>(), 1e-3);  // the keys themselves moved
 }
 
+// Half storage: a rotation that leaves float16's range (65504) is refused by name, bfloat16
+// holds it.
+TEST(Encoding, Float16OverflowIsRefused) {
+  nn::PositionEncoding enc("rope", 8, 1);
+  auto q = torch::zeros({1, 1, 1, 8});
+  q.narrow(3, 0, 2).fill_(6e4);
+  const auto pos = torch::full({1}, M_PI / 4, torch::kDouble);  // pair 0: 1 rad per position
+  const auto h = q.to(torch::kHalf);
+  EXPECT_THROW(enc->forward(h, h, pos), InputError);
+  const auto b = q.to(torch::kBFloat16);
+  const auto out = enc->forward(b, b, pos);
+  EXPECT_GT(out.q.to(torch::kFloat).abs().max().item<double>(), 8e4);
+}
+
 // The op library: the Meta (fake) kernels give shapes without data, what torch.compile traces.
 TEST(Ops, MetaKernelsGiveShapesOnly) {
   const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("relpos::transform", "");

@@ -435,37 +435,36 @@ Outs run_materialised(const Inputs& in, Bias b, bool sdpa, Mode mode) {
   return r;
 }
 
-// Half storage through the op users call (relpos::nn::fused_attention, its autograd for the
-// backward): q, k, v, the output and the gradients in the half dtype; outputs returned in fp32
-// for the checks.
-Outs run_ours_half(const Inputs& in, Mode mode) {
-  nn::AttentionArgs args;
-  args.causal = true;
+// A case on the half copies: attend(q, k, v) -> out in the half dtype (forward, and the
+// backward by autograd from douth); outputs returned in fp32 for the checks.
+template <class Attend>
+Outs run_half(const Inputs& in, Mode mode, Attend attend) {
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
   if (mode == Mode::Fwd) {
     c10::InferenceMode guard;
-    return {f32(nn::fused_attention(in.qh, in.kh, in.vh, args)[0]), {}, {}, {}, {}};
+    return {f32(attend(in.qh, in.kh, in.vh)), {}, {}, {}, {}};
   }
   const at::Tensor q = in.qh.detach().requires_grad_(true), k = in.kh.detach().requires_grad_(true),
                    v = in.vh.detach().requires_grad_(true);
-  const at::Tensor out = nn::fused_attention(q, k, v, args)[0];
+  const at::Tensor out = attend(q, k, v);
   const auto g = torch::autograd::grad({out}, {q, k, v}, {in.douth});
   return {f32(out.detach()), f32(g[0]), f32(g[1]), f32(g[2]), {}};
 }
 
-// SDPA on the half copies (its own half kernels), outputs in fp32 for the checks.
+// Half storage through the op users call (relpos::nn::fused_attention and its autograd).
+Outs run_ours_half(const Inputs& in, Mode mode) {
+  nn::AttentionArgs args;
+  args.causal = true;
+  return run_half(in, mode, [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    return nn::fused_attention(q, k, v, args)[0];
+  });
+}
+
+// SDPA on the half copies (its own half kernels).
 Outs run_sdpa_half(const Inputs& in, Mode mode) {
-  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
-  if (mode == Mode::Fwd) {
-    c10::InferenceMode guard;
-    return {
-        f32(at::scaled_dot_product_attention(in.qh, in.kh, in.vh, {}, 0.0, true)), {}, {}, {}, {}};
-  }
-  const at::Tensor q = in.qh.detach().requires_grad_(true), k = in.kh.detach().requires_grad_(true),
-                   v = in.vh.detach().requires_grad_(true);
-  const at::Tensor out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
-  const auto g = torch::autograd::grad({out}, {q, k, v}, {in.douth});
-  return {f32(out.detach()), f32(g[0]), f32(g[1]), f32(g[2]), {}};
+  return run_half(in, mode, [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+  });
 }
 
 Outs run_sdpa(const Inputs& in, bool mask, Mode mode) {
