@@ -10,8 +10,12 @@ one decode step:
                cache is reset to ctx - 1 keys before each call (untimed)
   sdpa         torch's scaled_dot_product_attention(q, K, V, enable_gqa=...) on the same cache,
                no mask (the one query sees every cached key)
+  sdpa_step    (--spec rope) the step a RoPE user writes in Python: HF's rotate_half RoPE from a
+               cos/sin table computed once, on the new q and k, the new k and v written into a
+               static cache (2 x ctx slots), SDPA on its used prefix: the module's baseline
 and for a biased mechanism (--spec alibi): sdpa_bias, SDPA with the bias row of the one query
-materialised ([1, H, 1, ctx], built outside the timed call). Prints medians, the ratio of
+materialised ([1, H, 1, ctx], built outside the timed call). The module's cache also has
+2 x ctx slots, so its used prefix is a strided view as in a real cache. Prints medians, the ratio of
 medians and the median of the per-round ratios (each round runs every case once, in turn).
 """
 
@@ -42,7 +46,7 @@ def cases_for(spec, ctx, hk, g):
     q = torch.randn(1, H, 1, D, generator=g)
     qpos = torch.tensor([ctx - 1.0], dtype=torch.float64)
     attn = relpos.Attention(spec, D, H, hk)
-    cache = relpos.KVCache(1, hk, D, capacity=ctx)
+    cache = relpos.KVCache(1, hk, D, capacity=2 * ctx)
     # the module's own keys for the first ctx - 1 tokens (its transform applied by prefill)
     with torch.no_grad():
         attn(torch.randn(1, H, ctx - 1, D, generator=g), k[:, :, :-1], v[:, :, :-1], cache=cache)
@@ -63,6 +67,26 @@ def cases_for(spec, ctx, hk, g):
         "ours_module": (reset, lambda: attn(q, kn, vn, cache=cache)),
         "sdpa": (None, lambda: F.scaled_dot_product_attention(q, kf, vf, enable_gqa=hk != H)),
     }
+    if spec == "rope":
+        inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+        ang = torch.outer(torch.arange(2 * ctx, dtype=torch.float32), inv)
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        ks, vs = torch.zeros(1, hk, 2 * ctx, D), torch.zeros(1, hk, 2 * ctx, D)
+        ks[:, :, : ctx - 1], vs[:, :, : ctx - 1] = kc, vc
+
+        def rotate_half(x):
+            return torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1)
+
+        def sdpa_step():
+            p = ctx - 1
+            c, s_ = cos[p], sin[p]
+            qr, kr = q * c + rotate_half(q) * s_, kn * c + rotate_half(kn) * s_
+            ks[:, :, p : p + 1] = kr
+            vs[:, :, p : p + 1] = vn
+            return F.scaled_dot_product_attention(qr, ks[:, :, : p + 1], vs[:, :, : p + 1],
+                                                  enable_gqa=hk != H)
+
+        out["sdpa_step"] = (None, sdpa_step)
     if slopes is not None:
         lag = (ctx - 1) - torch.arange(ctx, dtype=torch.float64)
         bias = (-slopes[:, None] * lag[None, :]).float().view(1, H, 1, ctx)
@@ -83,8 +107,10 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, spec {a.spec!r}, "
           f"B 1, Hq {H}, D {D}, float32, {a.rounds} rounds (medians; per-round ratio in brackets)")
     print()
-    print("| ctx | heads | case | ms | / sdpa | / sdpa (per round) |")
-    print("|---|---|---|---|---|---|")
+    step = a.spec == "rope"
+    print("| ctx | heads | case | ms | / sdpa | / sdpa (per round) |"
+          + (" / sdpa_step (per round) |" if step else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if step else ""))
     for ctx in (int(x) for x in a.ctx.split(",")):
         for hk in (H, 2):
             cases = cases_for(a.spec, ctx, hk, g)
@@ -106,8 +132,11 @@ def main():
             for n, ts in times.items():
                 med = statistics.median(ts)
                 per = statistics.median(x / y for x, y in zip(ts, times[base]))
+                extra = ""
+                if step:
+                    extra = f" {statistics.median(x / y for x, y in zip(ts, times['sdpa_step'])):.2f} |"
                 print(f"| {ctx} | {H}:{hk} | {n} | {med:.3f} | "
-                      f"{med / statistics.median(times[base]):.2f} | {per:.2f} |")
+                      f"{med / statistics.median(times[base]):.2f} | {per:.2f} |" + extra)
     print()
     print(f"(ratios against {'sdpa_bias, the materialised bias row' if a.spec != 'rope' else 'sdpa'})")
 

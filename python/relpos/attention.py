@@ -175,12 +175,13 @@ def _learned_lag_table(enc, qpos, kpos, Hq, Hk, dtype):
     return enc.lag_table(int(min(max(math.ceil(span), 0), _MAX_LAG_TABLE)) + 1).to(dtype)
 
 
-def _transform_qk(enc: PositionEncoding, q, k, q_positions, k_positions):
+def _transform_qk(enc: PositionEncoding, q, k, q_positions, k_positions, checked: bool = False):
     """The encoding's transforms on q ``[B, Hq, Tq, D]`` and k ``[B, Hk, Tk, D]`` at their
     positions (default: the kernel's, queries the last Tq of 0..Tk-1), every query head through
     its key/value head's map; returns ``(q~, k~, q_positions, k_positions, slopes)`` with the
     positions as float64 and the mechanism's ALiBi slopes for the Hq query heads (or None).
-    Shared by :func:`attention` and :class:`relpos.Attention`."""
+    Shared by :func:`attention` and :class:`relpos.Attention` (``checked``: the positions are a
+    decode cache's, checked float64 already)."""
     B, Hq, Tq, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     if enc.num_heads != Hk:
@@ -203,7 +204,9 @@ def _transform_qk(enc: PositionEncoding, q, k, q_positions, k_positions):
     kpos = qpos if shared else (
         torch.arange(Tk, dtype=torch.float64) if k_positions is None else k_positions.to(torch.float64)
     )
-    if shared:
+    if shared and checked:
+        q, k = enc._encode(q, k, qpos, checked=True)
+    elif shared:
         q, k = enc(q, k, qpos)
     else:
         # queries grouped onto their key/value head and keys in one call: one centre for both
@@ -212,7 +215,7 @@ def _transform_qk(enc: PositionEncoding, q, k, q_positions, k_positions):
         kr = kpos.expand(B, Tk) if per_batch and kpos.dim() == 1 else kpos
         both = torch.cat([q.reshape(B, Hk, g * Tq, D), k], 2)
         pos = torch.cat([qr.repeat(1, g) if per_batch else qr.repeat(g), kr], -1)
-        tq, tk = enc(both, both, pos)
+        tq, tk = enc._encode(both, both, pos, checked=True) if checked else enc(both, both, pos)
         q, k = tq[:, :, : g * Tq].reshape(B, Hq, Tq, D), tk[:, :, g * Tq :]
     s = _alibi_slopes(enc.spec, D, Hq)
     return q, k, qpos, kpos, (None if s is None else torch.tensor(s, dtype=q.dtype))

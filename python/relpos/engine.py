@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_attention
-from .encoding import _HALF, _STORABLE, InputError, PositionEncoding, _all_finite, _integer, _op
+from .encoding import _HALF, _STORABLE, InputError, PositionEncoding, _integer, _op
 from .journey import rotate_pairs
 
 class KVCache:
@@ -91,7 +91,7 @@ class KVCache:
 
     def next_positions(self, n: int) -> torch.Tensor:
         """The default positions of n new tokens per row: ``lengths[b] + 0..n-1``, ``[B, n]``."""
-        return self.lengths.to(torch.float64)[:, None] + torch.arange(n, dtype=torch.float64)
+        return self._step(None, None, _integer(n, "n"))[0]
 
     def _check(self, k: torch.Tensor) -> None:
         B, Hk, _, D = k.shape
@@ -102,20 +102,12 @@ class KVCache:
         if k.dtype != self.dtype:
             raise InputError(f"the cache holds {self.dtype}; this call is {k.dtype}")
 
-    def _check_positions(self, pos: torch.Tensor, counts: torch.Tensor) -> None:
-        """New positions [B, n] must increase along each row, past the row's last cached one
-        (a decoded token never sees a later one; equal positions would in the full forward)."""
-        if pos.shape[1] > 1 and not bool((pos[:, 1:] > pos[:, :-1]).all()):
-            raise InputError("positions must increase along each sequence of a cache")
-        has = self.lengths > 0
-        if bool(has.any()):
-            last = self._positions[torch.arange(self.batch), (self.lengths - 1).clamp_min(0)]
-            back = has & (counts > 0) & (pos[:, 0] <= last)
-            if bool(back.any()):
-                b = int(back.nonzero()[0])
-                raise InputError(
-                    f"positions go backwards in the cache: row {b} holds position "
-                    f"{float(last[b]):g} and this call starts at {float(pos[b, 0]):g}")
+    def _step(self, positions, key_len, n: int):
+        """A call's new positions ``[B, n]`` (given ``[n]`` / ``[B, n]``, or each row's
+        continuation) and valid counts ``[B]`` (key_len, default n): positions must increase
+        along each row, past the row's last cached one (a decoded token never sees a later one;
+        equal positions would in the full forward). The C++ DecodeCache's step."""
+        return _op(torch.ops.relpos.cache_step, self.lengths, self._positions, positions, key_len, n)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 counts: torch.Tensor, content: list[torch.Tensor] = ()) -> None:
@@ -128,10 +120,7 @@ class KVCache:
 
         if not self._content:
             self._content = [c.new_zeros(*c.shape[:2], self.capacity, *c.shape[3:]) for c in content]
-        if len(content) != len(self._content):
-            raise InputError(f"the cache holds {len(self._content)} content tensors per key; this "
-                             f"call gives {len(content)}")
-        need = int((self.lengths + n).max())
+        need = int(self.lengths.max()) + n
         if need > self.capacity:
             cap = max(self.capacity, 1)
             while cap < need:
@@ -141,14 +130,9 @@ class KVCache:
             self._values = grown(self._values, 2, grow)
             self._positions = grown(self._positions, 1, grow)
             self._content = [grown(c, 2, grow) for c in self._content]
-        for b in range(self.batch):
-            L = int(self.lengths[b])
-            self._keys[b, :, L : L + n] = k[b].detach()
-            self._values[b, :, L : L + n] = v[b].detach()
-            self._positions[b, L : L + n] = pos[b]
-            for c, new in zip(self._content, content):
-                c[b, :, L : L + n] = new[b].detach()
-        self.lengths += counts
+        # (the C++ DecodeCache's append: each row's new tokens after its length, lengths += counts)
+        _op(torch.ops.relpos.cache_append, self._keys, self._values, self._positions, self.lengths,
+            self._content, k.detach(), v.detach(), pos, counts, [c.detach() for c in content])
 
 
 class Attention(nn.Module):
@@ -316,10 +300,10 @@ class Attention(nn.Module):
             raise InputError(f"q has head dim {D}; the module was built for {self.head_dim}")
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise InputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-        if self.check_finite and not torch.compiler.is_compiling():
-            for name, t in (("q", q), ("k", k), ("v", v)):
-                if t.device.type != "meta" and not _all_finite(t):
-                    raise InputError(f"{name} contains NaN or Inf")
+        if self.check_finite and not torch.compiler.is_compiling() and q.device.type != "meta":
+            bad = torch.ops.relpos.nonfinite([q, k, v])
+            if bad >= 0:
+                raise InputError(f"{'qkv'[bad]} contains NaN or Inf")
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise InputError(f"cache must be a relpos.KVCache, got {type(cache).__name__}")
@@ -404,8 +388,7 @@ class Attention(nn.Module):
                 qpos = kpos = torch.arange(T, dtype=torch.float64)
                 vt, klen = v, key_len
             else:
-                counts = self._counts(key_len, B, T)
-                qpos = cache.next_positions(T)
+                qpos, counts = cache._step(None, key_len, T)
                 vt = v
         elif cache is None:
             # one set of positions for queries and keys (the same object: one transform call)
@@ -419,23 +402,13 @@ class Attention(nn.Module):
                 qt, kt, qpos, kpos, slopes = _transform_qk(self.encoding, q, k, pos, pos)
             vt, klen = v, key_len
         else:
-            counts = self._counts(key_len, B, T)
-            if positions is None:
-                pos = cache.next_positions(T)
-            else:
-                try:  # shape, real, finite, within +-2^53: the encoding's checks
-                    pos = torch.ops.relpos.encoding_positions(positions, B, T)
-                except ValueError as e:
-                    raise InputError(str(e)) from None
-                if pos.dim() == 1:
-                    pos = pos.expand(B, T)
-            cache._check_positions(pos, counts)
+            pos, counts = cache._step(positions, key_len, T)
             if self._rotation is not None:
                 qt, kt, phase_end, frames = self._rotate(q, k, pos, inputs, cache._phase)
                 qpos = pos
                 slopes = None if self._slopes is None else self._slopes.to(q.dtype)
             else:
-                qt, kt, qpos, _, slopes = _transform_qk(self.encoding, q, k, pos, pos)
+                qt, kt, qpos, _, slopes = _transform_qk(self.encoding, q, k, pos, pos, checked=True)
             vt = v
         if frames is not None and self._frame_values:  # v into its key's frame
             vt = rotate_pairs(vt, frames, pair_layout=self.pair_layout)
@@ -460,10 +433,11 @@ class Attention(nn.Module):
             cache._append(kt, vt, qpos, counts, side)
             if phase_end is not None:
                 cache._phase = phase_end
-            kv_q, kv_k, kv_v, k_positions = (qt, cache.keys.to(qt.dtype), cache.values.to(qt.dtype),
-                                             cache.positions)
+            L = cache.length  # the used prefix, read in place by the kernel (no copy)
+            kv_q, kv_k, kv_v = qt, cache._keys[:, :, :L].to(qt.dtype), cache._values[:, :, :L].to(qt.dtype)
+            k_positions = cache._positions[:, :L]
             klen = cache.lengths.clone()
-            side = cache.content
+            side = [c[:, :, :L] for c in cache._content]
         if self._content is not None:
             keys = torch.ops.relpos.content_keys(self.spec, self.head_dim, self.num_heads, side)
             extra.update(zip(("gk", "ck", "path_k"), keys))
@@ -499,17 +473,3 @@ class Attention(nn.Module):
         scale = 0.0 if self.scale is None else float(self.scale) ** 0.5
         return _op(torch.ops.relpos.favor_attention, qt, kf, vf, self.favor_projection, self.causal,
                    scale)
-
-    @staticmethod
-    def _counts(key_len, B: int, T: int) -> torch.Tensor:
-        """The valid new tokens per row of a cached call: key_len [B] in 0..T (default T)."""
-        if key_len is None:
-            return torch.full((B,), T, dtype=torch.int64)
-        if (not isinstance(key_len, torch.Tensor) or key_len.shape != (B,)
-                or key_len.dtype not in (torch.int32, torch.int64)):
-            got = list(key_len.shape) if isinstance(key_len, torch.Tensor) else type(key_len).__name__
-            raise InputError(f"key_len must be an integer tensor [B] = [{B}], got {got}")
-        if bool(((key_len < 0) | (key_len > T)).any()):
-            raise InputError(f"key_len values must be in [0, {T}] (the new tokens of each row), "
-                             f"got {key_len.tolist()}")
-        return key_len.to(torch.int64)

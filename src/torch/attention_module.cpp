@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/parse.hpp"
 #include "core/registry.hpp"
@@ -110,7 +111,8 @@ DecodeCache::DecodeCache(int64_t batch, int64_t kv_heads, int64_t head_dim, torc
 }
 
 int64_t DecodeCache::length() const {
-  return lengths_.max().item<int64_t>();
+  const int64_t* L = lengths_.data_ptr<int64_t>();  // (read in place: called several times a step)
+  return *std::max_element(L, L + lengths_.numel());
 }
 torch::Tensor DecodeCache::keys() const {
   return keys_.narrow(2, 0, length());
@@ -131,10 +133,6 @@ void DecodeCache::reset() {
   phase_ = torch::Tensor();
 }
 
-torch::Tensor DecodeCache::next_positions(int64_t n) const {
-  return lengths_.to(torch::kDouble).unsqueeze(1) + torch::arange(n, torch::kDouble);
-}
-
 void DecodeCache::check(const torch::Tensor& k) const {
   if (k.size(0) != keys_.size(0) || k.size(1) != keys_.size(1) || k.size(3) != keys_.size(3))
     throw InputError(fmt::format(
@@ -148,21 +146,9 @@ void DecodeCache::check(const torch::Tensor& k) const {
                                  c10::toString(k.scalar_type())));
 }
 
-void DecodeCache::check_positions(const torch::Tensor& pos, const torch::Tensor& counts) const {
-  // a decoded token never sees a later one; equal positions would in the full forward
-  if (pos.size(1) > 1 && !(pos.slice(1, 1) > pos.slice(1, 0, -1)).all().item<bool>())
-    throw InputError("positions must increase along each sequence of a cache");
-  for (int64_t b = 0; b < batch(); ++b) {
-    const int64_t L = lengths_[b].item<int64_t>();
-    if (L == 0 || counts[b].item<int64_t>() == 0) continue;
-    const double last = positions_[b][L - 1].item<double>();
-    const double first = pos[b][0].item<double>();
-    if (first <= last)
-      throw InputError(fmt::format(
-          "positions go backwards in the cache: row {} holds position {} and this call starts "
-          "at {}",
-          b, last, first));
-  }
+CacheStep DecodeCache::step(const torch::Tensor& positions, const torch::Tensor& key_len,
+                            int64_t T) const {
+  return cache_step(lengths_, positions_, positions, key_len, T);
 }
 
 void DecodeCache::append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
@@ -180,9 +166,6 @@ void DecodeCache::append(const torch::Tensor& k, const torch::Tensor& v, const t
       shape[2] = capacity();
       content_.push_back(torch::zeros(shape, c.options().requires_grad(false)));
     }
-  if (content.size() != content_.size())
-    throw InputError(fmt::format("the cache holds {} content tensors per key; this call gives {}",
-                                 content_.size(), content.size()));
   const int64_t need = (lengths_ + n).max().item<int64_t>();
   if (need > capacity()) {
     int64_t cap = std::max<int64_t>(capacity(), 1);
@@ -193,16 +176,107 @@ void DecodeCache::append(const torch::Tensor& k, const torch::Tensor& v, const t
     positions_ = grown(positions_, 1, grow);
     for (auto& c : content_) c = grown(c, 2, grow);
   }
-  const torch::NoGradGuard no_grad;
-  for (int64_t b = 0; b < batch(); ++b) {
-    const int64_t L = lengths_[b].item<int64_t>();
-    keys_[b].narrow(1, L, n).copy_(k[b].detach());
-    values_[b].narrow(1, L, n).copy_(v[b].detach());
-    positions_[b].narrow(0, L, n).copy_(pos[b]);
-    for (size_t i = 0; i < content.size(); ++i)
-      content_[i][b].narrow(1, L, n).copy_(content[i][b].detach());
+  cache_append(keys_, values_, positions_, lengths_, content_, k, v, pos, counts, content);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One decode step's bookkeeping (the Python KVCache runs the same through the cache_* ops). Rows
+// are checked and written through raw pointers: a decode step appends one token, and an op per
+// row and tensor would cost more than the step's attention at short contexts.
+
+CacheStep cache_step(const torch::Tensor& lengths, const torch::Tensor& stored,
+                     const torch::Tensor& positions, const torch::Tensor& key_len, int64_t T) {
+  const int64_t B = lengths.size(0);
+  CacheStep s;
+  if (key_len.defined()) {
+    if (key_len.dim() != 1 || key_len.size(0) != B ||
+        (key_len.scalar_type() != torch::kLong && key_len.scalar_type() != torch::kInt))
+      throw InputError(fmt::format("key_len must be an integer tensor [B] = [{}], got {}", B,
+                                   shape_of(key_len)));
+    s.counts = key_len.to(torch::kLong).contiguous();
+    const auto c = s.counts.accessor<int64_t, 1>();
+    for (int64_t b = 0; b < B; ++b)
+      if (c[b] < 0 || c[b] > T)
+        throw InputError(fmt::format(
+            "key_len values must be in [0, {}] (the new tokens of each row), got {} in row {}", T,
+            c[b], b));
+  } else {
+    s.counts = torch::full({B}, T, torch::kLong);
   }
-  lengths_ += counts;
+  const auto L = lengths.accessor<int64_t, 1>();
+  if (positions.defined()) {
+    s.positions = checked_position_values(positions, B, T);
+    if (s.positions.dim() == 1) s.positions = s.positions.expand({B, T});
+    s.positions = s.positions.contiguous();
+  } else {
+    s.positions = torch::empty({B, T}, torch::kDouble);
+    auto p = s.positions.accessor<double, 2>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < T; ++i) p[b][i] = static_cast<double>(L[b] + i);
+  }
+  // a decoded token never sees a later one; equal positions would in the full forward
+  const auto p = s.positions.accessor<double, 2>();
+  const auto c = s.counts.accessor<int64_t, 1>();
+  const auto last = stored.accessor<double, 2>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 1; i < T; ++i)
+      if (!(p[b][i] > p[b][i - 1]))
+        throw InputError("positions must increase along each sequence of a cache");
+  for (int64_t b = 0; b < B; ++b) {
+    if (L[b] == 0 || c[b] == 0 || T == 0) continue;
+    if (p[b][0] <= last[b][L[b] - 1])
+      throw InputError(fmt::format(
+          "positions go backwards in the cache: row {} holds position {} and this call starts "
+          "at {}",
+          b, last[b][L[b] - 1], p[b][0]));
+  }
+  return s;
+}
+
+void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
+                  const torch::Tensor& positions, const torch::Tensor& lengths,
+                  const std::vector<torch::Tensor>& content_store, const torch::Tensor& k,
+                  const torch::Tensor& v, const torch::Tensor& pos, const torch::Tensor& counts,
+                  const std::vector<torch::Tensor>& content) {
+  if (content.size() != content_store.size())
+    throw InputError(fmt::format("the cache holds {} content tensors per key; this call gives {}",
+                                 content_store.size(), content.size()));
+  const int64_t B = keys.size(0), H = keys.size(1), cap = keys.size(2), D = keys.size(3),
+                n = k.size(2);
+  auto L = lengths.accessor<int64_t, 1>();
+  for (int64_t b = 0; b < B; ++b)
+    if (L[b] < 0 || L[b] + n > cap)
+      throw InputError(fmt::format("the cache row {} holds {} of {} slots: no room for {} more", b,
+                                   L[b], cap, n));
+  const torch::NoGradGuard no_grad;
+  // rows of one dtype and contiguous storage: one copy per (row, head); else through copy_
+  const auto rows = [&](const torch::Tensor& store, const torch::Tensor& x) {
+    if (store.is_contiguous() && store.scalar_type() == x.scalar_type()) {
+      const auto src = x.contiguous();
+      const auto bytes = static_cast<size_t>(n * D * src.element_size());
+      auto* dst = static_cast<char*>(store.data_ptr());
+      const auto* from = static_cast<const char*>(src.data_ptr());
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(dst + ((b * H + h) * cap + L[b]) * D * src.element_size(),
+                      from + (b * H + h) * bytes, bytes);
+    } else {
+      for (int64_t b = 0; b < B; ++b) store[b].narrow(1, L[b], n).copy_(x[b].detach());
+    }
+  };
+  rows(keys, k);
+  rows(values, v);
+  const auto p = pos.to(torch::kDouble).contiguous();
+  const auto src = p.accessor<double, 2>();
+  auto dst = positions.accessor<double, 2>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < n; ++i) dst[b][L[b] + i] = src[b][i];
+  for (size_t i = 0; i < content.size(); ++i)
+    for (int64_t b = 0; b < B; ++b)
+      content_store[i][b].narrow(1, L[b], n).copy_(content[i][b].detach());
+  const auto c = counts.to(torch::kLong).contiguous();
+  const auto* add = c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) L[b] += add[b];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -396,26 +470,19 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   DecodeCache* cache = call.cache;
   const Mechanism& m = mechanism();
   const int64_t B = q.size(0), T = q.size(2), D = q.size(3), g = num_heads_ / num_kv_heads_;
-  torch::Tensor counts = torch::full({B}, T, torch::kLong);
-  if (call.key_len.defined() && cache) {
-    const auto& kl = call.key_len;
-    if (kl.dim() != 1 || kl.size(0) != B ||
-        (kl.scalar_type() != torch::kLong && kl.scalar_type() != torch::kInt))
-      throw InputError(
-          fmt::format("key_len must be an integer tensor [B] = [{}], got {}", B, shape_of(kl)));
-    if (((kl < 0) | (kl > T)).any().item<bool>())
-      throw InputError(
-          fmt::format("key_len values must be in [0, {}] (the new tokens of each row)", T));
-    counts = kl.to(torch::kLong);
-  }
   // vector positions drive the rotation only; the kernel's positions are then the token order
   const bool vector = rotation_ && rotation_->vector_positions();
-  torch::Tensor pos = call.positions.defined() && !vector
-                          ? checked_position_values(call.positions, B, T)
-                      : cache ? cache->next_positions(T)
-                              : torch::arange(T, torch::kDouble);
-  if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();  // [B, T] from here on
-  if (cache) cache->check_positions(pos, counts);
+  torch::Tensor pos, counts;
+  if (cache) {
+    auto step = cache->step(vector ? torch::Tensor() : call.positions, call.key_len, T);
+    pos = std::move(step.positions);
+    counts = std::move(step.counts);
+  } else {
+    pos = call.positions.defined() && !vector ? checked_position_values(call.positions, B, T)
+                                              : torch::arange(T, torch::kDouble);
+    if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();  // [B, T] from here on
+    counts = torch::full({B}, T, torch::kLong);
+  }
 
   torch::Tensor qt = q, kt = k, vt = v, frames;
   torch::Tensor phase_end;

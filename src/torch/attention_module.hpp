@@ -22,6 +22,24 @@
 
 namespace relpos::nn {
 
+// One decode step's bookkeeping on a cache's tensors, shared by DecodeCache and the Python
+// KVCache (ops cache_step and cache_append): the new tokens' positions and counts, checked
+// against each row's last cached position, and the append in place.
+struct CacheStep {
+  torch::Tensor positions;  // [B, T] float64: given ([T] or [B, T]) or each row's continuation
+  torch::Tensor counts;     // int64 [B]: the valid new tokens per row (key_len, default T)
+};
+// `stored`: the cache's positions [B, capacity]; `positions` and `key_len` may be undefined.
+CacheStep cache_step(const torch::Tensor& lengths, const torch::Tensor& stored,
+                     const torch::Tensor& positions, const torch::Tensor& key_len, int64_t T);
+// k, v [B, Hk, n, D] (and `content`'s new tensors [B, H, n, ...]) written after each row's
+// length into storage with room for them, then lengths += counts.
+void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
+                  const torch::Tensor& positions, const torch::Tensor& lengths,
+                  const std::vector<torch::Tensor>& content_store, const torch::Tensor& k,
+                  const torch::Tensor& v, const torch::Tensor& pos, const torch::Tensor& counts,
+                  const std::vector<torch::Tensor>& content);
+
 // Transformed keys, values (in their frames for journey mechanisms) and float64 positions per
 // sequence; row b holds lengths()[b] tokens (rows may differ). Storage doubles as needed; stored
 // tensors are detached (the cache is for inference).
@@ -38,12 +56,10 @@ class DecodeCache {
   torch::Tensor values() const;                              // [B, Hk, length, D]
   torch::Tensor positions() const;                           // [B, length] float64
   void reset();                                              // empties every row
-  // default positions of n new tokens per row: lengths[b] + 0..n-1, [B, n] float64
-  torch::Tensor next_positions(int64_t n) const;
 
-  // for Attention: shape/dtype of a call's k, positions that go forward, the append itself
+  // for Attention: shape/dtype of a call's k, the step's positions and counts, the append
   void check(const torch::Tensor& k) const;
-  void check_positions(const torch::Tensor& pos, const torch::Tensor& counts) const;
+  CacheStep step(const torch::Tensor& positions, const torch::Tensor& key_len, int64_t T) const;
   // `content`: the new tokens' content-bias side tensors [B, H, n, ...] (stored like the keys)
   void append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
               const torch::Tensor& counts, const std::vector<torch::Tensor>& content = {});

@@ -149,9 +149,23 @@ torch::Tensor attention_positions(const torch::Tensor& p, int64_t B, int64_t T, 
   return d;
 }
 
+// The rows per key/value head when k and v are the used prefix of a decode cache's storage
+// ([B, Hk, Tk, D] views of one [B, Hk, R, D] layout, R > Tk, rows contiguous): the forward reads
+// them in place instead of copying the whole cache every step. 0 for any other layout.
+int64_t cache_rows(const torch::Tensor& k, const torch::Tensor& v) {
+  if (k.is_contiguous() || op_util::is_half(k.scalar_type()) || k.strides() != v.strides())
+    return 0;
+  const int64_t B = k.size(0), Hk = k.size(1), Tk = k.size(2), D = k.size(3);
+  if (D < 1 || k.stride(3) != 1 || (Tk > 1 && k.stride(2) != D)) return 0;
+  const int64_t head = Hk > 1 ? k.stride(1) : k.stride(0) / Hk;  // B > 1 when Hk == 1
+  if (head % D || head / D < Tk) return 0;
+  if (B > 1 && k.stride(0) != Hk * head) return 0;
+  return head / D;
+}
+
 Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                  const OptTensor& q_pos, const OptTensor& k_pos, const Masks& masks,
-                 const BiasList& biases, const CallOptions& c) {
+                 const BiasList& biases, const CallOptions& c, bool keys_in_place = false) {
   const double window = c.window, scale = c.scale, path_scale = c.path_scale;
   const Biases in = unpack(biases);
   for (const auto* t : {&q, &k, &v}) {
@@ -185,9 +199,10 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     throw InputError("attention: scale must be >= 0 (0: 1/sqrt(D))");
   Operands o;
   o.q = computed(q);  // half storage: computed in float32
-  o.k = computed(k);
-  o.v = computed(v);
-  o.dims = {B, Hq, Hk, Tq, Tk, D};
+  const int64_t rows = keys_in_place ? cache_rows(k, v) : 0;
+  o.k = rows ? k : computed(k);
+  o.v = rows ? v : computed(v);
+  o.dims = {B, Hq, Hk, Tq, Tk, D, rows};
   o.q_pos = attention_positions(get(q_pos), B, Tq, "q_positions");
   o.k_pos = attention_positions(get(k_pos), B, Tk, "k_positions");
   // one indexing rule for both: a shared [T] row next to a per-batch one is expanded to [B, T]
@@ -298,8 +313,8 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
     const OptTensor& key_start, const OptTensor& q_segments, const OptTensor& k_segments) {
   return value_errors([&] {
     const CallOptions c{causal, window, scale, exclude_self, path_scale};
-    const auto o =
-        prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments}, biases, c);
+    const auto o = prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments},
+                           biases, c, /*keys_in_place=*/true);
     const auto& d = o.dims;
     // lse stays in the compute dtype: the backward and merges of partial results need it exact
     auto out = output_like(o.q);

@@ -125,6 +125,25 @@ LagParamValues PositionEncodingImpl::lag_values() const {
   return nn::lag_values(lag_params_);
 }
 
+namespace {
+
+// Whether a learn mask marks any entry learnable, read in place where it can be: this runs on
+// every call, and a mechanism with nothing learned (RoPE) then skips its reparameterisation.
+// Traced tensors (fake, functional, meta) have no values: there the full expression is kept, so
+// that a compiled graph holds no branch taken on a buffer's values.
+bool any_learned(const torch::Tensor& learn) {
+  const auto traced =
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  if (learn.is_meta() || learn.key_set().has_any(traced)) return true;
+  if (learn.device().is_cpu() && learn.is_contiguous() && learn.scalar_type() == torch::kFloat) {
+    const float* x = learn.data_ptr<float>();
+    return std::any_of(x, x + learn.numel(), [](float v) { return v > 0; });
+  }
+  return (learn > 0).any().item<bool>();
+}
+
+}  // namespace
+
 KernelParams schema_kernel_params(const Mechanism& m, const std::vector<torch::Tensor>& schema) {
   if (schema.size() != 4 * m.params.size())
     throw InputError(
@@ -136,19 +155,23 @@ KernelParams schema_kernel_params(const Mechanism& m, const std::vector<torch::T
     const ParamSpec& ps = m.params[i];
     const auto &raw = schema[4 * i], &fixed = schema[4 * i + 1], &bound = schema[4 * i + 2],
                &learn = schema[4 * i + 3];
-    torch::Tensor v;
-    switch (ps.reparam) {
-      case Reparam::SoftplusFloor:
-        v = torch::nn::functional::softplus(raw) + bound;
-        break;
-      case Reparam::BoundedTanh:
-        v = bound * torch::tanh(raw);
-        break;
-      case Reparam::SoftmaxSimplex:
-        v = torch::softmax(raw, 0);
-        break;
+    // where(learn > 0, reparam(raw), fixed) is `fixed` itself when nothing is learned and no
+    // gradient is asked of raw
+    torch::Tensor v = fixed;
+    if (raw.requires_grad() || any_learned(learn)) {
+      switch (ps.reparam) {
+        case Reparam::SoftplusFloor:
+          v = torch::nn::functional::softplus(raw) + bound;
+          break;
+        case Reparam::BoundedTanh:
+          v = bound * torch::tanh(raw);
+          break;
+        case Reparam::SoftmaxSimplex:
+          v = torch::softmax(raw, 0);
+          break;
+      }
+      v = torch::where(learn > 0, v, fixed);
     }
-    v = torch::where(learn > 0, v, fixed);
     switch (ps.slot) {
       case BlockParam::Gamma:
         p.gamma = v;

@@ -521,6 +521,51 @@ TEST(AttentionKernel, DecodeMatchesLastRowOfFullForward) {
   }
 }
 
+// Keys and values read in place from a cache's storage (k_rows > Tk rows per head, NaN past
+// Tk): the same outputs as contiguous copies, on the decode kernel's two paths and the tiled
+// forward; the backward refuses such a layout.
+TEST(AttentionKernel, KeysReadInPlaceFromCacheRows) {
+  std::mt19937_64 rng(8);
+  for (const AttentionDims d :
+       {AttentionDims{2, 4, 2, 1, 300, 32}, AttentionDims{1, 8, 1, 2, 129, 16},
+        AttentionDims{2, 2, 2, 70, 150, 32}}) {
+    Case c;
+    c.d = d;
+    c.lag = c.slopes = true;
+    const Data x = make_data(c, rng);
+    const int64_t rows = d.Tk + 37, D = d.D, heads = d.B * d.Hk;
+    const auto q = cast<float>(x.q), k = cast<float>(x.k), v = cast<float>(x.v);
+    std::vector<float> ks(heads * rows * D, std::nanf("")), vs(ks);
+    for (int64_t h = 0; h < heads; ++h) {
+      std::copy_n(k.begin() + h * d.Tk * D, d.Tk * D, ks.begin() + h * rows * D);
+      std::copy_n(v.begin() + h * d.Tk * D, d.Tk * D, vs.begin() + h * rows * D);
+    }
+    const auto lag = cast<float>(x.lag), slopes = cast<float>(x.slopes);
+    const AttentionBias<float> bias{lag.data(), static_cast<int64_t>(lag.size()) / d.Hq,
+                                    slopes.data()};
+    std::vector<float> out(x.nq()), lse(x.rows()), out2(x.nq()), lse2(x.rows());
+    attention_forward<float>(d, q.data(), k.data(), v.data(), {}, bias, {}, out.data(), lse.data());
+    AttentionDims in_place = d;
+    in_place.k_rows = rows;
+    attention_forward<float>(in_place, q.data(), ks.data(), vs.data(), {}, bias, {}, out2.data(),
+                             lse2.data());
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], out2[i]) << i;
+    for (size_t i = 0; i < lse.size(); ++i) ASSERT_EQ(lse[i], lse2[i]) << i;
+    std::vector<float> dq(x.nq()), dk(heads * rows * D), dv(dk);
+    const std::vector<float> dout(x.nq(), 1.0f);
+    EXPECT_THROW(attention_backward<float>(in_place, q.data(), ks.data(), vs.data(), {}, bias, {},
+                                           dout.data(), out2.data(), lse2.data(), dq.data(),
+                                           dk.data(), dv.data(), {}),
+                 InputError);
+  }
+  AttentionDims short_rows{1, 1, 1, 1, 10, 8};
+  short_rows.k_rows = 9;
+  std::vector<float> z(80), o(8), l(1);
+  EXPECT_THROW(attention_forward<float>(short_rows, z.data(), z.data(), z.data(), {}, {}, {},
+                                        o.data(), l.data()),
+               InputError);
+}
+
 // One timing line of DISABLED_AttentionTiming.
 static void time_attention(bool biases) {
   std::mt19937_64 rng(7);

@@ -69,6 +69,37 @@ def test_fused_matches_float64_composition(B, Hq, Hk, Tq, Tk, D, window, padded)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("B,Hq,Hk,Tq,Tk,rows", [(1, 8, 8, 1, 300, 512), (2, 4, 2, 3, 70, 71),
+                                                 (3, 2, 1, 1, 129, 200), (1, 4, 1, 5, 64, 64)])
+def test_keys_read_in_place_from_a_cache_prefix(B, Hq, Hk, Tq, Tk, rows):
+    """k and v as the used prefix of a decode cache's storage (a [B, Hk, Tk, D] view of
+    [B, Hk, rows, D]) give what contiguous copies give, forward and backward; the storage past
+    Tk (NaN here) is never read."""
+    D = 32
+    q, _, _ = inputs(B, Hq, Hk, Tq, Tk, D, seed=3)
+    store_k = torch.full((B, Hk, rows, D), float("nan"))
+    store_v = torch.full((B, Hk, rows, D), float("nan"))
+    store_k[:, :, :Tk].normal_()
+    store_v[:, :, :Tk].normal_()
+    k, v = store_k[:, :, :Tk], store_v[:, :, :Tk]
+    lag = 0.3 * torch.randn(Hq, 20)
+    want, want_lse = relpos.fused_attention(q, k.contiguous(), v.contiguous(), lag_table=lag)
+    got, got_lse = relpos.fused_attention(q, k, v, lag_table=lag)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got_lse, want_lse, atol=0, rtol=0)
+    ref = composed(q, k.contiguous(), v.contiguous(), lag_table=lag)
+    torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=1e-5)
+    # through autograd the same views give the contiguous gradients
+    kk, vv = store_k.clone().requires_grad_(), store_v.clone().requires_grad_()
+    out, _ = relpos.fused_attention(q, kk[:, :, :Tk], vv[:, :, :Tk], lag_table=lag)
+    out.sum().backward()
+    kc, vc = k.contiguous().requires_grad_(), v.contiguous().requires_grad_()
+    relpos.fused_attention(q, kc, vc, lag_table=lag)[0].sum().backward()
+    torch.testing.assert_close(kk.grad[:, :, :Tk], kc.grad)
+    torch.testing.assert_close(vv.grad[:, :, :Tk], vc.grad)
+    assert not kk.grad[:, :, Tk:].any()
+
+
 def test_gradcheck_every_input():
     """Finite differences in float64 on the kernel itself: q, k, v, lag table, slopes, cq, ck."""
     q, k, v = inputs(1, 2, 1, 6, 9, 32, torch.float64, seed=3)

@@ -335,3 +335,28 @@ def test_learned_lag_tables_run_without_grouped_heads(spec):
         steps += [a(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1],
                     positions=pos[t : t + 1], cache=cache) for t in range(3, 7)]
     torch.testing.assert_close(torch.cat(steps, 2), out.detach(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_finiteness_check_finds_every_non_finite_value(dtype):
+    """relpos::nonfinite (the modules' check_finite): every NaN, +Inf or -Inf is found wherever
+    it sits, in the parallel chunks of a large tensor and in a strided view (the min/max path);
+    large finite values are not flagged."""
+    big = torch.full((3, 70_001), 0.5, dtype=dtype)  # more than one parallel chunk
+    big[1, 5] = torch.finfo(dtype).max  # finite, the type's largest
+    small = torch.randn(4, 5).to(dtype)
+    assert torch.ops.relpos.nonfinite([small, big, big[:, ::3]]) == -1
+    for bad in (math.nan, math.inf, -math.inf):
+        for where in (0, 70_000, 123_456, big.numel() - 1):
+            t = big.clone()
+            t.view(-1)[where] = bad
+            assert torch.ops.relpos.nonfinite([small, t]) == 1, (bad, where)
+            assert torch.ops.relpos.nonfinite([t[:, ::3]]) == (0 if where % 70_001 % 3 == 0 else -1)
+    # the module names the first bad tensor and appends nothing to its cache
+    a = relpos.Attention("rope", 8, 2)
+    q, k, v = (torch.randn(1, 2, 3, 8).to(dtype) for _ in range(3))
+    cache = relpos.KVCache(1, 2, 8, dtype=dtype)
+    v[0, 1, 2, 3] = math.nan
+    with pytest.raises(relpos.InputError, match="v contains NaN or Inf"):
+        a(q, k, v, cache=cache)
+    assert cache.length == 0

@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "apps/bench/bench_util.hpp"
 #include "apps/bench/proc_memory.hpp"
 #include "core/charts.hpp"
 #include "core/files.hpp"
@@ -217,13 +218,6 @@ double flops(const Shape& s, Mode m) {
   // the backward's five products count 2.5 times that
   const double fwd = 4.0 * double(s.B) * double(s.H) * double(s.T) * double(s.T) * double(s.D) / 2;
   return m == Mode::Fwd ? fwd : 3.5 * fwd;
-}
-
-double median(std::vector<double> x) {
-  if (x.empty()) return std::nan("");
-  std::sort(x.begin(), x.end());
-  const size_t n = x.size();
-  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
 // ALiBi slopes 2^(-8 (h + 1) / H).
@@ -585,24 +579,6 @@ Check compare(int64_t T, Mode mode, Impl ours, const Outs& a, Impl ref, const Ou
     for (const auto& [m, y] : b.dbias)
       if (n == m) one(n.c_str(), x, y);
   return c;
-}
-
-std::string torch_version() {
-  return fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
-}
-
-int used_omp_threads() {
-  int n = 0;
-#pragma omp parallel
-  {
-#pragma omp single
-    n = omp_get_num_threads();
-  }
-  return n;
-}
-
-void set_threads(int n) {
-  if (n > 0) at::set_num_threads(n);  // OpenMP (and MKL) threads of LibTorch and our kernels
 }
 
 // ---------------------------------------------------------------------------------------------

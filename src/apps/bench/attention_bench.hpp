@@ -10,5 +10,7 @@ namespace relpos::bench {
 struct CheckFailed {};
 
 void add_attention_command(CLI::App& app);
+// relpos-bench decode (decode_bench.cpp)
+void add_decode_command(CLI::App& app);
 
 }  // namespace relpos::bench

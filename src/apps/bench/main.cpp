@@ -15,16 +15,19 @@ int main(int argc, char** argv) {
   app.name("relpos bench");
   app.require_subcommand(1);
   relpos::bench::add_attention_command(app);
+  relpos::bench::add_decode_command(app);
   try {
     // CLI11 would call an unknown benchmark name "A subcommand is required"
-    if (argc > 1 && argv[1][0] != '-' && std::string_view(argv[1]) != "attention")
+    if (argc > 1 && argv[1][0] != '-' && std::string_view(argv[1]) != "attention" &&
+        std::string_view(argv[1]) != "decode")
       throw relpos::InputError("unknown benchmark '" + relpos::brief(argv[1]) +
-                               "' (available: attention)");
+                               "' (available: attention, decode)");
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);
     std::cerr << "relpos: error: " << relpos::brief(e.what(), 1000) << "\n"
-              << "run 'relpos bench attention --help' for the options\n";
+              << "run 'relpos bench attention --help' or 'relpos bench decode --help' for the "
+                 "options\n";
     return 2;
   } catch (const relpos::bench::CheckFailed&) {
     return 1;

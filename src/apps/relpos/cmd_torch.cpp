@@ -51,7 +51,7 @@ void add_torch_commands(CLI::App& app) {
       {"sweep", "relpos-train",
        "Methods x seeds x settings from one TOML (--config SWEEP.toml), resumable"},
       {"bench", "relpos-bench",
-       "Benchmarks against LibTorch: 'relpos bench attention --help' lists the options"}};
+       "Benchmarks against LibTorch: 'relpos bench attention|decode --help' lists the options"}};
   for (const auto& [name, program, help] : commands) {
     auto* cmd = app.add_subcommand(name, fmt::format("{} [{}]", help, program));
     cmd->prefix_command();  // everything after the name goes to the program as is

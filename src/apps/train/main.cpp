@@ -245,9 +245,21 @@ int main(int argc, char** argv) {
   int bench_rounds = 5, bench_threads = 2;
   std::vector<std::string> bench_specs = {"nope", "rope", "jordan(m=2, regime=stabilized)"};
   std::vector<std::string> bench_attention = {"fused", "sdpa", "composed"};
+  models::ModelConfig bench_model;  // the Table 5 model (jordan-rope.md 2.3) unless changed
   auto* step_cmd = app.add_subcommand(
       "bench-step",
-      "Training-step cost of the Table 5 model with each mechanism, fused and composed attention");
+      "Training-step cost of a model (default: the Table 5 model) with each mechanism, through "
+      "the fused kernel, SDPA and composed attention");
+  step_cmd->add_option("--layers", bench_model.layers, "Layers (default 3)")
+      ->check(CLI::Range(1, 256));
+  step_cmd->add_option("--d-model", bench_model.d_model, "Model width (default 128)")
+      ->check(CLI::Range(2, 65536));
+  step_cmd->add_option("--heads", bench_model.heads, "Heads (default 4)")
+      ->check(CLI::Range(1, 1024));
+  step_cmd->add_option("--mlp-ratio", bench_model.mlp_ratio, "MLP width / model width (default 2)")
+      ->check(CLI::Range(1, 64));
+  step_cmd->add_option("--vocab", bench_model.vocab, "Vocabulary (default 3)")
+      ->check(CLI::Range(2, 1 << 20));
   step_cmd->add_option("--T", bench_T, "Sequence length")->check(CLI::Range(2, 1 << 16));
   step_cmd->add_option("--batch", bench_batch, "Batch")->check(CLI::Range(1, 1024));
   step_cmd->add_option("--rounds", bench_rounds, "Rounds (medians)")->check(CLI::Range(1, 1000));
@@ -259,11 +271,13 @@ int main(int argc, char** argv) {
                    "LibTorch's SDPA; mechanisms without biases), composed (materialised scores)")
       ->check(CLI::IsMember({"fused", "sdpa", "composed"}));
   step_cmd->callback([&] {
-    models::ModelConfig base;  // the Table 5 model (jordan-rope.md 2.3)
+    if (bench_model.d_model % bench_model.heads)
+      throw InputError(fmt::format("--d-model {} must be a multiple of --heads {}",
+                                   bench_model.d_model, bench_model.heads));
     std::vector<train::StepBenchCase> cases;
     for (const auto& att : bench_attention)
       for (const auto& s : bench_specs) cases.push_back({s, att});
-    fmt::print("{}", train::step_benchmark(base, bench_T, bench_batch, bench_rounds, cases,
+    fmt::print("{}", train::step_benchmark(bench_model, bench_T, bench_batch, bench_rounds, cases,
                                            bench_threads));
   });
 

@@ -35,6 +35,8 @@ template <class T>
 void check(const AttentionDims& d, const AttentionBias<T>& bias, const AttentionOptions& o) {
   if (d.B < 1 || d.Hq < 1 || d.Hk < 1 || d.Tq < 1 || d.Tk < 1 || d.D < 1)
     throw InputError("attention: every dimension must be positive");
+  if (d.k_rows != 0 && d.k_rows < d.Tk)
+    throw InputError("attention: k_rows (rows per key/value head) must be 0 or >= Tk");
   if (d.Hq % d.Hk)
     throw InputError("attention: key/value heads (" + std::to_string(d.Hk) +
                      ") must divide query heads (" + std::to_string(d.Hq) + ")");
@@ -140,6 +142,8 @@ void attention_backward(const AttentionDims& dims, const T* q, const T* k, const
                         T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads, const T* dlse) {
   check(dims, bias, options);
   if (!dout || !out || !lse) throw InputError("attention backward needs dout, out and lse");
+  if (dims.key_rows() != dims.Tk)
+    throw InputError("attention backward: keys and values must be contiguous (k_rows 0 or Tk)");
   if (grads.lag_table && !bias.lag_table)
     throw InputError("attention: a lag table gradient needs the lag table");
   if (grads.slopes && !bias.slopes) throw InputError("attention: a slope gradient needs slopes");

@@ -32,6 +32,10 @@ namespace relpos::kernels {
 
 struct AttentionDims {
   int64_t B = 1, Hq = 1, Hk = 1, Tq = 1, Tk = 1, D = 1;
+  // Rows from one key/value head's first row to the next's in k and v (>= Tk): a decode cache's
+  // capacity, so that its used prefix is read in place; 0 means Tk (contiguous). Forward only.
+  int64_t k_rows = 0;
+  int64_t key_rows() const { return k_rows > 0 ? k_rows : Tk; }
 };
 
 // Position ids, float64 (integers, offsets, gaps or real values; not necessarily sorted).
@@ -66,7 +70,7 @@ struct AttentionOptions {
   const int64_t* key_len = nullptr;  // [B] valid keys per batch (clamped to [0, Tk]); null: Tk
   double scale = 0.0;                // softmax scale; 0 means 1 / sqrt(D)
   AttentionBackwardScheme backward = AttentionBackwardScheme::Auto;
-  bool exclude_self = false;  // causal only: p_k < p_q (no query sees its own position)
+  bool exclude_self = false;           // causal only: p_k < p_q (no query sees its own position)
   const int64_t* key_start = nullptr;  // [B] first valid key per batch (left padding); null: 0
   // packed sequences: segment (document) ids, q_segments [B, Tq] and k_segments [B, Tk], both
   // or neither; a key is visible only to the queries of its segment
