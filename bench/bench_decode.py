@@ -8,8 +8,8 @@ one decode step:
   ours_module  relpos.Attention(spec)(q, k, v, cache=KVCache) as users decode: the new token's
                transform, the finiteness check (on by default), the append and the kernel; the
                cache is reset to ctx - 1 keys before each call (untimed)
-  sdpa         torch's scaled_dot_product_attention(q, K, V, enable_gqa=...) on the same cache,
-               no mask (the one query sees every cached key)
+  sdpa         torch's scaled_dot_product_attention(q, K, V, enable_gqa=...) on a copy of that
+               cache (each case streams its own keys and values, as a decoder does), no mask
   sdpa_step    (--spec rope) the step a RoPE user writes in Python: HF's rotate_half RoPE from a
                cos/sin table computed once, on the new q and k, the new k and v written into a
                static cache (2 x ctx slots), SDPA on its used prefix: the module's baseline
@@ -59,13 +59,16 @@ def cases_for(spec, ctx, hk, g):
 
     s = [b["slopes"] for b in relpos.mechanism(spec, D, H)["biases"] if b["slopes"]]
     slopes = torch.tensor(s[0], dtype=torch.float64) if s else None
-    kf, vf = torch.cat([kc, kn], 2), torch.cat([vc, vn], 2)  # the whole cache, as SDPA reads it
+    # the whole cache, as the op reads it; SDPA reads its own copy: every case streams its own
+    # keys and values, as a decoder does (sharing them would hand one case the other's warm L3)
+    kf, vf = torch.cat([kc, kn], 2), torch.cat([vc, vn], 2)
+    ks_, vs_ = kf.clone(), vf.clone()
     out = {
         "ours_op": (None, lambda: relpos.fused_attention(
             q, kf, vf, q_positions=qpos,
             slopes=None if slopes is None else slopes.float())),
         "ours_module": (reset, lambda: attn(q, kn, vn, cache=cache)),
-        "sdpa": (None, lambda: F.scaled_dot_product_attention(q, kf, vf, enable_gqa=hk != H)),
+        "sdpa": (None, lambda: F.scaled_dot_product_attention(q, ks_, vs_, enable_gqa=hk != H)),
     }
     if spec == "rope":
         inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
@@ -91,7 +94,7 @@ def cases_for(spec, ctx, hk, g):
         lag = (ctx - 1) - torch.arange(ctx, dtype=torch.float64)
         bias = (-slopes[:, None] * lag[None, :]).float().view(1, H, 1, ctx)
         out["sdpa_bias"] = (None, lambda: F.scaled_dot_product_attention(
-            q, kf, vf, attn_mask=bias, enable_gqa=hk != H))
+            q, ks_, vs_, attn_mask=bias, enable_gqa=hk != H))
     return out
 
 

@@ -22,3 +22,28 @@ assert d["checks_ok"] and len(d["checks"]) == 4, d["checks"]
 assert d["mm_start"]["gflops"] > 0 and d["long_forward"] == [], d["long_forward"]
 print(f"ok: {len(res)} cases, ratios {[(r['mode'], r['ours_over_sdpa']) for r in d['ratios']]}")
 PY
+rc=$?
+[ "$rc" != 0 ] && exit "$rc"
+# relpos bench decode, quickly: every case of each mechanism and layout, a refusal by name
+"$relpos" bench decode --ctx 64,200 --specs 'rope;alibi;fox' --heads 4:4,4:2 --rounds 2 \
+  --warmup 1 --format json >"$tmp/decode.json" 2>"$tmp/err.txt"
+rc=$?
+if [ "$rc" != 0 ]; then echo "FAIL: relpos bench decode exited $rc: $(tail -n 5 "$tmp/err.txt")"; exit 1; fi
+python3 - "$tmp/decode.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+seen = {(r["spec"], r["heads"], r.get("ctx")) for r in rows}
+for spec in ("rope", "alibi"):
+    for heads in ("4:4", "4:2"):
+        for ctx in (64, 200):
+            assert (spec, heads, ctx) in seen, (spec, heads, ctx, sorted(seen))
+refused = [r for r in rows if "note" in r]
+assert [(r["spec"], r["heads"]) for r in refused] == [("fox", "4:2")], refused
+for r in rows:
+    if "note" in r:
+        continue
+    base = "sdpa_bias" if r["spec"] != "rope" else "sdpa_step"
+    assert set(r["ms"]) == {"ours", "sdpa", base} and all(v > 0 for v in r["ms"].values()), r
+    assert set(r["ours_over"]) == {"sdpa", base}, r
+print(f"ok: decode, {len(rows)} rows")
+PY

@@ -9,7 +9,8 @@ namespace relpos::kernels {
 
 template <class T>
 void fixed_linear_apply(int D, int64_t rows, const double* M, bool transpose, const T* x, T* y) {
-#pragma omp parallel
+  // (a decode step's few rows stay on this thread: waking the workers costs more than them)
+#pragma omp parallel if (rows * D >= (int64_t{1} << 14))
   {
     std::vector<double> in(static_cast<size_t>(D));
 #pragma omp for schedule(static)

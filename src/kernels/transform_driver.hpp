@@ -112,7 +112,7 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
   const int covered = covered_pairs(plan), span = pair_span<LY>(covered, static_cast<int>(D));
   const Tiling tiling(dims);
   int nonfinite = 0;
-#pragma omp parallel reduction(| : nonfinite)
+#pragma omp parallel reduction(| : nonfinite) if (dims.B * dims.H * dims.T * D >= kThreadWork)
   {
     Scratch<T> sc(plan.total_blocks);
 #pragma omp for schedule(static)
@@ -237,7 +237,7 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
   const T* xin[2] = {q, k};
   const T* gy[2] = {gqo, gko};
   T* gx[2] = {gqo ? gq : nullptr, gko ? gk : nullptr};
-#pragma omp parallel
+#pragma omp parallel if (dims.B * dims.H * dims.T * D >= kThreadWork)
   {
     Scratch<T> sc(plan.total_blocks);
     auto& mine = acc[static_cast<size_t>(omp_get_thread_num())];

@@ -25,6 +25,9 @@ namespace relpos::kernels::RELPOS_ISA_NAMESPACE {
 
 constexpr int kMaxOrder = 8;
 constexpr int64_t kTrigAnchor = 32;
+// Values (B H T D, or trig entries) below which a call runs on its own thread: a decode step
+// transforms one token, and waking OpenMP's sleeping workers would cost it 0.1-0.4 ms.
+constexpr int64_t kThreadWork = int64_t{1} << 14;
 
 // Whether x[0..n) holds no NaN or Inf: the exponent bits of each value, OR-reduced as integers
 // (vectorised without fast-math; a tile is checked while it is still in cache).

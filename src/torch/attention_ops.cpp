@@ -18,6 +18,7 @@
 #include "kernels/attention/attention.hpp"
 #include "kernels/attention/mechanism_attention.hpp"
 #include "torch/attention.hpp"
+#include "torch/finite.hpp"
 #include "torch/journey.hpp"
 #include "torch/op_util.hpp"
 
@@ -144,7 +145,7 @@ torch::Tensor attention_positions(const torch::Tensor& p, int64_t B, int64_t T, 
   if (p.is_complex() || p.scalar_type() == torch::kBool)
     throw InputError(fmt::format("attention: {} must be real numbers", name));
   auto d = p.to(torch::kDouble).contiguous();
-  if (!torch::isfinite(d).all().item<bool>())
+  if (!all_finite(d))
     throw InputError(fmt::format("attention: {} contain NaN or Inf", name));
   return d;
 }

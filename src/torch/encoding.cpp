@@ -306,7 +306,7 @@ torch::Tensor checked_position_values(const torch::Tensor& positions, int64_t B,
     if (lo < -limit || hi > limit) throw InputError(beyond(lo, hi));
   }
   auto p = positions.to(torch::kDouble).contiguous();
-  if (!torch::isfinite(p).all().item<bool>()) throw InputError("positions contain NaN or Inf");
+  if (!all_finite(p)) throw InputError("positions contain NaN or Inf");
   if (p.numel() > 0 && p.abs().max().item<double>() > kMaxPosition)
     throw InputError(beyond(p.min().item<double>(), p.max().item<double>()));
   return p;
