@@ -185,6 +185,14 @@ std::vector<GrapeCase> cases() {
       // the decode kernel (g x Tq <= 16 rows per key/value head): gated slopes over key chunks
       {{2, 4, 2, 3, 700, 16}, 0, true, true, 0},
       {{1, 2, 2, 1, 500, 16}, 0, true, true, 50, true},
+      // and the path integral there: summed over key chunks in two passes (decode_path_sums),
+      // on the transposed (> 4 rows) and the row-major path, with the window, other positions,
+      // key padding and no causality
+      {{2, 4, 2, 3, 700, 16}, 8, true, true, 0},
+      {{1, 2, 2, 1, 600, 16}, 8, true, true, 0},
+      {{1, 2, 1, 2, 300, 16}, 8, true, true, 40, true},
+      {{2, 2, 1, 4, 270, 16}, 4, true, true, 0, false, true},
+      {{1, 2, 1, 3, 150, 16}, 8, true, false, 40},
   };
 }
 
