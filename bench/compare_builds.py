@@ -71,12 +71,14 @@ def main():
     a = ap.parse_args()
     builds = {"before": a.before.resolve(), "after": a.after.resolve()}
     for name, b in builds.items():
-        for f in ("relpos", "relpos-bench", "_relpos_ops.so"):
+        # (--skip-ops: the binaries alone, e.g. a build folder kept without its checkout)
+        for f in ("relpos", "relpos-bench") + (() if a.skip_ops else ("_relpos_ops.so",)):
             if not (b / "build" / f).exists():
                 sys.exit(f"compare_builds: {name}: {b / 'build' / f} is missing (scripts/build.sh)")
     times: dict = {"before": {}, "after": {}}  # build -> case -> [per-round medians]
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {n: package(b, pathlib.Path(tmp) / n) for n, b in builds.items()}
+        paths = {} if a.skip_ops else {n: package(b, pathlib.Path(tmp) / n)
+                                       for n, b in builds.items()}
         for rnd in range(a.rounds):
             order = ["before", "after"] if rnd % 2 == 0 else ["after", "before"]
             for n in order:
