@@ -18,11 +18,13 @@ the same ops.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import torch
 
-_LIB = pathlib.Path(__file__).with_name("_relpos_ops.so")
+# RELPOS_OPS_LIBRARY: another build of the operator library (a source checkout run in place).
+_LIB = pathlib.Path(os.environ.get("RELPOS_OPS_LIBRARY") or pathlib.Path(__file__).with_name("_relpos_ops.so"))
 if not _LIB.exists():  # pragma: no cover - a broken install
     raise ImportError(f"relpos: the operator library {_LIB} is missing; reinstall the package")
 torch.ops.load_library(str(_LIB))
@@ -113,3 +115,11 @@ def _layout_code(layout: str) -> int:
     if layout in ("half_split", "neox", "rotate_half"):
         return 1
     raise InputError(f"unknown pair layout '{layout}' (valid: interleaved, half_split)")
+
+
+if torch.cuda.is_available():
+    # The Triton kernels become the CUDA kernels of the relpos ops (relpos/gpu); without a GPU
+    # nothing of it, Triton included, is imported.
+    from .gpu import register as _register_gpu
+
+    _register_gpu()

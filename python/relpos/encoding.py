@@ -271,8 +271,9 @@ class PositionEncoding(nn.Module):
                 raise InputError(f"{name} must be [B, H, T, D] (or [B, T, H, D]), got {list(t.shape)}")
             if t.dtype not in _STORABLE:
                 raise InputError(f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
-            if t.device.type not in ("cpu", "meta"):
-                raise InputError(f"{name} is on {t.device}; the kernels run on the CPU")
+            if t.device.type not in ("cpu", "meta", "cuda"):
+                raise InputError(f"{name} is on {t.device}; the kernels run on the CPU and on "
+                                 "CUDA GPUs")
             if self.check_finite and t.device.type == "meta":
                 raise InputError(f"{name} is a meta tensor: check_finite has no values to check "
                                  "(pass check_finite=False for shapes only)")
@@ -330,6 +331,8 @@ class PositionEncoding(nn.Module):
                 raise InputError(str(e)) from None
         else:
             pos = positions.to(torch.float64)
+        if q.device.type == "cuda" and pos.device != q.device:
+            pos = pos.to(q.device)  # (checked on the host) the trig table is built on the GPU
         if T == 0 or not self._terms:
             out = (q, k)
         else:

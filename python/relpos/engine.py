@@ -31,11 +31,14 @@ class KVCache:
     used storage; row b holds ``lengths[b]`` tokens (rows may differ, e.g. after a padded prefill
     with ``key_len``); entries past a row's length are ignored and overwritten by its next append.
     Storage doubles as needed (``capacity``). Stored tensors are detached: the cache is for
-    inference (train through ``Attention`` without a cache).
+    inference (train through ``Attention`` without a cache). Keys, values and content tensors
+    live on ``device`` (the model's: ``"cuda"`` for the GPU kernels); positions and lengths stay
+    on the host, where each step's bookkeeping runs.
     """
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, capacity: int | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
         self.batch = _integer(batch, "batch")
         self.num_kv_heads = _integer(num_kv_heads, "num_kv_heads")
         self.head_dim = _integer(head_dim, "head_dim")
@@ -50,7 +53,9 @@ class KVCache:
             raise InputError("KVCache: dtype must be torch.float32, float64, bfloat16 or float16, "
                              f"got {dtype}")
         self.dtype = dtype
-        self._keys = torch.zeros(self.batch, self.num_kv_heads, cap, self.head_dim, dtype=dtype)
+        self.device = torch.device("cpu" if device is None else device)
+        self._keys = torch.zeros(self.batch, self.num_kv_heads, cap, self.head_dim, dtype=dtype,
+                                 device=self.device)
         self._values = torch.zeros_like(self._keys)
         self._positions = torch.zeros(self.batch, cap, dtype=torch.float64)
         self._content: list[torch.Tensor] = []  # content-bias side tensors [B, H, capacity, ...]
@@ -101,6 +106,9 @@ class KVCache:
                 f"{self.head_dim}; this call has batch {B}, {Hk} heads of dim {D}")
         if k.dtype != self.dtype:
             raise InputError(f"the cache holds {self.dtype}; this call is {k.dtype}")
+        if k.device != self._keys.device:
+            raise InputError(f"the cache is on {self._keys.device}; this call's keys are on "
+                             f"{k.device} (give KVCache(..., device=))")
 
     def _step(self, positions, key_len, n: int):
         """A call's new positions ``[B, n]`` (given ``[n]`` / ``[B, n]``, or each row's

@@ -96,7 +96,7 @@ std::optional<std::string> favor_refusal(const Mechanism& m) {
 // DecodeCache
 
 DecodeCache::DecodeCache(int64_t batch, int64_t kv_heads, int64_t head_dim, torch::ScalarType dtype,
-                         int64_t capacity) {
+                         int64_t capacity, torch::Device device) {
   for (auto [name, v] : {std::pair{"batch", batch}, std::pair{"kv_heads", kv_heads},
                          std::pair{"head_dim", head_dim}})
     if (v < 1) throw InputError(fmt::format("DecodeCache: {} must be >= 1, got {}", name, v));
@@ -104,7 +104,8 @@ DecodeCache::DecodeCache(int64_t batch, int64_t kv_heads, int64_t head_dim, torc
     throw InputError(fmt::format("DecodeCache: capacity must be >= 0, got {}", capacity));
   if (!op_util::storable(dtype))
     throw InputError("DecodeCache: the dtype must be float32, float64, bfloat16 or float16");
-  keys_ = torch::zeros({batch, kv_heads, capacity, head_dim}, dtype);
+  keys_ = torch::zeros({batch, kv_heads, capacity, head_dim},
+                       torch::TensorOptions().dtype(dtype).device(device));
   values_ = torch::zeros_like(keys_);
   positions_ = torch::zeros({batch, capacity}, torch::kDouble);
   lengths_ = torch::zeros({batch}, torch::kLong);
@@ -139,6 +140,9 @@ void DecodeCache::check(const torch::Tensor& k) const {
         "the cache holds batch {}, {} key/value heads of dim {}; this call has batch {}, {} heads "
         "of dim {}",
         keys_.size(0), keys_.size(1), keys_.size(3), k.size(0), k.size(1), k.size(3)));
+  if (k.device() != keys_.device())
+    throw InputError(fmt::format("the cache is on {}; this call's keys are on {}",
+                                 keys_.device().str(), k.device().str()));
   // (half keys also arrive in float32 from the module, which computes in float32)
   if (!op_util::goes_with(k.scalar_type(), keys_.scalar_type()))
     throw InputError(fmt::format("the cache holds {}; this call is {}",
@@ -193,7 +197,7 @@ CacheStep cache_step(const torch::Tensor& lengths, const torch::Tensor& stored,
         (key_len.scalar_type() != torch::kLong && key_len.scalar_type() != torch::kInt))
       throw InputError(fmt::format("key_len must be an integer tensor [B] = [{}], got {}", B,
                                    shape_of(key_len)));
-    s.counts = key_len.to(torch::kLong).contiguous();
+    s.counts = key_len.to(torch::kCPU, torch::kLong).contiguous();
     const auto c = s.counts.accessor<int64_t, 1>();
     for (int64_t b = 0; b < B; ++b)
       if (c[b] < 0 || c[b] > T)
@@ -251,7 +255,8 @@ void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
   const torch::NoGradGuard no_grad;
   // rows of one dtype and contiguous storage: one copy per (row, head); else through copy_
   const auto rows = [&](const torch::Tensor& store, const torch::Tensor& x) {
-    if (store.is_contiguous() && store.scalar_type() == x.scalar_type()) {
+    if (store.is_cpu() && x.is_cpu() && store.is_contiguous() &&
+        store.scalar_type() == x.scalar_type()) {
       const auto src = x.contiguous();
       const auto bytes = static_cast<size_t>(n * D * src.element_size());
       auto* dst = static_cast<char*>(store.data_ptr());
@@ -266,7 +271,7 @@ void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
   };
   rows(keys, k);
   rows(values, v);
-  const auto p = pos.to(torch::kDouble).contiguous();
+  const auto p = pos.to(torch::kCPU, torch::kDouble).contiguous();
   const auto src = p.accessor<double, 2>();
   auto dst = positions.accessor<double, 2>();
   for (int64_t b = 0; b < B; ++b)
@@ -274,7 +279,7 @@ void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
   for (size_t i = 0; i < content.size(); ++i)
     for (int64_t b = 0; b < B; ++b)
       content_store[i][b].narrow(1, L[b], n).copy_(content[i][b].detach());
-  const auto c = counts.to(torch::kLong).contiguous();
+  const auto c = counts.to(torch::kCPU, torch::kLong).contiguous();
   const auto* add = c.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) L[b] += add[b];
 }

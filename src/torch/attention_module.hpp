@@ -45,8 +45,10 @@ void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
 // tensors are detached (the cache is for inference).
 class DecodeCache {
  public:
+  // keys and values live on `device`; positions and lengths on the host (the step's bookkeeping)
   DecodeCache(int64_t batch, int64_t kv_heads, int64_t head_dim,
-              torch::ScalarType dtype = torch::kFloat, int64_t capacity = 16);
+              torch::ScalarType dtype = torch::kFloat, int64_t capacity = 16,
+              torch::Device device = torch::kCPU);
 
   int64_t batch() const { return keys_.size(0); }
   int64_t capacity() const { return keys_.size(2); }

@@ -280,8 +280,12 @@ void warn_about_positions(const Mechanism& m, const torch::Tensor& user_position
   }
 }
 
-torch::Tensor checked_position_values(const torch::Tensor& positions, int64_t B, int64_t T) {
-  if (!positions.defined()) return torch::arange(T, torch::kDouble);
+torch::Tensor checked_position_values(const torch::Tensor& given, int64_t B, int64_t T) {
+  if (!given.defined()) return torch::arange(T, torch::kDouble);
+  if (given.device().is_meta())
+    throw InputError("positions are meta tensors, which hold no values to check");
+  // checked and kept on the host (O(T) values; a GPU kernel takes them to its device)
+  const auto positions = given.device().is_cpu() ? given : given.to(torch::kCPU);
   const bool ok = (positions.dim() == 1 && positions.size(0) == T) ||
                   (positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T);
   if (!ok)
@@ -290,9 +294,6 @@ torch::Tensor checked_position_values(const torch::Tensor& positions, int64_t B,
   if (positions.is_complex() || positions.scalar_type() == torch::kBool)
     throw InputError(
         fmt::format("positions must be real numbers, got {}", dtype_name(positions.scalar_type())));
-  if (positions.device().is_meta())
-    throw InputError("positions are meta tensors, which hold no values to check");
-  if (!positions.device().is_cpu()) throw InputError("positions must be on the CPU");
   const auto limit = static_cast<int64_t>(kMaxPosition);
   const auto beyond = [&](auto lo, auto hi) {
     return fmt::format(
@@ -324,7 +325,6 @@ torch::Tensor checked_positions(const Mechanism& m, const torch::Tensor& q, cons
       throw InputError(fmt::format("{} must be [B, H, T, D], got [{}]", name, shape_str(*t)));
     if (!op_util::storable(t->scalar_type()))
       throw InputError(fmt::format("{} must be float32, float64, bfloat16 or float16", name));
-    if (!t->device().is_cpu()) throw InputError(fmt::format("{} must be on the CPU", name));
     if (t->size(3) != m.head_dim)
       throw InputError(fmt::format("{} has head dim {}, the encoding was built for {}", name,
                                    t->size(3), m.head_dim));

@@ -53,8 +53,9 @@ void check_inputs(const std::string& term, const torch::Tensor& x, const torch::
         "[B, T, model_dim])",
         term));
   if (x.dim() != 3 || x.size(0) != like.size(0) || x.size(1) != like.size(2))
-    throw InputError(fmt::format("{}: inputs must be [B, T, model_dim] = [{}, {}, model_dim], got [{}]",
-                                 term, like.size(0), like.size(2), fmt::join(x.sizes(), ", ")));
+    throw InputError(
+        fmt::format("{}: inputs must be [B, T, model_dim] = [{}, {}, model_dim], got [{}]", term,
+                    like.size(0), like.size(2), fmt::join(x.sizes(), ", ")));
   if (x.scalar_type() != like.scalar_type())
     throw InputError(fmt::format("{}: inputs must have q's dtype ({}), got {}", term,
                                  c10::toString(like.scalar_type()),
@@ -67,12 +68,28 @@ void check_count(const std::string& term, size_t given, const std::vector<std::s
                                  given, names.size(), fmt::join(names, ", ")));
 }
 
+// The call's small host-side tensors (positions, phases, cache lengths) on the device of q, so
+// that each runtime computes on one device (a decode cache keeps its bookkeeping on the host).
+ContentCall on_device(ContentCall c) {
+  const auto dev = c.q.device();
+  if (c.positions.defined()) c.positions = c.positions.to(dev);
+  if (c.past_lengths.defined()) c.past_lengths = c.past_lengths.to(dev);
+  return c;
+}
+RotationCall on_device(RotationCall c) {
+  const auto dev = c.q.device();
+  if (c.positions.defined()) c.positions = c.positions.to(dev);
+  if (c.phase.defined()) c.phase = c.phase.to(dev);
+  return c;
+}
+
 }  // namespace
 
 Phases continued_phases(const torch::Tensor& increments, const torch::Tensor& phase0) {
   const int64_t B = increments.size(0), T = increments.size(1);
-  const auto p0 =
-      phase0.defined() ? phase0 : torch::zeros({B, increments.size(2)}, torch::kDouble);
+  const auto p0 = phase0.defined() ? phase0.to(increments.device())
+                                   : torch::zeros({B, increments.size(2)},
+                                                  increments.options().dtype(torch::kDouble));
   const auto phi = causal_scan(increments, "exclusive");  // sum_{s<t} a_s
   return {phi.to(torch::kDouble) + p0.unsqueeze(1),
           (p0 + (phi.select(1, T - 1) + increments.select(1, T - 1)).to(torch::kDouble)).detach()};
@@ -84,7 +101,7 @@ Rotated rotate_learned(const TransformTerm& t, const std::vector<torch::Tensor>&
   if (!r) throw std::logic_error(fmt::format("{}: no rotation runtime", t.name));
   check_count(t.name, params.size(), r->names(t));
   if (t.time == TimeSource::ContentPhase) check_inputs(t.name, c.inputs, c.q);
-  return r->rotate(t, params, c);
+  return r->rotate(t, params, on_device(c));
 }
 
 std::vector<torch::Tensor> content_side(const BiasTerm& t, const std::vector<torch::Tensor>& params,
@@ -92,7 +109,7 @@ std::vector<torch::Tensor> content_side(const BiasTerm& t, const std::vector<tor
   const ContentRuntime& r = content_runtime(t);
   check_count(t.name, params.size(), r.names(t));
   if (r.reads_inputs) check_inputs(t.name, c.inputs, c.q);
-  return r.prepare(t, params, c, a);
+  return r.prepare(t, params, on_device(c), a);
 }
 
 }  // namespace relpos::nn

@@ -51,8 +51,8 @@ torch::Tensor rms(const torch::Tensor& x) {
 // a Linear(model_dim, out) registered as submodule `name`; its weight (and bias)
 std::vector<torch::Tensor> linear(torch::nn::Module& owner, const char* name, int64_t in,
                                   int64_t out, bool bias) {
-  auto l = owner.register_module(name,
-                                 torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)));
+  auto l =
+      owner.register_module(name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)));
   if (!bias) return {l->weight};
   torch::nn::init::zeros_(l->bias);
   return {l->weight, l->bias};
@@ -82,9 +82,11 @@ std::vector<torch::Tensor> gated_create(const BiasTerm& t, torch::nn::Module& ow
                                         int64_t heads, int64_t D) {
   std::vector<torch::Tensor> p;
   if (t.gate != "q")
-    p.push_back(owner.register_parameter("gate_u", torch::randn({heads, D}) / std::sqrt(double(D))));
+    p.push_back(
+        owner.register_parameter("gate_u", torch::randn({heads, D}) / std::sqrt(double(D))));
   if (t.gate != "k")
-    p.push_back(owner.register_parameter("gate_v", torch::randn({heads, D}) / std::sqrt(double(D))));
+    p.push_back(
+        owner.register_parameter("gate_v", torch::randn({heads, D}) / std::sqrt(double(D))));
   const auto m = slopes(t, torch::kDouble);
   p.push_back(owner.register_parameter(
       "gate_rho",
@@ -98,7 +100,7 @@ std::vector<torch::Tensor> gated_prepare(const BiasTerm& t, const std::vector<to
   const int64_t H = c.q.size(1), D = c.q.size(3);
   const auto rho = p.back().to(dt);
   const auto omega =
-      t.paper_form ? torch::softplus(rho) : torch::softplus(rho) * slopes(t, dt);
+      t.paper_form ? torch::softplus(rho) : torch::softplus(rho) * slopes(t, dt).to(rho.device());
   // passed pre-multiplied: the kernel adds -(i - j)(gq_i + gk_j)
   const auto gates = [&](const torch::Tensor& dir, const torch::Tensor& y) {
     auto d = dir.to(dt);
@@ -134,7 +136,7 @@ std::vector<torch::Tensor> fox_prepare(const BiasTerm& t, const std::vector<torc
       torch::log_sigmoid(project(t, c.inputs, p[0], p[1])).transpose(1, 2).to(torch::kDouble);
   const int64_t B = logf.size(0), H = logf.size(1);
   // c continues from each row's last cached key
-  torch::Tensor c0 = torch::zeros({B, H, 1}, torch::kDouble);
+  torch::Tensor c0 = torch::zeros({B, H, 1}, logf.options());
   if (!c.past.empty() && c.past[0].size(2) > 0) {
     const auto last = (c.past_lengths - 1).clamp_min(0).view({B, 1, 1}).expand({B, H, 1});
     c0 = c.past[0].gather(2, last) * (c.past_lengths > 0).view({B, 1, 1});
@@ -174,7 +176,7 @@ std::vector<torch::Tensor> path_prepare(const BiasTerm& t, const std::vector<tor
       c.positions.dim() == 1 ? std::vector<int64_t>{T, P / 2} : std::vector<int64_t>{B, T, P / 2});
   const auto path_k = rotate_pairs(rms(probes), Frame::of(angles), false, Layout::HalfSplit);
   a.path_q = t.paper_form ? rms(probes) : probes.contiguous();
-  a.path_beta = t.paper_form ? torch::softplus(p[1].to(dt)) : slopes(t, dt);
+  a.path_beta = t.paper_form ? torch::softplus(p[1].to(dt)) : slopes(t, dt).to(c.q.device());
   a.path_scale = 1.0 / static_cast<double>(P);
   return {path_k};
 }
@@ -202,8 +204,8 @@ std::vector<torch::Tensor> rotation_create(const TransformTerm& t, torch::nn::Mo
   std::vector<double> lam;
   for (const auto& seg : t.segments)
     for (double w : seg.omega) lam.push_back(t.frequency_scale * std::log(-w));
-  std::vector<torch::Tensor> p{owner.register_parameter(
-      "log_freq", torch::tensor(lam, torch::kDouble).to(torch::kFloat))};
+  std::vector<torch::Tensor> p{
+      owner.register_parameter("log_freq", torch::tensor(lam, torch::kDouble).to(torch::kFloat))};
   if (t.basis != "none")  // E = I at init: GRAPE-M (and RoPE) exactly
     p.push_back(owner.register_parameter("basis_w", torch::zeros({D, D})));
   if (t.time == TimeSource::ContentPhase) {
@@ -228,7 +230,7 @@ Rotated rotation_rotate(const TransformTerm& t, const std::vector<torch::Tensor>
                                    t.name, x.size(2), w.size(0)));
     const auto om = torch::sigmoid(
         (torch::matmul(x, w.to(x.scalar_type())) + p.back().to(x.scalar_type())) / 16.0);  // [B, T]
-    const Phases ph = continued_phases(om.unsqueeze(-1), c.phase);                        // [B, T, 1]
+    const Phases ph = continued_phases(om.unsqueeze(-1), c.phase);  // [B, T, 1]
     out.phase_end = ph.end;
     angles = ph.phases.to(dt) * theta;  // [B, T, D/2]
   } else {

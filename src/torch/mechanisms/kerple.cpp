@@ -16,10 +16,10 @@ torch::Tensor kerple_table(const LagKernel& k, const std::vector<torch::Tensor>&
   const auto r1 = torch::nn::functional::softplus(raw1).view({H, 1});
   const auto r2 = (log_kernel ? torch::nn::functional::softplus(raw2) : 2.0 * torch::sigmoid(raw2))
                       .view({H, 1});
-  const auto d = torch::arange(len, torch::kDouble).view({1, len});
+  const auto d = torch::arange(len, raw1.options()).view({1, len});
   if (log_kernel) return -r1 * torch::log1p(r2 * d);
   const auto log_d = torch::log(d.clamp_min(1.0));  // 0 at d = 0 (masked below)
-  return torch::where(d > 0, -r1 * torch::exp(r2 * log_d), torch::zeros({1, 1}, torch::kDouble));
+  return torch::where(d > 0, -r1 * torch::exp(r2 * log_d), torch::zeros({1, 1}, raw1.options()));
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ torch::Tensor lag_table(const LagKernel& k, int heads, const std::vector<torch::
 LagParamValues lag_values(const std::vector<torch::Tensor>& params) {
   LagParamValues out;
   for (const auto& t : params) {
-    const auto y = t.detach().to(torch::kDouble).contiguous().flatten();
+    const auto y = t.detach().to(torch::kCPU, torch::kDouble).contiguous().flatten();
     out.emplace_back(y.data_ptr<double>(), y.data_ptr<double>() + y.numel());
   }
   return out;

@@ -60,11 +60,12 @@ torch::Tensor pj_table(const LagKernel& kernel, const std::vector<torch::Tensor>
   const auto f64 = [](const torch::Tensor& x) { return x.to(torch::kDouble); };
   const int64_t H = p.omega.size(0), O = c.orders();
   const double L = c.L;
-  const auto d = torch::arange(len, torch::kDouble);  // lags 0..len-1 (clamped at 0 by range)
-  const auto on = torch::tensor({c.fj, c.affine, c.lc}, torch::kBool).view({1, 3});
+  const auto f64opt = p.omega.options().dtype(torch::kDouble);  // on the parameters' device
+  const auto d = torch::arange(len, f64opt);  // lags 0..len-1 (clamped at 0 by range)
+  const auto on = torch::tensor({c.fj, c.affine, c.lc}, torch::kBool).view({1, 3}).to(d.device());
   const auto g = masked_softmax(f64(p.gate_logits), on);  // [H, 3]
   const auto omega = f64(p.omega).view({H, 1});
-  auto table = torch::zeros({H, len}, torch::kDouble);
+  auto table = torch::zeros({H, len}, f64opt);
   // order r's amplitude over d: [O, len]
   const auto jets = [&](const torch::Tensor& x) {
     std::vector<torch::Tensor> r;
@@ -112,8 +113,8 @@ torch::Tensor pj_table(const LagKernel& kernel, const std::vector<torch::Tensor>
     std::vector<torch::Tensor> pw;
     auto acc = torch::ones_like(beta);
     for (int64_t k = 0; k < O; ++k, acc = acc * beta) pw.push_back(acc);
-    const auto env = c.lc_damped ? torch::exp(-damping * phi.view({1, len}) / L)
-                                 : torch::ones({1, len}, torch::kDouble);
+    const auto env =
+        c.lc_damped ? torch::exp(-damping * phi.view({1, len}) / L) : torch::ones({1, len}, f64opt);
     table = table + g.select(1, 2).view({H, 1}) * branch(torch::stack(pw), phi, p.lc_alpha_logits,
                                                          p.lc_zeta_re, p.lc_zeta_im, env);
   }

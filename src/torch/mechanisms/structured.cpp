@@ -77,13 +77,13 @@ Rotated structured_rotate_qk(const TransformTerm& t, const std::vector<torch::Te
   const auto dt = c.q.scalar_type();
   const auto pos = vector_positions(t, c.positions, c.q);
   const int64_t D = c.q.size(3);
-  const auto lambda = (t.basis == "axial" ? initial_freqs(t) : p.at(0)).to(dt);
+  const auto lambda = (t.basis == "axial" ? initial_freqs(t) : p.at(0)).to(c.q.device(), dt);
   const structured::Mat P = structured::layout_planes(static_cast<int>(D), c.layout);
   auto U = torch::empty({D, D}, torch::kDouble);
   auto u = U.accessor<double, 2>();
   for (int64_t i = 0; i < D; ++i)
     for (int64_t j = 0; j < D; ++j) u[i][j] = P(i, j);
-  U = U.to(dt);
+  U = U.to(c.q.device(), dt);
   if (learned_basis(t)) U = torch::matmul(orthogonal_basis(p.at(1).to(dt), t.basis == "exp"), U);
   const int64_t B = c.q.size(0), Hq = c.q.size(1), T = c.q.size(2), Hk = c.k.size(1), g = Hq / Hk;
   Rotated out;

@@ -13,7 +13,7 @@ torch::Tensor t5_table(const LagKernel& k, const std::vector<torch::Tensor>& par
   std::vector<double> index_weights(static_cast<size_t>(w.size(1)));
   for (size_t b = 0; b < index_weights.size(); ++b) index_weights[b] = static_cast<double>(b);
   const auto buckets = relpos::lag_table(k, {index_weights}, 1, len);
-  const auto idx = torch::tensor(buckets, torch::kDouble).to(torch::kLong);
+  const auto idx = torch::tensor(buckets, torch::kDouble).to(w.device(), torch::kLong);
   return w.to(torch::kDouble).index_select(1, idx);
 }
 
