@@ -130,8 +130,10 @@ check_bad "bad format" "$relpos" kernel --enc rope --lags 0:2 --format xml
 check_bad "bad dtype" "$relpos" verify --enc rope --len 64 --positions 8 --dtype f16
 check_bad "bad layout" "$relpos" verify --enc rope --len 64 --positions 8 --layout diagonal
 check_bad "unknown probe suite" "$relpos" probe --suite nope
-check_bad "pj-t5 is float64 only" "$relpos" probe --suite pj-t5 --dtype f32
-check_bad "reproduce pj-t5 is float64 only" "$relpos" reproduce pj-t5 --dtype f32
+# pj-t5 runs in float32 (the reference's default) or, with --dtype f64, float64; nothing else
+check_bad "pj-t5 bad dtype" "$relpos" probe --suite pj-t5 --dtype f16
+check_bad "reproduce pj-t5 bad dtype" "$relpos" reproduce pj-t5 --dtype bf16
+check_bad "reproduce pj-t3 is float64 only" "$relpos" reproduce pj-t3 --dtype f32
 check_bad "unknown experiment" "$relpos" reproduce nothing
 check_bad "enc huge m" "$relpos" kernel --enc jordan_m99999999999 --lags 0:2
 check_bad "enc empty" "$relpos" kernel --enc "" --lags 0:2

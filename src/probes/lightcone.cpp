@@ -43,23 +43,64 @@ void check_coords(const Coords& c) {
     throw InputError(fmt::format("light-cone probes: jet order R must be in [0, 16], got {}", c.R));
 }
 
-long count_nonfinite(const Eigen::MatrixXd& m) {
+template <class Derived>
+long count_nonfinite(const Eigen::DenseBase<Derived>& m) {
   long n = 0;
-  for (Eigen::Index i = 0; i < m.size(); ++i) n += !std::isfinite(m.data()[i]);
+  for (Eigen::Index i = 0; i < m.rows(); ++i)
+    for (Eigen::Index j = 0; j < m.cols(); ++j) n += !std::isfinite(m(i, j));
   return n;
 }
 
-// Row-wise L2 normalisation x / max(||x||, 1e-12) (torch.nn.functional.normalize).
-Eigen::MatrixXd normalize_rows(const Eigen::MatrixXd& f) {
-  Eigen::MatrixXd out = f;
-  for (Eigen::Index i = 0; i < f.rows(); ++i) out.row(i) /= std::max(f.row(i).norm(), 1e-12);
+template <class Real>
+using Vec = Eigen::Matrix<Real, Eigen::Dynamic, 1>;
+
+// Reductions over many entries of a Real tensor: Eigen's (vectorised) reductions over the entries
+// cast to double, rounded to Real by the caller (torch's float32 sums are cascade sums, accurate to
+// a few ulps; a plain float loop over 32768 terms is not). In double these are the reductions the
+// float64-only probes used, so the float64 numbers are unchanged.
+template <class Derived>
+double dsum(const Eigen::DenseBase<Derived>& x) {
+  return x.derived().template cast<double>().sum();
+}
+template <class Derived>
+double dsum_squares(const Eigen::DenseBase<Derived>& x) {
+  return x.derived().template cast<double>().array().square().sum();
+}
+template <class Real, class Derived>
+Real mean_as(const Eigen::DenseBase<Derived>& x) {
+  return static_cast<Real>(dsum(x) / static_cast<double>(x.size()));
+}
+template <class Real, class Derived>
+Real norm_as(const Eigen::DenseBase<Derived>& x) {
+  return static_cast<Real>(std::sqrt(dsum_squares(x)));
+}
+
+// Row-wise L2 normalisation x / max(||x||, 1e-12) (torch.nn.functional.normalize), in Real (the
+// row norm over the 24 features in Real, as torch's float32 norm).
+template <class Real>
+Mat<Real> normalize_rows(const Mat<Real>& f) {
+  Mat<Real> out = f;
+  for (Eigen::Index i = 0; i < f.rows(); ++i)
+    out.row(i) /= std::max(f.row(i).norm(), static_cast<Real>(1e-12));
   return out;
 }
 
-double unbiased_std(const Eigen::VectorXd& x) {
-  if (x.size() < 2) return 0.0;
-  const double mu = x.mean();
-  return std::sqrt((x.array() - mu).square().sum() / static_cast<double>(x.size() - 1));
+// Unbiased std of a Real vector: the mean rounded to Real, deviations in Real, the sum of squares
+// accumulated in double, the result rounded to Real.
+template <class Real, class Derived>
+Real unbiased_std(const Eigen::DenseBase<Derived>& x) {
+  if (x.size() < 2) return Real(0);
+  const Real mu = mean_as<Real>(x);
+  const double ss = dsum_squares((x.derived().array() - mu).matrix());
+  return static_cast<Real>(std::sqrt(ss / static_cast<double>(x.size() - 1)));
+}
+
+// Real x^r by repeated multiplication (torch's integer-exponent pow: x*x, x*x*x).
+template <class Real>
+Real int_pow(Real x, int r) {
+  Real p = 1;
+  for (int k = 0; k < r; ++k) p = k == 0 ? x : static_cast<Real>(p * x);
+  return p;
 }
 
 }  // namespace
@@ -72,6 +113,10 @@ const std::vector<Variant>& all_variants() {
                                       Variant::Log, Variant::LcAmpOnly,   Variant::LcPhaseOnly,
                                       Variant::Lc,  Variant::LcWrongScale};
   return v;
+}
+
+std::string to_string(Dtype d) {
+  return d == Dtype::F32 ? "f32" : "f64";
 }
 
 std::string to_string(Variant v) {
@@ -111,70 +156,93 @@ int variant_index(Variant v) {
   return static_cast<int>(std::find(a.begin(), a.end(), v) - a.begin());
 }
 
-double amplitude_coordinate(Variant v, double d, const Coords& c) {
+// The formulas of pj::beta_l, pj::phi_l and pj::rapidity (core/charts.hpp), each operation rounded
+// to Real: beta = d / sqrt(d^2 + L^2), phi = L asinh(d/L), eta = asinh(d/L).
+template <class Real>
+Real amplitude_coordinate(Variant v, Real d, const Coords& c) {
+  const Real L = static_cast<Real>(c.L);
   switch (v) {
     case Variant::Raw:
       return d;
     case Variant::Scaled:
     case Variant::LcPhaseOnly:
-      return d / c.L;
+      return d / L;
     case Variant::Clipped:
-      return std::min(d / c.L, 1.0);
+      return std::min(static_cast<Real>(d / L), Real(1));
     case Variant::Log:
-      return std::log1p(d / c.L);
+      return std::log1p(static_cast<Real>(d / L));
     case Variant::LcAmpOnly:
     case Variant::Lc:
     case Variant::LcWrongScale:
-      return pj::beta_l(d, c.L);
+      return d / std::sqrt(static_cast<Real>(static_cast<Real>(d * d) + static_cast<Real>(L * L)));
   }
-  return 0.0;
+  return Real(0);
 }
 
-double phase_coordinate(Variant v, double d, const Coords& c) {
+template <class Real>
+Real phase_coordinate(Variant v, Real d, const Coords& c) {
+  const Real L = static_cast<Real>(c.L);
   switch (v) {
     case Variant::LcPhaseOnly:
     case Variant::Lc:
-      return pj::phi_l(d, c.L);
+      return L * std::asinh(static_cast<Real>(d / L));
     case Variant::LcWrongScale:
-      return pj::rapidity(d, c.L);  // missing outer L (the control)
+      return std::asinh(static_cast<Real>(d / L));  // missing outer L (the control)
     default:
       return d;
   }
 }
 
-double envelope(Variant v, double d, const Coords& c) {
-  return v == Variant::Scaled ? std::exp(-c.damping * d / c.L) : 1.0;
+template <class Real>
+Real envelope(Variant v, Real d, const Coords& c) {
+  if (v != Variant::Scaled) return Real(1);
+  const Real cd = static_cast<Real>(static_cast<Real>(c.damping) * d);
+  return std::exp(static_cast<Real>(-(cd / static_cast<Real>(c.L))));
 }
 
 bool uses_factorial(Variant v) {
   return !(v == Variant::LcAmpOnly || v == Variant::Lc || v == Variant::LcWrongScale);
 }
 
-double jet_amplitude(Variant v, int r, double d, const Coords& c) {
+template <class Real>
+Real jet_amplitude(Variant v, int r, Real d, const Coords& c) {
   if (r < 0) throw InputError(fmt::format("jet order r must be >= 0, got {}", r));
-  const double a = std::pow(amplitude_coordinate(v, d, c), r);
-  return envelope(v, d, c) * (uses_factorial(v) ? a / factorial(r) : a);
+  const Real a = int_pow(amplitude_coordinate(v, d, c), r);
+  const Real ar = uses_factorial(v) ? static_cast<Real>(a / static_cast<Real>(factorial(r))) : a;
+  return static_cast<Real>(envelope(v, d, c) * ar);
 }
+
+template float amplitude_coordinate(Variant, float, const Coords&);
+template double amplitude_coordinate(Variant, double, const Coords&);
+template float phase_coordinate(Variant, float, const Coords&);
+template double phase_coordinate(Variant, double, const Coords&);
+template float envelope(Variant, float, const Coords&);
+template double envelope(Variant, double, const Coords&);
+template float jet_amplitude(Variant, int, float, const Coords&);
+template double jet_amplitude(Variant, int, double, const Coords&);
 
 double omega_of_cycles(double cycles, double L) {
   return 2.0 * kPi * cycles / L;
 }
 
-Eigen::MatrixXd position_features(Variant v, const std::vector<double>& lags, const Coords& c,
-                                  const std::vector<double>& cycles) {
+template <class Real>
+Mat<Real> position_features_as(Variant v, const std::vector<double>& lags, const Coords& c,
+                               const std::vector<double>& cycles) {
   check_coords(c);
   if (cycles.empty()) throw InputError("position_features: the frequency grid is empty");
   const int R1 = c.R + 1;
-  Eigen::MatrixXd f(static_cast<Eigen::Index>(lags.size()),
-                    static_cast<Eigen::Index>(cycles.size()) * R1 * 2);
-  std::vector<double> amp(static_cast<size_t>(R1));
+  Mat<Real> f(static_cast<Eigen::Index>(lags.size()),
+              static_cast<Eigen::Index>(cycles.size()) * R1 * 2);
+  std::vector<Real> amp(static_cast<size_t>(R1));
+  std::vector<Real> omega;
+  for (double cy : cycles) omega.push_back(static_cast<Real>(omega_of_cycles(cy, c.L)));
   for (size_t i = 0; i < lags.size(); ++i) {
-    const double d = lags[i];
-    const double psi = phase_coordinate(v, d, c);
+    const Real d = static_cast<Real>(lags[i]);
+    const Real psi = phase_coordinate(v, d, c);
     for (int r = 0; r < R1; ++r) amp[static_cast<size_t>(r)] = jet_amplitude(v, r, d, c);
     for (size_t w = 0; w < cycles.size(); ++w) {
-      const double th = omega_of_cycles(cycles[w], c.L) * psi;
-      const double co = std::cos(th), si = std::sin(th);
+      const Real th = omega[w] * psi;  // rounded to Real before cos/sin (pj-rope.md 5.2)
+      const Real co = std::cos(th), si = std::sin(th);
       for (int r = 0; r < R1; ++r) {
         const Eigen::Index col = (static_cast<Eigen::Index>(w) * R1 + r) * 2;
         f(static_cast<Eigen::Index>(i), col) = amp[static_cast<size_t>(r)] * co;
@@ -184,17 +252,30 @@ Eigen::MatrixXd position_features(Variant v, const std::vector<double>& lags, co
   }
   return f;
 }
+template Mat<float> position_features_as(Variant, const std::vector<double>&, const Coords&,
+                                         const std::vector<double>&);
+template Mat<double> position_features_as(Variant, const std::vector<double>&, const Coords&,
+                                          const std::vector<double>&);
+
+Eigen::MatrixXd position_features(Variant v, const std::vector<double>& lags, const Coords& c,
+                                  const std::vector<double>& cycles, Dtype dtype) {
+  return dtype == Dtype::F32 ? position_features_as<float>(v, lags, c, cycles).cast<double>()
+                             : position_features_as<double>(v, lags, c, cycles);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Quantisation and small numerics
 
-double round_half_even(double x) {
-  const double f = std::floor(x);
-  const double diff = x - f;
-  if (diff > 0.5) return f + 1.0;
-  if (diff < 0.5) return f;
-  return std::fmod(f, 2.0) == 0.0 ? f : f + 1.0;
+template <class Real>
+Real round_half_even(Real x) {
+  const Real f = std::floor(x);
+  const Real diff = x - f;  // exact
+  if (diff > Real(0.5)) return f + Real(1);
+  if (diff < Real(0.5)) return f;
+  return std::fmod(f, Real(2)) == Real(0) ? f : f + Real(1);
 }
+template float round_half_even(float);
+template double round_half_even(double);
 
 int quant_qmax(int bits) {
   if (bits < 2 || bits > 16)
@@ -202,33 +283,48 @@ int quant_qmax(int bits) {
   return (1 << (bits - 1)) - 1;
 }
 
-double quantize_value(double x, double scale, int qmax) {
-  if (!(scale > 0.0)) return 0.0;
-  const double q =
-      std::clamp(round_half_even(x / scale), -static_cast<double>(qmax), static_cast<double>(qmax));
+template <class Real>
+Real quantize_value(Real x, Real scale, int qmax) {
+  if (!(scale > Real(0))) return Real(0);
+  const Real q = std::clamp(round_half_even(static_cast<Real>(x / scale)), -static_cast<Real>(qmax),
+                            static_cast<Real>(qmax));
   return q * scale;
 }
+template float quantize_value(float, float, int);
+template double quantize_value(double, double, int);
 
-Eigen::MatrixXd quantize_tensor(const Eigen::MatrixXd& x, int bits) {
+template <class Real>
+Mat<Real> quantize_tensor(const Mat<Real>& x, int bits) {
   const int qmax = quant_qmax(bits);
-  const double scale = x.size() ? x.cwiseAbs().maxCoeff() / qmax : 0.0;
-  return x.unaryExpr([&](double v) { return quantize_value(v, scale, qmax); });
+  const Real scale = x.size() ? x.cwiseAbs().maxCoeff() / static_cast<Real>(qmax) : Real(0);
+  return x.unaryExpr([&](Real v) { return quantize_value(v, scale, qmax); });
 }
+template Mat<float> quantize_tensor(const Mat<float>&, int);
+template Mat<double> quantize_tensor(const Mat<double>&, int);
 
-Eigen::MatrixXd quantize_columns(const Eigen::MatrixXd& x, int bits) {
+template <class Real>
+Mat<Real> quantize_columns(const Mat<Real>& x, int bits) {
   const int qmax = quant_qmax(bits);
-  Eigen::MatrixXd q(x.rows(), x.cols());
+  Mat<Real> q(x.rows(), x.cols());
   for (Eigen::Index j = 0; j < x.cols(); ++j) {
-    const double scale = x.rows() ? x.col(j).cwiseAbs().maxCoeff() / qmax : 0.0;
-    q.col(j) = x.col(j).unaryExpr([&](double v) { return quantize_value(v, scale, qmax); });
+    const Real scale =
+        x.rows() ? x.col(j).cwiseAbs().maxCoeff() / static_cast<Real>(qmax) : Real(0);
+    q.col(j) = x.col(j).unaryExpr([&](Real v) { return quantize_value(v, scale, qmax); });
   }
   return q;
 }
+template Mat<float> quantize_columns(const Mat<float>&, int);
+template Mat<double> quantize_columns(const Mat<double>&, int);
 
-double relative_error(const Eigen::MatrixXd& q, const Eigen::MatrixXd& x) {
-  const double n = x.norm();
-  return n > 0.0 ? (q - x).norm() / n : 0.0;
+template <class Real>
+Real relative_error(const Mat<Real>& q, const Mat<Real>& x) {
+  const Real n = norm_as<Real>(x);
+  if (!(n > Real(0))) return Real(0);
+  const Mat<Real> diff = q - x;
+  return norm_as<Real>(diff) / n;
 }
+template float relative_error(const Mat<float>&, const Mat<float>&);
+template double relative_error(const Mat<double>&, const Mat<double>&);
 
 std::vector<int> rounded_linspace(int lo, int hi, int n) {
   std::vector<int> out;
@@ -249,145 +345,178 @@ double lower_median(std::vector<double> v) {
   return v[k];
 }
 
-Eigen::Index first_argmax(const Eigen::VectorXd& s) {
+template <class Real>
+Eigen::Index first_argmax(const Eigen::Matrix<Real, Eigen::Dynamic, 1>& s) {
   Eigen::Index best = 0;
   for (Eigen::Index i = 1; i < s.size(); ++i)
     if (s(i) > s(best)) best = i;
   return best;
 }
+template Eigen::Index first_argmax(const Eigen::Matrix<float, Eigen::Dynamic, 1>&);
+template Eigen::Index first_argmax(const Eigen::Matrix<double, Eigen::Dynamic, 1>&);
 
 // ---------------------------------------------------------------------------------------------
 // phase_f_stability
 
-StabilityRow phase_f_stability(Variant v, int T, const StabilityOptions& o) {
-  check_T(T, "phase_f_stability");
-  check_coords(o.coords);
+namespace {
+
+template <class Real>
+StabilityRow phase_f_stability_as(Variant v, int T, const StabilityOptions& o) {
   const Coords& c = o.coords;
   const int R1 = c.R + 1;
-  const double omega = omega_of_cycles(o.cycles, c.L);
+  const Real omega = static_cast<Real>(omega_of_cycles(o.cycles, c.L));
+  const Real bias_scale = static_cast<Real>(o.bias_scale);
+  const Real threshold = static_cast<Real>(o.collision_threshold);
+  const Real two_pi = static_cast<Real>(2.0 * kPi);
   StabilityRow row;
   row.variant = v;
   row.T = T;
 
-  Eigen::MatrixXd A(T, R1);  // [T, R+1] jet amplitudes
-  Eigen::VectorXd psi(T), K(T);
+  Mat<Real> A(T, R1);  // [T, R+1] jet amplitudes
+  Vec<Real> psi(T), K(T);
   for (int d = 0; d < T; ++d) {
-    for (int r = 0; r < R1; ++r) A(d, r) = jet_amplitude(v, r, d, c);
-    psi(d) = phase_coordinate(v, d, c);
-    K(d) = o.bias_scale * A(d, c.R) * std::cos(omega * psi(d));
+    const Real dr = static_cast<Real>(d);
+    for (int r = 0; r < R1; ++r) A(d, r) = jet_amplitude(v, r, dr, c);
+    psi(d) = phase_coordinate(v, dr, c);
+    const Real th = omega * psi(d);  // rounded to Real before cos
+    K(d) = bias_scale * A(d, c.R) * std::cos(th);
   }
   row.nonfinite_count = count_nonfinite(A) + count_nonfinite(psi) + count_nonfinite(K);
 
   // QK proxy: L2 norm over orders of the amplitudes (no phase).
-  const Eigen::VectorXd qk = A.rowwise().norm();
+  Vec<Real> qk(T);
+  for (int d = 0; d < T; ++d) qk(d) = A.row(d).norm();
   row.qk_proxy_final = qk(T - 1);
   row.qk_proxy_max = qk.maxCoeff();
-  row.qk_proxy_mean = qk.mean();
+  row.qk_proxy_mean = mean_as<Real>(qk);
 
   // The top-order scalar kernel K(d) = A_R(d) cos(omega psi(d)).
   row.bias_abs_max = K.cwiseAbs().maxCoeff();
-  row.bias_rms = std::sqrt(K.squaredNorm() / T);
+  row.bias_rms = static_cast<Real>(std::sqrt(dsum_squares(K) / T));
   {
+    // weights T - d (exact in float below 2^24); products in Real, sums in double
     double sw = 0.0, swk = 0.0;
     for (int d = 0; d < T; ++d) {
-      sw += T - d;
-      swk += (T - d) * K(d);
+      const Real w = static_cast<Real>(T - d);
+      sw += w;
+      swk += static_cast<Real>(w * K(d));
     }
-    const double mu = swk / sw;
+    const Real mu = static_cast<Real>(swk / sw);
     double var = 0.0;
-    for (int d = 0; d < T; ++d) var += (T - d) * (K(d) - mu) * (K(d) - mu);
-    row.weighted_logit_std = std::sqrt(var / sw);
+    for (int d = 0; d < T; ++d) {
+      const Real dev = K(d) - mu;
+      var += static_cast<Real>(static_cast<Real>(static_cast<Real>(T - d) * dev) * dev);
+    }
+    row.weighted_logit_std = static_cast<Real>(std::sqrt(var / sw));
   }
   {
-    const double m = K.maxCoeff();
-    const Eigen::VectorXd e = (K.array() - m).exp();
-    const double z = e.sum();
+    const Real m = K.maxCoeff();
+    Vec<Real> e(T);
+    for (int d = 0; d < T; ++d) e(d) = std::exp(static_cast<Real>(K(d) - m));
+    const Real z = static_cast<Real>(dsum(e));
     double H = 0.0, dist = 0.0;
     for (int d = 0; d < T; ++d) {
-      const double p = e(d) / z;
-      if (p > 0.0) H -= p * std::log(p);
-      dist += p * d;
+      const Real p = e(d) / z;
+      if (p > Real(0)) H -= static_cast<Real>(p * std::log(p));
+      dist += static_cast<Real>(p * static_cast<Real>(d));
     }
-    row.softmax_entropy = H;
-    row.softmax_support = std::exp(H);
-    row.softmax_avg_distance = dist;
+    row.softmax_entropy = static_cast<Real>(H);
+    row.softmax_support = std::exp(static_cast<Real>(H));
+    row.softmax_avg_distance = static_cast<Real>(dist);
   }
 
   // Quantisation of the amplitude matrix (phase excluded).
-  row.int8_error_tensor = relative_error(quantize_tensor(A, 8), A);
-  row.int8_error_per_order = relative_error(quantize_columns(A, 8), A);
-  row.int4_error_tensor = relative_error(quantize_tensor(A, 4), A);
-  row.int4_error_per_order = relative_error(quantize_columns(A, 4), A);
+  row.int8_error_tensor = relative_error<Real>(quantize_tensor<Real>(A, 8), A);
+  row.int8_error_per_order = relative_error<Real>(quantize_columns<Real>(A, 8), A);
+  row.int4_error_tensor = relative_error<Real>(quantize_tensor<Real>(A, 4), A);
+  row.int4_error_per_order = relative_error<Real>(quantize_columns<Real>(A, 4), A);
 
-  // Phase resolution over the far window [T/2, T-1].
+  // Phase resolution over the far window [T/2, T-1]; increments of psi in Real (in float32 the
+  // last LC increment is 0.03125, the reference's export).
   const int far = T / 2;
-  row.phase_ratio_final = psi(T - 1) - psi(T - 2);
+  row.phase_ratio_final = static_cast<Real>(psi(T - 1) - psi(T - 2));
   {
     double s = 0.0;
     int n = 0, coll = 0;
     for (int k = far; k <= T - 2; ++k) {
-      const double inc = std::abs(psi(k + 1) - psi(k));
+      const Real inc = std::abs(static_cast<Real>(psi(k + 1) - psi(k)));
       s += inc;
       ++n;
-      coll += omega * inc < o.collision_threshold;
+      coll += static_cast<Real>(omega * inc) < threshold;
     }
-    row.phase_ratio_far_mean = s / n;
+    row.phase_ratio_far_mean = static_cast<Real>(s / n);
     row.far_local_collision_rate = static_cast<double>(coll) / n;
   }
-  row.far_phase_span = std::abs(omega * (psi(T - 1) - psi(far)));
+  row.far_phase_span =
+      std::abs(static_cast<Real>(omega * static_cast<Real>(psi(T - 1) - psi(far))));
 
   const std::vector<int> lags = rounded_linspace(far, T - 1, o.far_samples);
   row.far_sample_count = static_cast<int>(lags.size());
   {
-    std::vector<double> theta;
+    // theta = (omega psi) mod 2 pi in Real (torch.remainder: fmod, then + 2 pi below zero)
+    std::vector<Real> theta;
     theta.reserve(lags.size());
     for (int d : lags) {
-      double t = std::fmod(omega * psi(d), 2.0 * kPi);
-      if (t < 0) t += 2.0 * kPi;
+      Real t = std::fmod(static_cast<Real>(omega * psi(d)), two_pi);
+      if (t < Real(0)) t += two_pi;
       theta.push_back(t);
     }
     std::sort(theta.begin(), theta.end());
     const size_t n = theta.size();
     std::vector<double> nn(n);
     for (size_t i = 0; i < n; ++i) {
-      const double next = i + 1 < n ? theta[i + 1] - theta[i] : theta[0] + 2.0 * kPi - theta[i];
-      const double prev = i > 0 ? theta[i] - theta[i - 1] : theta[0] + 2.0 * kPi - theta[n - 1];
+      const Real wrap = static_cast<Real>(theta[0] + two_pi);
+      const Real next = i + 1 < n ? static_cast<Real>(theta[i + 1] - theta[i])
+                                  : static_cast<Real>(wrap - theta[i]);
+      const Real prev = i > 0 ? static_cast<Real>(theta[i] - theta[i - 1])
+                              : static_cast<Real>(wrap - theta[n - 1]);
       nn[i] = std::min(next, prev);
     }
     int below = 0;
-    for (double g : nn) below += g < o.collision_threshold;
+    for (double g : nn) below += static_cast<Real>(g) < threshold;
     row.wrapped_collision_rate = static_cast<double>(below) / static_cast<double>(n);
     row.wrapped_gap_median = lower_median(nn);
   }
   {
     // Condition number of the Gram matrix X^T X of the standardised far design
-    // [A_r cos(omega psi), A_r sin(omega psi)]_{r=0..R} (= cond(X)^2).
-    Eigen::MatrixXd X(static_cast<Eigen::Index>(lags.size()), 2 * R1);
+    // [A_r cos(omega psi), A_r sin(omega psi)]_{r=0..R} (= cond(X)^2), SVD in Real.
+    Mat<Real> X(static_cast<Eigen::Index>(lags.size()), 2 * R1);
     for (size_t i = 0; i < lags.size(); ++i) {
       const int d = lags[i];
-      const double co = std::cos(omega * psi(d)), si = std::sin(omega * psi(d));
+      const Real th = omega * psi(d);
+      const Real co = std::cos(th), si = std::sin(th);
       for (int r = 0; r < R1; ++r) {
         X(static_cast<Eigen::Index>(i), 2 * r) = A(d, r) * co;
         X(static_cast<Eigen::Index>(i), 2 * r + 1) = A(d, r) * si;
       }
     }
     for (Eigen::Index j = 0; j < X.cols(); ++j) {
-      const Eigen::VectorXd col = X.col(j);
-      const double sd = std::max(unbiased_std(col), 1e-12);
-      X.col(j) = (col.array() - col.mean()) / sd;
+      const Vec<Real> col = X.col(j);
+      const Real sd = std::max(unbiased_std<Real>(col), static_cast<Real>(1e-12));
+      X.col(j) = (col.array() - mean_as<Real>(col)) / sd;
     }
-    row.nonfinite_count += count_nonfinite(X);
-    if (count_nonfinite(X) == 0) {
-      const Eigen::JacobiSVD<Eigen::MatrixXd> svd(X);
+    const long bad = count_nonfinite(X);
+    row.nonfinite_count += bad;
+    if (bad == 0) {
+      const Eigen::JacobiSVD<Mat<Real>> svd(X);
       const auto& s = svd.singularValues();
       const double smin = s(s.size() - 1);
-      row.far_gram_condition =
-          smin > 0.0 ? std::pow(s(0) / smin, 2) : std::numeric_limits<double>::infinity();
+      row.far_gram_condition = smin > 0.0 ? std::pow(static_cast<double>(s(0)) / smin, 2)
+                                          : std::numeric_limits<double>::infinity();
     } else {
       row.far_gram_condition = std::numeric_limits<double>::quiet_NaN();
     }
   }
   return row;
+}
+
+}  // namespace
+
+StabilityRow phase_f_stability(Variant v, int T, const StabilityOptions& o) {
+  check_T(T, "phase_f_stability");
+  check_coords(o.coords);
+  return o.dtype == Dtype::F32 ? phase_f_stability_as<float>(v, T, o)
+                               : phase_f_stability_as<double>(v, T, o);
 }
 
 std::vector<std::pair<std::string, double>> stability_metrics(const StabilityRow& r) {
@@ -442,46 +571,61 @@ Eigen::MatrixXd gaussian_matrix(int rows, int cols, double scale, std::mt19937_6
   return m;
 }
 
-CacheRow phase_f_cache_quantization(Variant v, int T, const CacheOptions& o) {
-  check_T(T, "phase_f_cache_quantization");
-  if (o.cache_dim < 1) throw InputError(fmt::format("cache dim must be >= 1, got {}", o.cache_dim));
+namespace {
+
+template <class Real>
+CacheRow phase_f_cache_quantization_as(Variant v, int T, const CacheOptions& o) {
   std::vector<double> pos(static_cast<size_t>(T));
   for (int i = 0; i < T; ++i) pos[static_cast<size_t>(i)] = i;
-  const Eigen::MatrixXd F = position_features(v, pos, o.coords, o.cycles);
+  const Mat<Real> F = position_features_as<Real>(v, pos, o.coords, o.cycles);
   const int nf = static_cast<int>(F.cols());
   std::mt19937_64 gen(o.seed);
-  const Eigen::MatrixXd key_mix = gaussian_matrix(nf, o.cache_dim, 1.0 / std::sqrt(nf), gen);
-  const Eigen::MatrixXd query_mix = gaussian_matrix(nf, o.cache_dim, 1.0 / std::sqrt(nf), gen);
-  const Eigen::MatrixXd keys = F * key_mix;
-  const Eigen::VectorXd q = (F.row(T - 1) * query_mix).transpose();
+  const Mat<Real> key_mix =
+      gaussian_matrix(nf, o.cache_dim, 1.0 / std::sqrt(nf), gen).template cast<Real>();
+  const Mat<Real> query_mix =
+      gaussian_matrix(nf, o.cache_dim, 1.0 / std::sqrt(nf), gen).template cast<Real>();
+  const Mat<Real> keys = F * key_mix;
+  const Vec<Real> q = (F.row(T - 1) * query_mix).transpose();
+  // The logits in float64 (the reference's; raw reaches ~1e24, whose square overflows float32).
+  const Eigen::VectorXd qd = q.template cast<double>();
   const double inv = 1.0 / std::sqrt(static_cast<double>(o.cache_dim));
-  const Eigen::VectorXd s = keys * q * inv;
+  const Eigen::VectorXd s = keys.template cast<double>() * qd * inv;
 
   CacheRow row;
   row.variant = v;
   row.T = T;
   row.nonfinite_count = count_nonfinite(keys) + count_nonfinite(s);
-  row.logit_std = unbiased_std(s);
-  const Eigen::VectorXd norms = keys.rowwise().norm();
+  row.logit_std = unbiased_std<double>(s);
+  Vec<Real> norms(T);
+  for (int i = 0; i < T; ++i) norms(i) = keys.row(i).norm();
   const int far = T / 2;
   row.key_norm_final = norms(T - 1);
   row.key_norm_max = norms.maxCoeff();
-  row.key_norm_mean = norms.mean();
-  row.key_norm_far_mean = norms.tail(T - far).mean();
+  row.key_norm_mean = mean_as<Real>(norms);
+  row.key_norm_far_mean = mean_as<Real>(norms.tail(T - far));
   row.cache_abs_max = keys.cwiseAbs().maxCoeff();
   row.logit_abs_max = s.cwiseAbs().maxCoeff();
   const int bits[2] = {8, 4};
   for (int b = 0; b < 2; ++b)
     for (int mode = 0; mode < 2; ++mode) {
-      const Eigen::MatrixXd kq =
-          mode == 0 ? quantize_tensor(keys, bits[b]) : quantize_columns(keys, bits[b]);
-      row.cache_error[b][mode] = relative_error(kq, keys);
+      const Mat<Real> kq =
+          mode == 0 ? quantize_tensor<Real>(keys, bits[b]) : quantize_columns<Real>(keys, bits[b]);
+      row.cache_error[b][mode] = relative_error<Real>(kq, keys);
       row.cache_error_far[b][mode] =
-          relative_error(kq.bottomRows(T - far), keys.bottomRows(T - far));
-      const Eigen::VectorXd sq = kq * q * inv;
-      row.logit_error[b][mode] = relative_error(sq, s);
+          relative_error<Real>(kq.bottomRows(T - far), keys.bottomRows(T - far));
+      const Eigen::VectorXd sq = kq.template cast<double>() * qd * inv;
+      row.logit_error[b][mode] = relative_error<double>(sq, s);
     }
   return row;
+}
+
+}  // namespace
+
+CacheRow phase_f_cache_quantization(Variant v, int T, const CacheOptions& o) {
+  check_T(T, "phase_f_cache_quantization");
+  if (o.cache_dim < 1) throw InputError(fmt::format("cache dim must be >= 1, got {}", o.cache_dim));
+  return o.dtype == Dtype::F32 ? phase_f_cache_quantization_as<float>(v, T, o)
+                               : phase_f_cache_quantization_as<double>(v, T, o);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -517,17 +661,20 @@ std::string to_string(Quant q) {
   return "?";
 }
 
-Eigen::MatrixXd apply_precision(const Eigen::MatrixXd& f, Quant q) {
+template <class Real>
+Mat<Real> apply_precision(const Mat<Real>& f, Quant q) {
   switch (q) {
     case Quant::Fp32:
-      return f.cast<float>().cast<double>();
+      return f.template cast<float>().template cast<Real>();
     case Quant::Int8:
-      return quantize_columns(f, 8);
+      return quantize_columns<Real>(f, 8);
     case Quant::Int4:
-      return quantize_columns(f, 4);
+      return quantize_columns<Real>(f, 4);
   }
   return f;
 }
+template Mat<float> apply_precision(const Mat<float>&, Quant);
+template Mat<double> apply_precision(const Mat<double>&, Quant);
 
 namespace {
 std::vector<double> lags_1_to(int T) {
@@ -540,24 +687,31 @@ std::vector<double> lags_1_to(int T) {
 // ---------------------------------------------------------------------------------------------
 // phase_f_retrieval_resolution
 
-RetrievalScore retrieve(const Eigen::MatrixXd& unit_rows, Eigen::Index target, double tie_eps) {
-  const Eigen::VectorXd s = unit_rows * unit_rows.row(target).transpose();
+template <class Real>
+RetrievalScore retrieve(const Mat<Real>& unit_rows, Eigen::Index target, double tie_eps) {
+  const Vec<Real> s = unit_rows * unit_rows.row(target).transpose();
+  const Real eps = static_cast<Real>(tie_eps);
+  const Real bar = s(target) - eps;  // the tie bar, rounded to Real
   RetrievalScore r;
-  r.prediction = first_argmax(s);
-  double best_other = -std::numeric_limits<double>::infinity();
+  r.prediction = first_argmax<Real>(s);
+  Real best_other = -std::numeric_limits<Real>::infinity();
   for (Eigen::Index j = 0; j < s.size(); ++j) {
     if (j != target) best_other = std::max(best_other, s(j));
-    r.ties += s(j) >= s(target) - tie_eps;
+    r.ties += s(j) >= bar;
   }
-  r.margin = s(target) - best_other;
+  r.margin = static_cast<Real>(s(target) - best_other);
   return r;
 }
+template RetrievalScore retrieve(const Mat<float>&, Eigen::Index, double);
+template RetrievalScore retrieve(const Mat<double>&, Eigen::Index, double);
 
-std::vector<RetrievalRow> phase_f_retrieval_resolution(Variant v, int T, Quant q,
-                                                       const RetrievalOptions& o) {
-  check_T(T, "phase_f_retrieval_resolution");
-  const Eigen::MatrixXd F =
-      normalize_rows(apply_precision(position_features(v, lags_1_to(T), o.coords, o.cycles), q));
+namespace {
+
+template <class Real>
+std::vector<RetrievalRow> phase_f_retrieval_resolution_as(Variant v, int T, Quant q,
+                                                          const RetrievalOptions& o) {
+  const Mat<Real> F = normalize_rows<Real>(
+      apply_precision<Real>(position_features_as<Real>(v, lags_1_to(T), o.coords, o.cycles), q));
   const int L = static_cast<int>(std::lround(o.coords.L));
   std::vector<RetrievalRow> rows;
   for (const Bucket& b : lag_buckets(T, L)) {
@@ -569,7 +723,7 @@ std::vector<RetrievalRow> phase_f_retrieval_resolution(Variant v, int T, Quant q
     row.queries = static_cast<int>(targets.size());
     std::vector<double> errs;
     for (int t : targets) {
-      const RetrievalScore s = retrieve(F, t - 1, o.tie_eps);
+      const RetrievalScore s = retrieve<Real>(F, t - 1, o.tie_eps);
       const int pred = static_cast<int>(s.prediction) + 1;
       const int err = std::abs(pred - t);
       errs.push_back(err);
@@ -592,6 +746,15 @@ std::vector<RetrievalRow> phase_f_retrieval_resolution(Variant v, int T, Quant q
     rows.push_back(row);
   }
   return rows;
+}
+
+}  // namespace
+
+std::vector<RetrievalRow> phase_f_retrieval_resolution(Variant v, int T, Quant q,
+                                                       const RetrievalOptions& o) {
+  check_T(T, "phase_f_retrieval_resolution");
+  return o.dtype == Dtype::F32 ? phase_f_retrieval_resolution_as<float>(v, T, q, o)
+                               : phase_f_retrieval_resolution_as<double>(v, T, q, o);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -752,16 +915,21 @@ std::vector<TrainedRow> phase_f_trained_resolution(Variant v, int T, Quant q,
         o.batch, o.steps, o.hidden));
   // Features of lags 1..T-1 at the precision, standardised with the train window's statistics
   // (lags 1..L-1; unbiased std clamped at 1e-6).
-  Eigen::MatrixXd F = apply_precision(position_features(v, lags_1_to(T), o.coords, o.cycles), q);
-  const Eigen::Index nf = F.cols();
   const int ntrain = L - 1;
-  {
-    const Eigen::MatrixXd tr = F.topRows(ntrain);
-    const Eigen::RowVectorXd mu = tr.colwise().mean();
-    Eigen::RowVectorXd sd(nf);
-    for (Eigen::Index j = 0; j < nf; ++j) sd(j) = std::max(unbiased_std(tr.col(j)), 1e-6);
-    F = ((F.rowwise() - mu).array().rowwise() / sd.array()).matrix();
-  }
+  const auto standardised = [&](auto zero) {
+    using Real = decltype(zero);
+    Mat<Real> Fr =
+        apply_precision<Real>(position_features_as<Real>(v, lags_1_to(T), o.coords, o.cycles), q);
+    for (Eigen::Index j = 0; j < Fr.cols(); ++j) {
+      const auto tr = Fr.col(j).head(ntrain);
+      const Real mu = mean_as<Real>(tr);
+      const Real sd = std::max(unbiased_std<Real>(tr), static_cast<Real>(1e-6));
+      Fr.col(j) = (Fr.col(j).array() - mu) / sd;
+    }
+    return Eigen::MatrixXd(Fr.template cast<double>());  // exact; the MLP runs in float64
+  };
+  const Eigen::MatrixXd F = o.dtype == Dtype::F32 ? standardised(0.0f) : standardised(0.0);
+  const Eigen::Index nf = F.cols();
   const uint64_t seed =
       o.seed + 1009ull * static_cast<uint64_t>(variant_index(v)) +
       9176ull * static_cast<uint64_t>(std::find(all_quants().begin(), all_quants().end(), q) -

@@ -28,6 +28,9 @@ std::vector<std::string> probe_suite_names() {
 std::vector<std::string> extra_probe_suite_names() {
   return {"pj-t3-adaptive", "pj-t5"};
 }
+Precision default_precision(const std::string& suite) {
+  return suite == "pj-t5" ? Precision::F32 : Precision::F64;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Printed numbers
@@ -684,9 +687,9 @@ SuiteResult suite_pj_adaptive(Precision p) {
 // ---------------------------------------------------------------------------------------------
 // PJ-RoPE Table 5 (Phase F light-cone stability and resolution probes, pj-rope.md 3.7)
 
-ProbeCell t5_cell(const std::string& table, const std::string& target, const std::string& method,
-                  const std::string& metric, double v, const std::string& row,
-                  const std::string& col) {
+ProbeCell make_t5_cell(const std::string& table, const std::string& target,
+                       const std::string& method, const std::string& metric, double v,
+                       const std::string& row, const std::string& col, Precision p) {
   ProbeCell c;
   c.suite = "pj-t5";
   c.table = table;
@@ -694,19 +697,31 @@ ProbeCell t5_cell(const std::string& table, const std::string& target, const std
   c.method = method;
   c.metric = metric;
   c.ours = v;
-  c.dtype = "f64";
+  c.dtype = to_string(p);
   c.row = row;
   c.col = col;
   return c;
 }
 
+// p is the arithmetic of every probe: F32 is the reference's default protocol (its scripts run in
+// float32, `--float64` switches; pj-rope.md 3 and 5.2), F64 its --float64 run. The retrieval
+// "precisions" fp32 / int8 / int4 are a separate axis: what is done to the features before scoring.
 SuiteResult suite_pj_t5(Precision p, bool curves) {
-  if (p != Precision::F64)
-    throw InputError(
-        "probe suite pj-t5 runs in float64 only (its fp32 / int8 / int4 columns are the probes' "
-        "own "
-        "precisions): drop --dtype f32");
   namespace lc = relpos::probes::lc;
+  const lc::Dtype dtype = p == Precision::F32 ? lc::Dtype::F32 : lc::Dtype::F64;
+  lc::StabilityOptions so;
+  so.dtype = dtype;
+  lc::CacheOptions co;
+  co.dtype = dtype;
+  lc::RetrievalOptions ro;
+  ro.dtype = dtype;
+  lc::TrainedOptions to;
+  to.dtype = dtype;
+  const auto t5_cell = [p](const std::string& table, const std::string& target,
+                           const std::string& method, const std::string& metric, double v,
+                           const std::string& row, const std::string& col) {
+    return make_t5_cell(table, target, method, metric, v, row, col, p);
+  };
   SuiteResult r{"pj-t5", {}, {}};
   const int Tmax = 32768;
   std::vector<int> Ts;
@@ -721,18 +736,18 @@ SuiteResult suite_pj_t5(Precision p, bool curves) {
   std::map<std::pair<lc::Variant, int>, lc::CacheRow> cache;
   for (lc::Variant v : variants)
     for (int T : Ts) {
-      stab[{v, T}] = lc::phase_f_stability(v, T);
-      cache[{v, T}] = lc::phase_f_cache_quantization(v, T);
+      stab[{v, T}] = lc::phase_f_stability(v, T, so);
+      cache[{v, T}] = lc::phase_f_cache_quantization(v, T, co);
     }
   // Retrieval (every variant) and the trained classifier (focus rows) at T = 32768.
   std::map<std::pair<lc::Variant, lc::Quant>, std::vector<lc::RetrievalRow>> retr;
   std::map<std::pair<lc::Variant, lc::Quant>, std::vector<lc::TrainedRow>> trained;
   for (lc::Variant v : variants)
     for (lc::Quant q : lc::all_quants())
-      retr[{v, q}] = lc::phase_f_retrieval_resolution(v, Tmax, q);
+      retr[{v, q}] = lc::phase_f_retrieval_resolution(v, Tmax, q, ro);
   for (lc::Variant v : focus)
     for (lc::Quant q : lc::all_quants())
-      trained[{v, q}] = lc::phase_f_trained_resolution(v, Tmax, q);
+      trained[{v, q}] = lc::phase_f_trained_resolution(v, Tmax, q, to);
   const auto at_bucket = [](const auto& rows, const std::string& b) {
     for (const auto& x : rows)
       if (x.bucket == b) return x;

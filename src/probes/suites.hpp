@@ -18,9 +18,9 @@ struct ProbeCell {
   std::string paper_method;  // winner cells: the paper's winner
   std::string reference;     // jordan-rope.md 6.2 float64 re-derivation as printed ("" none)
   std::string dtype;
-  double cond = -1.0;        // condition number of the solve (-1: not applicable)
-  std::string row, col;      // display labels for the paper-shaped table
-  std::string check;         // "", "pass" or "FAIL" (sector containment checks)
+  double cond = -1.0;    // condition number of the solve (-1: not applicable)
+  std::string row, col;  // display labels for the paper-shaped table
+  std::string check;     // "", "pass" or "FAIL" (sector containment checks)
 };
 
 // Target and best fit of each method family over the evaluation lags d = 0..n-1.
@@ -41,8 +41,13 @@ struct SuiteResult {
 std::vector<std::string> probe_suite_names();
 // Suites run only by name, outside `all`: pj-t3-adaptive (PJ-RoPE Table 3, adaptive sector
 // recovery: trained kernels, float64 only; probes/pj_adaptive.hpp) and pj-t5 (PJ-RoPE Table 5,
-// the Phase F light-cone stability and resolution probes, float64 only; probes/lightcone.hpp).
+// the Phase F light-cone stability and resolution probes; probes/lightcone.hpp): F32 is the
+// reference's float32 protocol, F64 its --float64 run (callers default pj-t5 to F32, see
+// default_precision).
 std::vector<std::string> extra_probe_suite_names();
+// The precision a suite runs in when none is asked for: F32 for pj-t5 (the reference's Phase F
+// scripts default to float32), F64 for every other suite (the papers' re-derivations are float64).
+Precision default_precision(const std::string& suite);
 // Throws InputError for an unknown suite, listing the valid ones ("all" is resolved by callers).
 SuiteResult run_probe_suite(const std::string& suite, Precision precision, bool keep_curves);
 

@@ -46,7 +46,8 @@ TEST(LightCone, CoordinateFamily) {
 
 TEST(LightCone, PositionFeaturesLayout) {
   const lc::Coords c;
-  const auto f = lc::position_features(Variant::Lc, {0.0, 5.0, 2000.0}, c);
+  const auto f =
+      lc::position_features(Variant::Lc, {0.0, 5.0, 2000.0}, c, {5.0, 17.0, 61.0}, lc::Dtype::F64);
   ASSERT_EQ(f.cols(), 24);
   ASSERT_EQ(f.rows(), 3);
   // omega index 1 (17 cycles), order r = 2: columns (1 * 4 + 2) * 2 and + 1
@@ -58,10 +59,69 @@ TEST(LightCone, PositionFeaturesLayout) {
   EXPECT_EQ(f(0, 2), 0.0);  // A_1(0) = 0
 }
 
-// pj-rope.md section 4: T = 32768, L = 1024, omega = 17 cycles over L.
+// The float32 protocol (pj-rope.md 5.2): lag, amplitude and phase coordinate in float, omega
+// rounded to float, the phase omega * psi rounded to float before cos/sin.
+TEST(LightCone, Float32FeaturesRoundThePhaseBeforeCosSin) {
+  const lc::Coords c;
+  const std::vector<double> cycles{5.0, 17.0, 61.0};
+  const std::vector<double> lags{1.0, 30001.0, 32767.0};
+  for (Variant v : {Variant::Raw, Variant::Lc, Variant::Scaled}) {
+    const lc::Mat<float> f = lc::position_features_as<float>(v, lags, c, cycles);
+    const Eigen::MatrixXd f64 = lc::position_features(v, lags, c, cycles, lc::Dtype::F64);
+    ASSERT_EQ(f.cols(), 24);
+    double worst = 0.0;
+    for (size_t i = 0; i < lags.size(); ++i) {
+      const float d = static_cast<float>(lags[i]);
+      const float psi = lc::phase_coordinate(v, d, c);
+      for (size_t w = 0; w < cycles.size(); ++w) {
+        const float omega = static_cast<float>(2.0 * std::numbers::pi * cycles[w] / kL);
+        const float th = omega * psi;  // rounded to float
+        for (int r = 0; r <= 3; ++r) {
+          const float a = lc::jet_amplitude(v, r, d, c);
+          const Eigen::Index col = (static_cast<Eigen::Index>(w) * 4 + r) * 2;
+          const auto row = static_cast<Eigen::Index>(i);
+          EXPECT_EQ(f(row, col), a * std::cos(th)) << lc::to_string(v) << " d " << d;
+          EXPECT_EQ(f(row, col + 1), a * std::sin(th)) << lc::to_string(v) << " d " << d;
+          if (r == 0)  // unit amplitude: the entries are the phases' cos/sin
+            worst = std::max(worst, std::abs(f(row, col) - f64(row, col)));
+        }
+      }
+    }
+    // the float32 phase at d ~ 32k is off by up to ~ half an ulp of omega d (61 cycles: ~12270
+    // rad, ulp 2^-10): visible in the features, far above float64's rounding
+    EXPECT_GT(worst, 1e-5) << lc::to_string(v);
+    EXPECT_LT(worst, 2e-3) << lc::to_string(v);
+  }
+  // A_r in float: d^3 / 3! by float multiplications
+  const float d = 30001.0f;
+  EXPECT_EQ(lc::jet_amplitude(Variant::Raw, 3, d, c), d * d * d / 6.0f);
+  // the default of position_features is the float32 protocol, returned exactly as double
+  EXPECT_EQ(lc::position_features(Variant::Raw, lags, c),
+            lc::position_features_as<float>(Variant::Raw, lags, c, cycles).cast<double>());
+}
+
+// The last LC phase increment at T = 32768 in float32 is the reference's exported 0.03125
+// (pj-rope.md 5.3): phi(T-1) ~ 4254.6, whose float ulp is 2^-11, so the difference is 64 ulps.
+TEST(LightCone, Float32StabilityMatchesTheReferenceExport) {
+  lc::StabilityOptions f32;
+  f32.dtype = lc::Dtype::F32;
+  const auto lcr = lc::phase_f_stability(Variant::Lc, kT, f32);
+  EXPECT_EQ(lcr.phase_ratio_final, 0.03125);
+  EXPECT_NEAR(lcr.phase_ratio_far_mean, 0.04328, 5e-5);
+  EXPECT_NEAR(lcr.far_phase_span, 73.96, 0.02);
+  EXPECT_EQ(lcr.nonfinite_count, 0);
+  EXPECT_EQ(lc::phase_f_stability(Variant::Raw, kT, f32).phase_ratio_final, 1.0);
+  // the default options are the float32 protocol
+  EXPECT_EQ(lc::phase_f_stability(Variant::Lc, kT).phase_ratio_final, 0.03125);
+}
+
+// pj-rope.md section 4: T = 32768, L = 1024, omega = 17 cycles over L (float64: the closed forms to
+// 1e-9).
 TEST(LightCone, ClosedFormsAtT32768) {
-  const auto lcr = lc::phase_f_stability(Variant::Lc, kT);
-  const auto raw = lc::phase_f_stability(Variant::Raw, kT);
+  lc::StabilityOptions f64;
+  f64.dtype = lc::Dtype::F64;
+  const auto lcr = lc::phase_f_stability(Variant::Lc, kT, f64);
+  const auto raw = lc::phase_f_stability(Variant::Raw, kT, f64);
   const double omega = 2.0 * std::numbers::pi * 17.0 / kL;
   EXPECT_NEAR(omega, 0.104311, 5e-7);
   // last-lag increment phi(T-1) - phi(T-2) ~ phi'(T - 1.5) = 1/sqrt(1 + ((T-1.5)/L)^2)
@@ -84,7 +144,7 @@ TEST(LightCone, ClosedFormsAtT32768) {
   EXPECT_NEAR(raw.phase_ratio_final, 1.0, 0.0);
   EXPECT_NEAR(raw.phase_ratio_far_mean, 1.0, 1e-12);
   // lc_wrong_scale: increments 1/L smaller than lc's
-  const auto wrong = lc::phase_f_stability(Variant::LcWrongScale, kT);
+  const auto wrong = lc::phase_f_stability(Variant::LcWrongScale, kT, f64);
   EXPECT_NEAR(wrong.far_phase_span, lc_span / kL, 1e-9);
   // QK proxy: LC amplitudes are bounded by sqrt(R+1); raw's grow like d^3 / 6
   EXPECT_LT(lcr.qk_proxy_final, 2.0);
@@ -120,7 +180,13 @@ TEST(LightCone, QuantisationRoundsHalfToEven) {
   EXPECT_EQ(qc(0, 1), 3.5);
   // symmetric clamp: never below -qmax scale
   EXPECT_EQ(lc::quantize_value(-100.0, 1.0, 7), -7.0);
-  EXPECT_EQ(lc::quantize_tensor(Eigen::MatrixXd::Zero(2, 2), 8).norm(), 0.0);
+  EXPECT_EQ(lc::quantize_tensor(Eigen::MatrixXd(Eigen::MatrixXd::Zero(2, 2)), 8).norm(), 0.0);
+  // in float: x / scale and the rounding in float (scale 0.1f)
+  lc::Mat<float> xf(1, 2);
+  xf << 0.25f, 0.7f;
+  const lc::Mat<float> qf = lc::quantize_tensor(xf, 4);
+  EXPECT_EQ(qf(0, 0), lc::round_half_even(0.25f / (0.7f / 7.0f)) * (0.7f / 7.0f));
+  EXPECT_EQ(qf(0, 1), 0.7f);
   EXPECT_NEAR(lc::relative_error(q, x), (q - x).norm() / x.norm(), 0.0);
 }
 
@@ -139,6 +205,51 @@ TEST(LightCone, RetrievalTiesGoToTheFirstIndex) {
   EXPECT_EQ(lc::rounded_linspace(0, 3, 4), (std::vector<int>{0, 1, 2, 3}));
   EXPECT_EQ(lc::rounded_linspace(0, 1, 5), (std::vector<int>{0, 1}));  // 0.25 0.5 0.75 -> 0 0 1
   EXPECT_EQ(lc::lower_median({3.0, 1.0, 2.0, 4.0}), 2.0);
+}
+
+// mean_tie_count counts the candidates with score >= target - 1e-6, the target included, in the
+// rows' scalar type.
+TEST(LightCone, TieCountUsesEps1e6) {
+  const auto unit_rows = [](auto zero) {
+    using Real = decltype(zero);
+    // angles to the target (row 0): 0 (a copy), 1e-3 (cos = 1 - 5e-7: a tie), 2e-3 (1 - 2e-6:
+    // not), 0.5 (not)
+    const double angles[] = {0.0, 0.0, 1e-3, 2e-3, 0.5};
+    lc::Mat<Real> m(5, 2);
+    for (int i = 0; i < 5; ++i) {
+      m(i, 0) = static_cast<Real>(std::cos(angles[i]));
+      m(i, 1) = static_cast<Real>(std::sin(angles[i]));
+    }
+    return m;
+  };
+  const auto d = lc::retrieve(unit_rows(0.0), 0, 1e-6);
+  const auto f = lc::retrieve(unit_rows(0.0f), 0, 1e-6);
+  EXPECT_EQ(d.ties, 3);  // target, its copy, the 1e-3 neighbour
+  EXPECT_EQ(f.ties, 3);
+  EXPECT_EQ(d.prediction, 0);  // ties to the first
+  EXPECT_EQ(f.prediction, 0);
+  EXPECT_EQ(lc::retrieve(unit_rows(0.0), 2, 1e-6).ties, 4);  // 1e-3 from rows 0, 1 and 3
+  EXPECT_EQ(lc::retrieve(unit_rows(0.0), 4, 1e-6).ties, 1);
+  EXPECT_EQ(lc::retrieve(unit_rows(0.0), 3, 1e-6).prediction, 3);
+}
+
+// Raw features alias every 1024 lags (5, 17, 61 cycles over L = 1024): d and d + 1024 share the
+// phases and differ only through the amplitude ratios, a cosine gap of ~1e-8 at d ~ 6000. float64
+// resolves it; in float32 (the reference's protocol) the gap is below an ulp of the scores and the
+// aliased lags tie, so top-1 at the far bucket falls and the tie count stays.
+TEST(LightCone, Float32RetrievalLosesRawAliasedLags) {
+  lc::RetrievalOptions f32, f64;
+  f32.dtype = lc::Dtype::F32;
+  f64.dtype = lc::Dtype::F64;
+  const auto r32 = lc::phase_f_retrieval_resolution(Variant::Raw, 8192, lc::Quant::Fp32, f32);
+  const auto r64 = lc::phase_f_retrieval_resolution(Variant::Raw, 8192, lc::Quant::Fp32, f64);
+  ASSERT_EQ(r32.size(), 3u);  // train, x1_4, x4_16 = [4096, 8191]
+  ASSERT_EQ(r64.size(), 3u);
+  EXPECT_EQ(r32[0].top1, 1.0);  // no aliasing inside the train window
+  EXPECT_EQ(r64[2].top1, 1.0);
+  EXPECT_LT(r32[2].top1, 0.9);
+  EXPECT_GE(r32[2].mean_tie_count, 2.0);  // the aliases are within 1e-6 in both
+  EXPECT_GE(r64[2].mean_tie_count, 2.0);
 }
 
 TEST(LightCone, RetrievalAtT4096) {
@@ -243,7 +354,8 @@ TEST(LightCone, BadInputIsNamed) {
   lc::Coords c;
   c.L = 0.0;
   EXPECT_THROW(lc::position_features(Variant::Lc, {1.0}, c), InputError);
-  EXPECT_THROW(run_probe_suite("pj-t5", Precision::F32, false), InputError);
+  EXPECT_EQ(default_precision("pj-t5"), Precision::F32);  // the reference's float32 protocol
+  EXPECT_EQ(default_precision("jordan-t3"), Precision::F64);
   const auto all = probe_suite_names();
   EXPECT_EQ(std::find(all.begin(), all.end(), "pj-t5"), all.end());  // not part of "all"
 }

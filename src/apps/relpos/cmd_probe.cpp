@@ -35,11 +35,13 @@ void add_probe_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("probe",
                                  "Basis-level fixed-kernel probes: least-squares fits of target "
                                  "lag kernels over primitive bases");
-  cmd->add_option("--suite", a->suite,
-                  fmt::format("{}, jordan-t4 (= jordan-t11), all (these), or {} (outside all: PJ-RoPE "
-                              "Table 3 adaptive part and Table 5 light-cone probes, float64)",
-                              fmt::join(probes::probe_suite_names(), ", "),
-                              fmt::join(probes::extra_probe_suite_names(), ", ")))
+  cmd->add_option(
+         "--suite", a->suite,
+         fmt::format("{}, jordan-t4 (= jordan-t11), all (these), or {} (outside all: PJ-RoPE "
+                     "Table 3 adaptive part and Table 5 light-cone probes; pj-t5 runs in "
+                     "the reference's float32 unless --dtype f64)",
+                     fmt::join(probes::probe_suite_names(), ", "),
+                     fmt::join(probes::extra_probe_suite_names(), ", ")))
       ->required();
   add_common_options(cmd, a);
   cmd->callback([a] {

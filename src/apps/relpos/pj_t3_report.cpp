@@ -335,7 +335,8 @@ void refuse_pj_t3_options(const PjT3Args& a, const std::string& experiment) {
 }
 
 bool reproduce_pj_t3(const ProbeArgs& a, const PjT3Args& p) {
-  if (a.dtype != "f64") throw InputError("reproduce pj-t3 runs in float64 only (--dtype f64)");
+  if (!a.dtype.empty() && a.dtype != "f64")
+    throw InputError("reproduce pj-t3 runs in float64 only (--dtype f64)");
   std::vector<uint64_t> seeds;
   const pj::AdaptiveConfig cfg = parse_config(p, &seeds);
   std::optional<OutputDir> out;

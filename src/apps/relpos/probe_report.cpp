@@ -388,15 +388,21 @@ void write_plots(const OutputDir& out, const SuiteResult& r, bool* warned) {
 
 Summary run_and_emit(const std::vector<std::string>& suites, const ProbeArgs& a,
                      const std::string& out_name) {
-  const auto precision = a.dtype == "f32" ? probes::Precision::F32 : probes::Precision::F64;
+  // No --dtype: each suite's own default (pj-t5: the reference's float32; the others: float64).
+  const auto precision_of = [&](const std::string& suite) {
+    if (a.dtype.empty()) return probes::default_precision(suite);
+    return a.dtype == "f32" ? probes::Precision::F32 : probes::Precision::F64;
+  };
+  const std::string dtype = suites.empty() ? a.dtype : probes::to_string(precision_of(suites[0]));
   const bool plots = !a.out.empty();
   std::optional<OutputDir> out;
   if (plots) out.emplace(a.out, "relpos " + out_name);
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<SuiteResult> results;
-  for (const auto& s : suites) results.push_back(probes::run_probe_suite(s, precision, plots));
+  for (const auto& s : suites)
+    results.push_back(probes::run_probe_suite(s, precision_of(s), plots));
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const std::string text = render(results, a.format, a.dtype);
+  const std::string text = render(results, a.format, dtype);
   std::cout << text;
   if (a.format == "md") std::cout << fmt::format("\ncomputed in {:.2f} s\n", secs);
   if (out) {
@@ -411,7 +417,9 @@ Summary run_and_emit(const std::vector<std::string>& suites, const ProbeArgs& a,
 
 void add_common_options(CLI::App* cmd, const std::shared_ptr<ProbeArgs>& a) {
   cmd->add_option("--dtype", a->dtype,
-                  "f64 (default) or f32 (normal equations / lstsq solved in float)")
+                  "f64 or f32: the fits' normal equations / lstsq solved in float (default f64); "
+                  "pj-t5: the arithmetic of every probe (default f32, the reference scripts' "
+                  "default; f64 = their --float64)")
       ->check(CLI::IsMember({"f32", "f64"}));
   cmd->add_option("--format", a->format, "md, csv or json")
       ->check(CLI::IsMember({"md", "csv", "json"}));

@@ -10,7 +10,8 @@
 namespace relpos::app {
 
 struct ProbeArgs {
-  std::string suite, dtype = "f64", format = "md", out;
+  // dtype "": the suite's default (probes::default_precision: f32 for pj-t5, f64 otherwise)
+  std::string suite, dtype, format = "md", out;
 };
 
 struct Summary {
