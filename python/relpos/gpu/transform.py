@@ -1,0 +1,841 @@
+"""Triton kernels of the position-wise transforms: ``relpos::trig_table``, ``relpos::transform``
+and ``relpos::transform_backward`` (schemas in ``src/torch/ops.cpp``), the GPU counterpart of
+``src/kernels/transform*.hpp``.
+
+Every Jordan-block mechanism acts on each block of ``m`` consecutive complex coordinate pairs as
+``N (x) R``: ``R`` the rotation by the angle ``-omega_b (p - c0)`` (the trig table, as the CPU
+kernels' ``fill_trig_table``), ``N`` the ``m x m`` Toeplitz mixing of the block's pairs by a
+per-(position, head, block) coefficient series (``tile_series`` in ``transform_tiles.hpp``)::
+
+    keys     A      y_r = sum_{c>=r} ck_{c-r} (R x)_c     ck_k = e^{+gamma p} c_k(u)
+    queries  A^-T   y_r = sum_{c<=r} cq_{r-c} (R x)_c     cq_k = e^{-gamma p} ic_k(u)
+    A^T (key input gradients) and A^-1 (query input gradients): R^T and the other triangle,
+
+``u = s sigma(-p)``, ``c_k`` the exponential shear ``(eta u)^k / k!`` or the jet gates
+``alpha_0, g_k u^k / k!``, ``ic`` its power-series inverse, ``|gamma p|`` clamped at ``max_exp``.
+
+The coefficient tables are computed here in torch (float64, then the compute dtype),
+differentiably in gamma / eta / gates / alpha0; one Triton kernel applies them (or, for plain
+rotations, only the cos/sin table) to a tensor, reading each element once from memory. The
+backward runs the same kernel with the transposed roles for the input gradients, and a second
+kernel reduces ``<R^T grad, x>`` products into gradients of the coefficient tables (summed over
+the batch), which ``torch.autograd.grad`` through the table computation turns into the parameter
+gradients: exact, with no per-parameter kernel code.
+
+The block structure (which pairs form which block of which order, damping, shear mode, chart) is
+not in the mechanism's JSON; it is read off the CPU operator once per (spec, head dim, heads):
+the exact maps of a few probe calls in float64 (``_structure``), then checked against the CPU
+operator at random parameters and positions (clamp included). A spec whose structure is not
+recovered exactly runs on the CPU operator (copies to the host and back), never on a guess.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_HALF = (torch.bfloat16, torch.float16)
+_STORABLE = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_MAX_POSITION = 2.0 ** 53
+
+
+def _compute_dtype(dtype):
+    return torch.float32 if dtype in _HALF else dtype
+
+
+# ---- the mechanism's block structure ----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _info(spec: str, head_dim: int, heads: int) -> dict:
+    try:
+        return json.loads(torch.ops.relpos.mechanism(spec, head_dim, heads))
+    except RuntimeError as e:  # the op's named errors are ValueErrors already
+        raise ValueError(str(e)) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_frequencies(spec: str, head_dim: int, heads: int, length: float) -> torch.Tensor:
+    """-omega per complex pair (0 where no segment covers it), float64 [D/2]; length > 0: the
+    context-extension rule at that context length (the op's scaled_for_length)."""
+    return torch.ops.relpos.frequencies(spec, head_dim, heads, length)
+
+
+class Structure:
+    """Per block b of the position term: its pairs [first[b], first[b] + order[b]), whether it
+    is damped, its shear mode (0 none, 1 exponential, 2 gates), its chart u = -s p / (1 + |p|
+    inv_l); per pair j: block (-1: untouched), position in the block, block order."""
+
+    def __init__(self, nb, first, order, damped, shear, scale, inv_l, max_exp, covered, head_dim):
+        self.nb = nb
+        self.first, self.order, self.damped, self.shear = first, order, damped, shear
+        self.scale, self.inv_l, self.max_exp = scale, inv_l, max_exp
+        self.covered = covered
+        self.head_dim = head_dim
+        self.max_order = max(order) if order else 1
+        pairs = head_dim // 2
+        blk, rin, ordp = [-1] * pairs, [0] * pairs, [1] * pairs
+        for b in range(nb):
+            for r in range(order[b]):
+                blk[first[b] + r], rin[first[b] + r], ordp[first[b] + r] = b, r, order[b]
+        self.pair_block, self.pair_rank, self.pair_order = blk, rin, ordp
+        # a plain rotation everywhere: the cos/sin table alone (RoPE and its extensions)
+        self.has_gates = 2 in shear
+        self.plain = all(o == 1 and not d and s != 2 for o, d, s in zip(order, damped, shear))
+        self._device_cache = {}
+
+    def pair_tables(self, device):
+        key = str(device)
+        if key not in self._device_cache:
+            t = torch.tensor([self.pair_block, self.pair_rank, self.pair_order], dtype=torch.int32)
+            f = torch.tensor(self.first, dtype=torch.int64)
+            blocks = torch.tensor(self.pair_block, dtype=torch.int64)
+            self._device_cache[key] = (t.to(device), f.to(device), blocks.to(device))
+        return self._device_cache[key]
+
+    def block_tensors(self, device):
+        key = ("blocks", str(device))
+        if key not in self._device_cache:
+            f64 = dict(dtype=torch.float64, device=device)
+            self._device_cache[key] = dict(
+                damped=torch.tensor(self.damped, dtype=torch.bool, device=device),
+                shear=torch.tensor(self.shear, dtype=torch.int64, device=device),
+                scale=torch.tensor(self.scale, **f64),
+                inv_l=torch.tensor(self.inv_l, **f64),
+                order=torch.tensor(self.order, dtype=torch.int64, device=device),
+            )
+        return self._device_cache[key]
+
+
+class Unsupported(Exception):
+    pass
+
+
+def _probe_maps(spec, D, H, positions, gamma, eta, gates, alpha0, role_key=True):
+    """The CPU operator's map A(p) (keys) or A(p)^-T (queries) per head and position, float64
+    [H, T, D, D], from its action on the identity (interleaved layout, centre 0)."""
+    T = positions.numel()
+    eye = torch.eye(D, dtype=torch.float64)
+    x = eye[:, None, None, :].expand(D, H, T, D).contiguous()
+    zero = torch.zeros_like(x)
+    q, k = (zero, x) if role_key else (x, zero)
+    qo, ko = torch.ops.relpos.transform(q, k, gamma, eta, gates, alpha0, positions, None, None,
+                                        0.0, spec, D, H, 0, False)
+    out = ko if role_key else qo
+    return out.permute(1, 2, 3, 0).contiguous()  # [H, T, out, in]
+
+
+@functools.lru_cache(maxsize=256)
+def _structure(spec: str, head_dim: int, heads: int):
+    """The block structure of the spec's position term, read off the CPU operator; raises
+    Unsupported where it cannot be recovered exactly."""
+    info = _info(spec, head_dim, heads)
+    D, H, NB, rows = head_dim, heads, int(info["total_blocks"]), int(info["gate_rows"])
+    if NB == 0:
+        return Structure(0, [], [], [], [], [], [], 30.0, 0, D)
+    pairs = D // 2
+    max_exp = float(info["max_exp"]) or 30.0
+    gstep = 1e-3 if NB <= 512 else 1e-5
+    gamma = (gstep * (torch.arange(NB, dtype=torch.float64) + 1)).expand(H, NB).contiguous()
+    bounds = {p["name"]: p["bound"] for p in info["params"]}
+    eta_b = torch.tensor(bounds["eta"], dtype=torch.float64) * 0.5 if "eta" in bounds and len(
+        bounds["eta"]) == NB else torch.full((NB,), 0.05, dtype=torch.float64)
+    eta = eta_b.expand(H, NB).contiguous()
+    gates = torch.full((rows, H, NB), 0.5, dtype=torch.float64) if rows else torch.zeros(0, dtype=torch.float64)
+    alpha0 = torch.full((H, NB), 0.8, dtype=torch.float64)
+    P = torch.tensor([0.0, 10.0, 1.0, 7.0, 300.0, 3000.0, -50.0], dtype=torch.float64)
+    A = _probe_maps(spec, D, H, P, gamma, eta, gates, alpha0)[0]  # head 0: [T, D, D]
+    Ap = A.reshape(len(P), pairs, 2, pairs, 2).permute(0, 1, 3, 2, 4)  # [T, j, j', 2, 2]
+    mag = Ap.abs().amax(dim=(0, 3, 4))  # [j, j']
+    eye2 = torch.eye(2, dtype=torch.float64)
+    # which pairs are touched at all
+    diag = torch.stack([Ap[:, j, j] for j in range(pairs)], 1)  # [T, j, 2, 2]
+    offdiag = mag.clone()
+    offdiag.fill_diagonal_(0)
+    coupled = offdiag > 1e-13
+    touched = ((diag - eye2).abs().amax(dim=(0, 2, 3)) > 1e-13) | coupled.any(0) | coupled.any(1)
+    # scale of each pair at p = 10 relative to p = 0 (diag blocks are scalar x rotation)
+    def scale(t, j):
+        return math.sqrt(abs(float(torch.linalg.det(diag[t, j]))))
+    first, order, damped, shear, s_list, il_list = [], [], [], [], [], []
+    j = 0
+    nxt = 0  # the next block index
+    while j < pairs:
+        if not touched[j]:
+            # an untouched pair ends the covered range (segments are contiguous from pair 0),
+            # unless blocks remain: then it is an identity-looking block (ambiguous)
+            break
+        # the block's extent: coupled pairs (shear) or equal damping (no shear)
+        s0 = scale(0, j)
+        g = math.log(scale(1, j) / s0) / 10.0
+        is_damped = abs(g) > gstep * 0.25
+        m = 1
+        while j + m < pairs and bool(coupled[j, j + m]):
+            m += 1
+        if m == 1 and is_damped:  # an unsheared damped block: its pairs share the damping
+            while (j + m < pairs and touched[j + m] and not bool(coupled[j + m].any())
+                   and abs(math.log(scale(1, j + m) / scale(0, j + m)) / 10.0 - g) < gstep * 0.25):
+                m += 1
+        if is_damped:
+            b = round(g / gstep) - 1
+            if b != nxt:
+                raise Unsupported(f"block of pair {j}: damping decodes to block {b}, expected {nxt}")
+        gated = abs(s0 - 0.8) < 1e-9
+        if not gated and abs(s0 - 1.0) > 1e-9:
+            raise Unsupported(f"pair {j}: map at the centre is neither 1 nor alpha0")
+        mode = 2 if gated else (1 if m > 1 and bool(coupled[j, j + 1]) else 0)
+        sc, il = 1.0, 0.0
+        if m > 1 and mode != 0:
+            # u(p) from the ratio of the first super-diagonal block to the diagonal one
+            us = []
+            for t, p in enumerate(P.tolist()):
+                if p == 0.0:
+                    continue
+                M0, M1 = Ap[t, j, j], Ap[t, j, j + 1]
+                ratio = float((M1 * M0).sum() / (M0 * M0).sum())
+                c1 = ratio * (0.8 / 0.5 if mode == 2 else 1.0 / float(eta_b[nxt]))
+                us.append((p, c1))
+            # -p / u = a + b |p|
+            X = torch.tensor([[1.0, abs(p)] for p, _ in us], dtype=torch.float64)
+            Y = torch.tensor([-p / u for p, u in us], dtype=torch.float64)
+            sol = torch.linalg.lstsq(X, Y[:, None]).solution[:, 0]
+            a, bb = float(sol[0]), float(sol[1])
+            if not (a > 0) or float((X @ sol - Y).abs().max()) > 1e-6 * float(Y.abs().max()):
+                raise Unsupported(f"pair {j}: chart not recognised")
+            sc = 1.0 / a
+            il = bb / a if abs(bb / a) > 1e-12 else 0.0
+        first.append(j)
+        order.append(m)
+        damped.append(is_damped)
+        shear.append(mode)
+        s_list.append(sc)
+        il_list.append(il)
+        nxt += 1
+        j += m
+    if nxt != NB:
+        raise Unsupported(f"recovered {nxt} blocks, the mechanism has {NB}")
+    st = Structure(NB, first, order, damped, shear, s_list, il_list, max_exp, j, D)
+    _check_structure(spec, D, H, st, rows)
+    return st
+
+
+def _check_structure(spec, D, H, st, rows):
+    """The recovered structure against the CPU operator at random parameters and positions
+    (some beyond the exponent clamp), both roles, float64: raises Unsupported on a mismatch."""
+    gen = torch.Generator().manual_seed(7)
+    NB = st.nb
+    gamma = torch.rand(H, NB, generator=gen, dtype=torch.float64) * 0.03
+    eta = (torch.rand(H, NB, generator=gen, dtype=torch.float64) - 0.5) * 0.2
+    gates = ((torch.rand(rows, H, NB, generator=gen, dtype=torch.float64) - 0.5) if rows
+             else torch.zeros(0, dtype=torch.float64))
+    alpha0 = 0.5 + torch.rand(H, NB, generator=gen, dtype=torch.float64)
+    P = torch.tensor([0.0, 3.0, -17.0, 250.5, 1500.0, -2100.0], dtype=torch.float64)
+    freqs = _frequencies_for(spec, D, H, P)
+    cos, sin = _trig(st, freqs, P[None, :], torch.float64)
+    ck, cq = _coefficients(st, gamma, eta, gates, alpha0, P[None, :], True, True)
+    for key in (True, False):
+        want = _probe_maps(spec, D, H, P, gamma, eta, gates, alpha0, role_key=key)
+        x = torch.eye(D, dtype=torch.float64)[:, None, None, :].expand(D, H, len(P), D).contiguous()
+        got = _torch_map(st, x, cos, sin, ck if key else cq, upper=key, transposed=False, half_split=False)
+        got = got.permute(1, 2, 3, 0)
+        err = float((got - want).abs().max())
+        if not err <= 1e-9 * max(1.0, float(want.abs().max())):
+            raise Unsupported(f"recovered structure differs from the CPU operator by {err:g}")
+
+
+def _torch_map(st, x, cos, sin, coef, *, upper, transposed, half_split):
+    """The same map as the kernel, in torch (the structure check's reference)."""
+    B, H, T, D = x.shape
+    pairs = D // 2
+    j = torch.arange(pairs)
+    if half_split:
+        re = torch.where(j < st.covered, j, 2 * j)
+        im = torch.where(j < st.covered, j + st.covered, 2 * j + 1)
+    else:
+        re, im = 2 * j, 2 * j + 1
+    xr, xi = x[..., re], x[..., im]
+    blk = torch.tensor(st.pair_block)
+    rin = torch.tensor(st.pair_rank)
+    ordp = torch.tensor(st.pair_order)
+    cov = blk >= 0
+    bidx = blk.clamp(min=0)
+    c = torch.where(cov, cos[0][:, bidx], 1.0)  # [T, pairs] (shared positions)
+    s = torch.where(cov, sin[0][:, bidx], 0.0)
+    if transposed:
+        s = -s
+    zr, zi = xr * c - xi * s, xr * s + xi * c
+    yr, yi = torch.zeros_like(xr), torch.zeros_like(xi)
+    for k in range(st.max_order):
+        jp = j + k if upper else j - k
+        ok = (rin + k < ordp) if upper else (rin - k >= 0)
+        jp = torch.where(ok, jp, j)
+        w = torch.where(cov[None, None, :], coef[0][:, :, bidx, k], 1.0 if k == 0 else 0.0)  # [T, H, pairs]
+        w = torch.where(ok, w, 0.0).permute(1, 0, 2)[None]
+        yr = yr + w * zr[..., jp]
+        yi = yi + w * zi[..., jp]
+    y = x.clone()
+    y[..., re] = yr
+    y[..., im] = yi
+    return y
+
+
+# ---- tables -------------------------------------------------------------------------------------
+
+
+def _trig(st, freqs, pc, dtype):
+    """cos / sin of -omega_b (p - c0), [rows, T, NB] in dtype (float64 angles)."""
+    if st.nb == 0:
+        z = torch.zeros(*pc.shape, 0, dtype=dtype, device=pc.device)
+        return z, z
+    _, first, _ = st.pair_tables(pc.device)
+    f = freqs.to(pc.device)[first]  # -omega_b
+    ang = pc[..., None] * f  # omega p with omega = -f: cos(-omega p) = cos(f p)
+    return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
+
+
+def _series(st, gamma, eta, gates, alpha0, pc):
+    """The unscaled series c_k, its inverse ic_k (lists of [R, T, H, NB], float64), the damping
+    factors ek, eq, the unclamped damping exponent's mask and u, for positions pc [R, T]."""
+    dev = pc.device
+    bt = st.block_tensors(dev)
+    M = st.max_order
+    p = pc[:, :, None, None]  # [R, T, 1, 1]
+    g = gamma.to(torch.float64)
+    X = st.max_exp
+    zero_s = torch.zeros((), dtype=torch.float64, device=dev)
+    a = torch.where(bt["damped"], g[None, None] * p, zero_s)  # [R, T, H, NB]
+    free = bt["damped"] & (a.abs() <= X)  # where d exponent / d gamma = p (no binding clamp)
+    a = torch.clamp(a, -X, X)
+    ek, eq = torch.exp(a), torch.exp(-a)
+    u = -bt["scale"] * p / (1.0 + p.abs() * bt["inv_l"])  # [R, T, 1, NB]
+    u = u.expand(ek.shape)
+    one = torch.ones(ek.shape, dtype=torch.float64, device=dev)
+    zero = torch.zeros(ek.shape, dtype=torch.float64, device=dev)
+    is_exp = bt["shear"] == 1
+    is_gate = bt["shear"] == 2
+    x = torch.where(is_exp, eta.to(torch.float64)[None, None] * u, zero) if M > 1 else zero
+    c = [torch.where(is_gate, alpha0.to(torch.float64)[None, None] + zero, one)]
+    pw = one
+    for kk in range(1, M):
+        pw = pw * u / kk
+        ce = c[-1] * x / kk
+        cg = gates[kk - 1].to(torch.float64)[None, None] * pw if st.has_gates and gates.numel() else zero
+        c.append(torch.where(bt["order"] > kk, torch.where(is_gate, cg, ce), zero))
+    ic = [1.0 / c[0]]
+    for kk in range(1, M):
+        acc = zero
+        for jj in range(1, kk + 1):
+            acc = acc + c[jj] * ic[kk - jj]
+        ic.append(-acc / c[0])
+    return c, ic, ek, eq, free, u, x
+
+
+def _coefficients(st, gamma, eta, gates, alpha0, pc, want_key, want_query, dtype=torch.float64):
+    """The scaled coefficient series ck / cq [rows, T, H, NB, M] (float64 math, stored in
+    dtype)."""
+    c, ic, ek, eq, _, _, _ = _series(st, gamma, eta, gates, alpha0, pc)
+    key = torch.stack([ci * ek for ci in c], -1).to(dtype) if want_key else None
+    query = torch.stack([ci * eq for ci in ic], -1).to(dtype) if want_query else None
+    return key, query
+
+
+def _coefficient_grads(st, gamma, eta, gates, alpha0, pc, dck, dcq):
+    """Gradients of gamma, eta, gates, alpha0 (float64, their shapes) from the gradients of the
+    coefficient tables dck / dcq [R, T, H, NB, M] (either None): the chain rule of _series by
+    hand (a backend kernel runs below autograd, so no graph is recorded here)."""
+    c, ic, ek, eq, free, u, _ = _series(st, gamma, eta, gates, alpha0, pc)
+    bt = st.block_tensors(pc.device)
+    M = st.max_order
+    f64 = torch.float64
+    zero = torch.zeros(ek.shape, dtype=f64, device=pc.device)
+    K = [dck[..., kk].to(f64) * ek for kk in range(M)] if dck is not None else None  # dL/dc_k
+    Q = [dcq[..., kk].to(f64) * eq for kk in range(M)] if dcq is not None else None  # dL/dic_k
+    # d exponent: d ek = ek d a, d eq = -eq d a
+    da = zero
+    for kk in range(M):
+        if K is not None:
+            da = da + K[kk] * c[kk]
+        if Q is not None:
+            da = da - Q[kk] * ic[kk]
+    p = pc[:, :, None, None]
+    dgamma = torch.where(free, da * p, zero).sum((0, 1))
+    # the series: dL/dc_j from the keys, and through ic = c^{-1} (d ic = -ic dc ic) from the queries
+    dc = [K[j] if K is not None else zero for j in range(M)]
+    if Q is not None:
+        p2 = [sum(ic[i] * ic[kk - i] for i in range(kk + 1)) for kk in range(M)]
+        for j in range(M):
+            for kk in range(j, M):
+                dc[j] = dc[j] - Q[kk] * p2[kk - j]
+    is_exp = bt["shear"] == 1
+    is_gate = bt["shear"] == 2
+    deta = zero
+    if M > 1:
+        # exponential shear: c_k = x^k / k!, dc_k / dx = c_{k-1}; x = eta u
+        dx = zero
+        for kk in range(1, M):
+            dx = dx + torch.where(bt["order"] > kk, dc[kk] * c[kk - 1], zero)
+        deta = torch.where(is_exp, dx * u, zero)
+    deta = deta.sum((0, 1))
+    dalpha0 = torch.where(is_gate, dc[0], zero).sum((0, 1))
+    dgates = torch.zeros(gates.shape, dtype=f64, device=pc.device)
+    if st.has_gates and gates.numel():
+        pw = torch.ones(ek.shape, dtype=f64, device=pc.device)
+        for kk in range(1, M):
+            pw = pw * u / kk
+            dgates[kk - 1] = torch.where(is_gate & (bt["order"] > kk), dc[kk] * pw, zero).sum((0, 1))
+    return dgamma, deta, dgates, dalpha0
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _map_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, coef_ptr, pair_ptr, T, H, NB, NPAIRS, NCOV, D,
+                PER_BATCH: tl.constexpr, M: tl.constexpr, HAS_COEF: tl.constexpr,
+                UPPER: tl.constexpr, TRANSPOSED: tl.constexpr, HALF_SPLIT: tl.constexpr,
+                F64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
+    """y = role(A) x for BLOCK_T tokens of one (batch, head): every pair of the head row at once,
+    each pair's block partners gathered from the same rows (read from memory once)."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, BLOCK_P)
+    tmask = t < T
+    jmask = j < NPAIRS
+    m2 = tmask[:, None] & jmask[None, :]
+    row = (bh.to(tl.int64) * T + t) * D
+    prow = b * PER_BATCH
+    trow = (prow.to(tl.int64) * T + t) * NB
+    blk = tl.load(pair_ptr + j, mask=jmask, other=-1)
+    cov = blk >= 0
+    bidx = tl.maximum(blk, 0)
+    mc = m2 & cov[None, :]
+    c = tl.load(cos_ptr + trow[:, None] + bidx[None, :], mask=mc, other=1.0)
+    s = tl.load(sin_ptr + trow[:, None] + bidx[None, :], mask=mc, other=0.0)
+    if F64:
+        c = c.to(tl.float64)
+        s = s.to(tl.float64)
+    else:
+        c = c.to(tl.float32)
+        s = s.to(tl.float32)
+    if TRANSPOSED:
+        s = -s
+    if HALF_SPLIT:
+        re = tl.where(j < NCOV, j, 2 * j)
+        im = tl.where(j < NCOV, j + NCOV, 2 * j + 1)
+    else:
+        re = 2 * j
+        im = 2 * j + 1
+    crow = ((prow.to(tl.int64) * T + t) * H + h) * NB  # [BT]
+    if M == 1:
+        xr = tl.load(x_ptr + row[:, None] + re[None, :], mask=m2, other=0.0)
+        xi = tl.load(x_ptr + row[:, None] + im[None, :], mask=m2, other=0.0)
+        if F64:
+            xr = xr.to(tl.float64)
+            xi = xi.to(tl.float64)
+        else:
+            xr = xr.to(tl.float32)
+            xi = xi.to(tl.float32)
+        yr = xr * c - xi * s
+        yi = xr * s + xi * c
+        if HAS_COEF:
+            w = tl.load(coef_ptr + crow[:, None] + bidx[None, :], mask=mc, other=1.0)
+            if F64:
+                w = w.to(tl.float64)
+            else:
+                w = w.to(tl.float32)
+            yr = yr * w
+            yi = yi * w
+    else:
+        rin = tl.load(pair_ptr + NPAIRS + j, mask=jmask, other=0)
+        mord = tl.load(pair_ptr + 2 * NPAIRS + j, mask=jmask, other=1)
+        if F64:
+            yr = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float64)
+        else:
+            yr = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+        yi = yr
+        for k in tl.static_range(M):
+            if UPPER:
+                jp = j + k
+                ok = (rin + k) < mord
+            else:
+                jp = j - k
+                ok = (rin - k) >= 0
+            jp = tl.where(ok, jp, j)
+            if HALF_SPLIT:
+                rep = tl.where(jp < NCOV, jp, 2 * jp)
+                imp = tl.where(jp < NCOV, jp + NCOV, 2 * jp + 1)
+            else:
+                rep = 2 * jp
+                imp = 2 * jp + 1
+            mk = m2 & ok[None, :]
+            xr = tl.load(x_ptr + row[:, None] + rep[None, :], mask=mk, other=0.0)
+            xi = tl.load(x_ptr + row[:, None] + imp[None, :], mask=mk, other=0.0)
+            w = tl.load(coef_ptr + (crow[:, None] + bidx[None, :]) * M + k, mask=mk & cov[None, :],
+                        other=0.0)
+            if F64:
+                xr = xr.to(tl.float64)
+                xi = xi.to(tl.float64)
+                w = w.to(tl.float64)
+            else:
+                xr = xr.to(tl.float32)
+                xi = xi.to(tl.float32)
+                w = w.to(tl.float32)
+            if k == 0:
+                w = tl.where(cov[None, :], w, 1.0)
+            yr += w * (xr * c - xi * s)
+            yi += w * (xr * s + xi * c)
+    tl.store(y_ptr + row[:, None] + re[None, :], yr.to(y_ptr.dtype.element_ty), mask=m2)
+    tl.store(y_ptr + row[:, None] + im[None, :], yi.to(y_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _coef_grad_kernel(x_ptr, g_ptr, cos_ptr, sin_ptr, out_ptr, pair_ptr, T, H, NB, NPAIRS, NCOV,
+                      D, NLOOP, PER_BATCH: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                      UPPER: tl.constexpr, HALF_SPLIT: tl.constexpr, F64: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
+    """out[row, t, h, j, k] = sum over the batch rows sharing positions row of
+    <R^T g_j, x_{j+k}> (UPPER, keys) or <R^T g_j, x_{j-k}> (queries): the gradient of the
+    coefficient table entry k of j's block, before the sum over the block's pairs."""
+    pid_t = tl.program_id(0)
+    rh = tl.program_id(1)
+    prow = rh // H
+    h = rh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, BLOCK_P)
+    kk = tl.arange(0, MP)
+    tmask = t < T
+    jmask = j < NPAIRS
+    m2 = tmask[:, None] & jmask[None, :]
+    blk = tl.load(pair_ptr + j, mask=jmask, other=-1)
+    rin = tl.load(pair_ptr + NPAIRS + j, mask=jmask, other=0)
+    mord = tl.load(pair_ptr + 2 * NPAIRS + j, mask=jmask, other=1)
+    cov = blk >= 0
+    bidx = tl.maximum(blk, 0)
+    mc = m2 & cov[None, :]
+    trow = (prow.to(tl.int64) * T + t) * NB
+    c = tl.load(cos_ptr + trow[:, None] + bidx[None, :], mask=mc, other=1.0)
+    s = tl.load(sin_ptr + trow[:, None] + bidx[None, :], mask=mc, other=0.0)
+    if F64:
+        c = c.to(tl.float64)
+        s = s.to(tl.float64)
+    else:
+        c = c.to(tl.float32)
+        s = s.to(tl.float32)
+    if HALF_SPLIT:
+        re = tl.where(j < NCOV, j, 2 * j)
+        im = tl.where(j < NCOV, j + NCOV, 2 * j + 1)
+    else:
+        re = 2 * j
+        im = 2 * j + 1
+    if UPPER:
+        jp = j[:, None] + kk[None, :]
+        ok = (rin[:, None] + kk[None, :]) < mord[:, None]
+    else:
+        jp = j[:, None] - kk[None, :]
+        ok = (rin[:, None] - kk[None, :]) >= 0
+    ok = ok & (kk[None, :] < M) & cov[:, None]
+    jp = tl.where(ok, jp, j[:, None])  # [BP, MP]
+    if HALF_SPLIT:
+        rep = tl.where(jp < NCOV, jp, 2 * jp)
+        imp = tl.where(jp < NCOV, jp + NCOV, 2 * jp + 1)
+    else:
+        rep = 2 * jp
+        imp = 2 * jp + 1
+    m3 = m2[:, :, None] & ok[None, :, :]
+    if F64:
+        acc = tl.zeros([BLOCK_T, BLOCK_P, MP], dtype=tl.float64)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_P, MP], dtype=tl.float32)
+    for i in range(NLOOP):
+        bb = prow * PER_BATCH + i  # PER_BATCH: NLOOP = 1
+        row = ((bb.to(tl.int64) * H + h) * T + t) * D
+        gr = tl.load(g_ptr + row[:, None] + re[None, :], mask=m2, other=0.0)
+        gi = tl.load(g_ptr + row[:, None] + im[None, :], mask=m2, other=0.0)
+        xr = tl.load(x_ptr + row[:, None, None] + rep[None, :, :], mask=m3, other=0.0)
+        xi = tl.load(x_ptr + row[:, None, None] + imp[None, :, :], mask=m3, other=0.0)
+        if F64:
+            gr = gr.to(tl.float64)
+            gi = gi.to(tl.float64)
+            xr = xr.to(tl.float64)
+            xi = xi.to(tl.float64)
+        else:
+            gr = gr.to(tl.float32)
+            gi = gi.to(tl.float32)
+            xr = xr.to(tl.float32)
+            xi = xi.to(tl.float32)
+        wr = gr * c + gi * s
+        wi = gi * c - gr * s
+        acc += wr[:, :, None] * xr + wi[:, :, None] * xi
+    orow = ((prow.to(tl.int64) * T + t) * H + h) * NPAIRS
+    optr = out_ptr + ((orow[:, None] + j[None, :]) * M)[:, :, None] + kk[None, None, :]
+    tl.store(optr, acc, mask=m2[:, :, None] & (kk[None, None, :] < M))
+
+
+def _blocks(D):
+    bp = triton.next_power_of_2(max(D // 2, 1))
+    if _INTERPRET:
+        return 128, bp  # few, large programs: the interpreter runs each one in NumPy
+    return max(1, min(64, 4096 // bp)), bp
+
+
+def _warps(elements):
+    return 4 if elements <= 2048 else 8
+
+
+def _apply(st, x, cos, sin, coef, per_batch, *, upper, transposed, half_split, out_dtype):
+    B, H, T, D = x.shape
+    y = torch.empty((B, H, T, D), dtype=out_dtype, device=x.device)
+    if x.numel() == 0:
+        return y
+    pair, _, _ = st.pair_tables(x.device)
+    bt, bp = _blocks(D)
+    M = st.max_order
+    has_coef = coef is not None
+    f64 = x.dtype == torch.float64
+    grid = (triton.cdiv(T, bt), B * H)
+    _map_kernel[grid](x, y, cos, sin, coef if has_coef else cos, pair, T, H, st.nb, D // 2,
+                      st.covered, D, PER_BATCH=int(per_batch), M=M, HAS_COEF=has_coef,
+                      UPPER=upper, TRANSPOSED=transposed, HALF_SPLIT=half_split, F64=f64,
+                      BLOCK_T=bt, BLOCK_P=bp, num_warps=_warps(bt * bp))
+    return y
+
+
+def _coef_grad(st, x, g, cos, sin, per_batch, *, upper, half_split):
+    """d loss / d coefficient table [rows, T, H, NB, M] from the output gradient g and the input
+    x of one role (summed over the batch rows that share positions)."""
+    B, H, T, D = x.shape
+    M = st.max_order
+    rows = B if per_batch else 1
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    part = torch.empty((rows, T, H, D // 2, M), dtype=cdt, device=x.device)
+    pair, _, blocks = st.pair_tables(x.device)
+    bt, bp = _blocks(D)
+    bt = max(1, bt // triton.next_power_of_2(M)) if not _INTERPRET else bt
+    grid = (triton.cdiv(T, bt), rows * H)
+    _coef_grad_kernel[grid](x, g, cos, sin, part, pair, T, H, st.nb, D // 2, st.covered, D,
+                            1 if per_batch else B, PER_BATCH=int(per_batch), M=M,
+                            MP=triton.next_power_of_2(M), UPPER=upper, HALF_SPLIT=half_split,
+                            F64=cdt == torch.float64, BLOCK_T=bt, BLOCK_P=bp,
+                            num_warps=_warps(bt * bp * triton.next_power_of_2(M)))
+    idx = torch.where(blocks >= 0, blocks, st.nb)
+    out = torch.zeros((rows, T, H, st.nb + 1, M), dtype=cdt, device=x.device)
+    out.index_add_(3, idx, part)
+    return out[:, :, :, : st.nb]
+
+
+# ---- the operators ------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, positions):
+    if not (q.dim() == 4 and k.shape == q.shape):
+        raise RuntimeError("relpos: q and k must be [B, H, T, D] of one shape")
+    if q.dtype != k.dtype:
+        raise RuntimeError("relpos: q and k must have one dtype")
+    if q.dtype not in _STORABLE:
+        raise RuntimeError("relpos: q and k must be float32, float64, bfloat16 or float16")
+    if positions.dtype != torch.float64:
+        raise RuntimeError("relpos: positions must be float64")
+    if not ((positions.dim() == 1 and positions.shape[0] == q.shape[2])
+            or (positions.dim() == 2 and positions.shape[0] == q.shape[0]
+                and positions.shape[1] == q.shape[2])):
+        raise RuntimeError("relpos: positions must be [T] or [B, T]")
+
+
+def _checked_positions(positions):
+    if positions.numel() and not bool(torch.isfinite(positions).all()):
+        raise ValueError("positions contain NaN or Inf")
+    if positions.numel() and float(positions.abs().max()) > _MAX_POSITION:
+        raise ValueError(
+            f"positions span [{float(positions.min())}, {float(positions.max())}], beyond +-2^53 = "
+            f"{int(_MAX_POSITION)}, where float64 no longer holds every integer: shift them (only "
+            "differences matter to an exact mechanism)")
+
+
+def _frequencies_for(spec, head_dim, heads, positions):
+    info = _info(spec, head_dim, heads)
+    length = 0.0
+    if info["rope_scaling_dynamic"] and positions.numel():
+        length = float(positions.max()) + 1.0
+        if not length > 0:
+            raise Unsupported("a dynamic context-extension rule at a context length <= 0")
+    return _pair_frequencies(spec, head_dim, heads, length)
+
+
+def _structure_or_none(spec, head_dim, heads):
+    if head_dim <= 0 or heads <= 0:
+        _info(spec, head_dim, heads)  # the op's named error
+    try:
+        return _structure(spec, head_dim, heads)
+    except Unsupported:
+        return None
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+def _on_cpu(name, args, device):
+    """The CPU operator on host copies, the results moved back: the fallback for a structure
+    this module does not recover exactly."""
+    with torch.no_grad():
+        out = getattr(torch.ops.relpos, name)(*_to_cpu(args))
+    if isinstance(out, (tuple, list)):
+        return tuple(o.to(device) for o in out)
+    return out.to(device)
+
+
+def _trig_for(st, spec, head_dim, heads, pos, center, batch, dtype, cos_in, sin_in):
+    rows = batch if pos.dim() == 2 else 1
+    if cos_in is not None and sin_in is not None:
+        n = rows * pos.shape[-1] * st.nb
+        if cos_in.numel() != n or cos_in.dtype != dtype or sin_in.shape != cos_in.shape:
+            raise RuntimeError("relpos: trig table does not match the inputs' positions, length "
+                               "or dtype")
+        T = pos.shape[-1]
+        return (cos_in.contiguous().view(rows, T, st.nb), sin_in.contiguous().view(rows, T, st.nb))
+    _checked_positions(pos)
+    freqs = _frequencies_for(spec, head_dim, heads, pos) if st.nb else None
+    pc = (pos if pos.dim() == 2 else pos[None]) - center
+    return _trig(st, freqs, pc, dtype)
+
+
+def trig_table(positions, center, batch, spec, head_dim, heads, layout, dtype):
+    cdt = _compute_dtype(dtype)
+    pos = positions.to(torch.float64).contiguous()
+    if not ((pos.dim() == 1) or (pos.dim() == 2 and pos.shape[0] == batch)):
+        raise ValueError(f"positions must be [T] or [B, T] = [{batch}, {pos.shape[-1]}], got "
+                         f"[{', '.join(map(str, pos.shape))}]")
+    st = _structure_or_none(spec, head_dim, heads)
+    if st is None:
+        return _on_cpu("trig_table", (positions, center, batch, spec, head_dim, heads, layout,
+                                      dtype), positions.device)
+    _checked_positions(pos)
+    try:
+        freqs = _frequencies_for(spec, head_dim, heads, pos) if st.nb else None
+    except Unsupported:
+        return _on_cpu("trig_table", (positions, center, batch, spec, head_dim, heads, layout,
+                                      dtype), positions.device)
+    pc = (pos if pos.dim() == 2 else pos[None]) - center
+    cos, sin = _trig(st, freqs, pc, cdt)
+    return cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
+
+
+def _params(gamma, eta, gates, alpha0, cdt):
+    return tuple(p.to(cdt) if p.dtype in _HALF else p for p in (gamma, eta, gates, alpha0))
+
+
+def transform(q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec, head_dim,
+              heads, layout, check_finite=False):
+    _check_inputs(q, k, positions)
+    st = _structure_or_none(spec, head_dim, heads)
+    args = (q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec, head_dim, heads,
+            layout, check_finite)
+    if st is None:
+        return _on_cpu("transform", args, q.device)
+    cdt = _compute_dtype(q.dtype)
+    pos = positions.to(q.device).contiguous()
+    B, H, T, D = q.shape
+    try:
+        cos_t, sin_t = _trig_for(st, spec, head_dim, heads, pos, center, B, cdt, cos, sin)
+    except Unsupported:
+        return _on_cpu("transform", args, q.device)
+    qc, kc = q.contiguous(), k.contiguous()
+    per_batch = pos.dim() == 2
+    ck = cq = None
+    if not st.plain and st.nb:
+        gm, et, gt, a0 = _params(gamma, eta, gates, alpha0, cdt)
+        pc = (pos if per_batch else pos[None]) - center
+        with torch.no_grad():
+            ck, cq = _coefficients(st, gm, et, gt, a0, pc, True, True, cdt)
+    hs = bool(layout)
+    if st.nb == 0:
+        qo, ko = qc.clone(), kc.clone()
+    else:
+        qo = _apply(st, qc, cos_t, sin_t, cq, per_batch, upper=False, transposed=False,
+                    half_split=hs, out_dtype=q.dtype)
+        ko = _apply(st, kc, cos_t, sin_t, ck, per_batch, upper=True, transposed=False,
+                    half_split=hs, out_dtype=k.dtype)
+    if check_finite:
+        for name, out, inp in (("q", qo, qc), ("k", ko, kc)):
+            if not bool(torch.isfinite(out).all()):
+                if q.dtype == torch.float16 and bool(torch.isfinite(inp).all()):
+                    continue  # reported below as the float16 overflow
+                raise ValueError(f"{name} contains NaN or Inf")
+        if q.dtype == torch.float16:
+            for name, out in (("q", qo), ("k", ko)):
+                if not bool(torch.isfinite(out).all()):
+                    raise ValueError(f"{name} overflows float16 after the transform (above 65504): "
+                                     "pass bfloat16 or float32")
+    return qo, ko
+
+
+def transform_backward(grad_q, grad_k, q, k, gamma, eta, gates, alpha0, positions, cos, sin,
+                       center, spec, head_dim, heads, layout, output_mask):
+    _check_inputs(q, k, positions)
+    mask = list(output_mask)
+    st = _structure_or_none(spec, head_dim, heads)
+    args = (grad_q, grad_k, q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec,
+            head_dim, heads, layout, mask)
+    if st is None:
+        return _on_cpu("transform_backward", args, q.device)
+    cdt = _compute_dtype(q.dtype)
+    pos = positions.to(q.device).contiguous()
+    B, H, T, D = q.shape
+    try:
+        cos_t, sin_t = _trig_for(st, spec, head_dim, heads, pos, center, B, cdt, cos, sin)
+    except Unsupported:
+        return _on_cpu("transform_backward", args, q.device)
+    per_batch = pos.dim() == 2
+    hs = bool(layout)
+    gqo = grad_q.contiguous() if grad_q is not None else None
+    gko = grad_k.contiguous() if grad_k is not None else None
+
+    def input_grad(g, like, key):
+        if g is None:
+            return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+        if st.nb == 0:
+            return g.to(like.dtype).clone()
+        return _apply(st, g, cos_t, sin_t, ck if key else cq, per_batch, upper=not key,
+                      transposed=True, half_split=hs, out_dtype=like.dtype)
+
+    params = (gamma, eta, gates, alpha0)
+    want_params = any(mask[2:]) and not st.plain and st.nb > 0
+    ck = cq = None
+    if not st.plain and st.nb:
+        pc = (pos if per_batch else pos[None]) - center
+        cparams = _params(*params, cdt)
+        ck, cq = _coefficients(st, *cparams, pc, True, True, cdt)
+    gq = input_grad(gqo, q, False) if mask[0] else torch.zeros_like(q, memory_format=torch.contiguous_format)
+    gk = input_grad(gko, k, True) if mask[1] else torch.zeros_like(k, memory_format=torch.contiguous_format)
+    pgrads = [torch.zeros_like(p) for p in params]
+    if want_params:
+        d = {}
+        for g, x, key in ((gqo, q, False), (gko, k, True)):
+            if g is None:
+                continue
+            xc = x.contiguous()
+            gc = g.to(xc.dtype).contiguous() if g.dtype != xc.dtype else g
+            d[key] = _coef_grad(st, xc, gc, cos_t, sin_t, per_batch, upper=key, half_split=hs)
+        if d:
+            got = _coefficient_grads(st, *cparams, pc, d.get(True), d.get(False))
+            for i in range(4):
+                if mask[2 + i]:
+                    pgrads[i] = got[i].to(params[i].dtype)
+    return (gq, gk, *pgrads)
+
+
+OPS = {"trig_table": trig_table, "transform": transform, "transform_backward": transform_backward}
