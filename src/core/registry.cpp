@@ -178,6 +178,36 @@ nlohmann::json catalog_json() {
   return j;
 }
 
+namespace {
+
+// A Jordan term's segments, field for field as in JordanSegment (core/mechanism.hpp): what the
+// transform kernels read to build the per-position maps (kernels::TransformPlan), so that other
+// backends build the same maps from this data. omega is the rule as built: a dynamic
+// context-extension rule rescales it per call (scaled_for_length; the frequencies op gives it at a
+// length). The parameterisation (initial values, ranges) is in "params".
+nlohmann::json segments_json(const std::vector<JordanSegment>& segments) {
+  const auto shear = [](ShearMode s) {
+    return s == ShearMode::None ? "none" : s == ShearMode::Exponential ? "exponential" : "gates";
+  };
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& s : segments)
+    out.push_back({{"first_pair", s.first_pair},
+                   {"first_block", s.first_block},
+                   {"blocks", s.blocks},
+                   {"order", s.order},
+                   {"omega", s.omega},
+                   {"grid", {{"theta", s.grid.theta}, {"dim", s.grid.dim}}},
+                   {"chart", to_string(s.chart)},  // sigma: raw, bounded_tau, lightcone_*
+                   {"L", s.L},
+                   {"shear_scale", s.shear_scale},
+                   {"shear", shear(s.shear)},
+                   {"damped", s.damped},
+                   {"max_exponent", s.max_exponent}});
+  return out;
+}
+
+}  // namespace
+
 nlohmann::json mechanism_json(const Mechanism& m) {
   const auto kind = [](TransformKind k) {
     return k == TransformKind::JordanBlocks  ? "jordan_blocks"
@@ -238,6 +268,7 @@ nlohmann::json mechanism_json(const Mechanism& m) {
       tj["planes"] = t.planes;
       tj["plane_freqs"] = t.plane_freqs;  // initial lambda [H, d_c, M], row-major
     }
+    if (t.kind == TransformKind::JordanBlocks) tj["segments"] = segments_json(t.segments);
     if (t.kind == TransformKind::FixedLinear) {
       tj["matrix"] = t.matrix;
       tj["matrix_inv_t"] = t.matrix_inv_t;

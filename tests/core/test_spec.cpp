@@ -120,7 +120,8 @@ TEST(SpecGrammar, Errors) {
 // Reference aliases (spec 1.4 naming rules)
 
 TEST(SpecAliases, ExpandToSpecStrings) {
-  EXPECT_EQ(expand_reference_alias("jordan_rope"), "jordan(m=2, regime=stabilized, direction=paper)");
+  EXPECT_EQ(expand_reference_alias("jordan_rope"),
+            "jordan(m=2, regime=stabilized, direction=paper)");
   EXPECT_EQ(expand_reference_alias("jordan_raw_tau"), "jordan(m=2, regime=raw, direction=paper)");
   EXPECT_EQ(expand_reference_alias("rope_alibi"), "rope + alibi");
   EXPECT_EQ(expand_reference_alias("damped_rope_alibi"), "damped_rope + alibi");
@@ -646,6 +647,52 @@ TEST(SpecBuild, EveryDefaultSpecBuildsWithItsCatalogEntry) {
       }
     EXPECT_TRUE(built) << spec;
   }
+}
+
+// The mechanism JSON carries each Jordan term's segments field for field: other backends (the
+// Triton kernels, python/relpos/gpu/transform.py) build the per-position maps from it.
+TEST(MechanismJson, SegmentsDescribeEachJordanTerm) {
+  int checked = 0;
+  for (const auto& spec : verify_default_specs()) {
+    for (int D : {64, 48, 60}) try {
+        const auto m = build_mechanism(spec, D, 4);
+        const auto j = mechanism_json(m);
+        ASSERT_EQ(j["transforms"].size(), m.transforms.size()) << spec;
+        for (size_t t = 0; t < m.transforms.size(); ++t) {
+          const auto& term = m.transforms[t];
+          const auto& tj = j["transforms"][t];
+          if (term.kind != TransformKind::JordanBlocks) {
+            EXPECT_FALSE(tj.contains("segments")) << spec;
+            continue;
+          }
+          ASSERT_EQ(tj["segments"].size(), term.segments.size()) << spec;
+          for (size_t i = 0; i < term.segments.size(); ++i) {
+            const auto& s = term.segments[i];
+            const auto& sj = tj["segments"][i];
+            EXPECT_EQ(sj["first_pair"], s.first_pair) << spec;
+            EXPECT_EQ(sj["first_block"], s.first_block) << spec;
+            EXPECT_EQ(sj["blocks"], s.blocks) << spec;
+            EXPECT_EQ(sj["order"], s.order) << spec;
+            EXPECT_EQ(sj["omega"].get<std::vector<double>>(), s.omega) << spec;
+            EXPECT_EQ(sj["grid"]["theta"], s.grid.theta) << spec;
+            EXPECT_EQ(sj["grid"]["dim"], s.grid.dim) << spec;
+            EXPECT_EQ(sj["chart"], to_string(s.chart)) << spec;
+            EXPECT_EQ(sj["L"], s.L) << spec;
+            EXPECT_EQ(sj["shear_scale"], s.shear_scale) << spec;
+            EXPECT_EQ(sj["shear"], s.shear == ShearMode::None          ? "none"
+                                   : s.shear == ShearMode::Exponential ? "exponential"
+                                                                       : "gates")
+                << spec;
+            EXPECT_EQ(sj["damped"], s.damped) << spec;
+            EXPECT_EQ(sj["max_exponent"], s.max_exponent) << spec;
+            ++checked;
+          }
+        }
+        break;
+      } catch (const InputError&) {
+      }
+  }
+  EXPECT_GT(checked, 20);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -19,21 +19,21 @@ differentiably in gamma / eta / gates / alpha0; one Triton kernel applies them (
 rotations, only the cos/sin table) to a tensor, reading each element once from memory. The
 backward runs the same kernel with the transposed roles for the input gradients, and a second
 kernel reduces ``<R^T grad, x>`` products into gradients of the coefficient tables (summed over
-the batch), which ``torch.autograd.grad`` through the table computation turns into the parameter
-gradients: exact, with no per-parameter kernel code.
+the batch), which the chain rule of the table computation (``_coefficient_grads``) turns into
+the parameter gradients: exact, with no per-parameter kernel code.
 
-The block structure (which pairs form which block of which order, damping, shear mode, chart) is
-not in the mechanism's JSON; it is read off the CPU operator once per (spec, head dim, heads):
-the exact maps of a few probe calls in float64 (``_structure``), then checked against the CPU
-operator at random parameters and positions (clamp included). A spec whose structure is not
-recovered exactly runs on the CPU operator (copies to the host and back), never on a guess.
+The block structure (which pairs form which block of which order, damping, shear mode, chart,
+exponent clamp) is the position term's segments in the mechanism JSON (``_structure``), the same
+data the CPU kernels' plan is built from; the frequencies come from ``relpos::frequencies`` at the
+call's context length (a dynamic context-extension rule rescales them per call). What that data
+cannot describe (a chart or shear this module does not know; a dynamic rule at a context length
+<= 0) runs on the CPU operator (copies to the host and back).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 
 import torch
@@ -68,16 +68,49 @@ def _pair_frequencies(spec: str, head_dim: int, heads: int, length: float) -> to
     return torch.ops.relpos.frequencies(spec, head_dim, heads, length)
 
 
-class Structure:
-    """Per block b of the position term: its pairs [first[b], first[b] + order[b]), whether it
-    is damped, its shear mode (0 none, 1 exponential, 2 gates), its chart u = -s p / (1 + |p|
-    inv_l); per pair j: block (-1: untouched), position in the block, block order."""
+# The segments' charts sigma(t) with scale L (chart_value in core/charts.hpp) and shear modes, by
+# their names in the mechanism JSON (core/types.hpp); a block's chart and shear codes below are
+# indices in _CHARTS and _SHEARS.
+_CHART_VALUES = {
+    "raw": lambda t, L: t,
+    "bounded_tau": lambda t, L: t / (1.0 + t.abs() / L),
+    "lightcone_phi": lambda t, L: L * torch.asinh(t / L),
+    "lightcone_beta": lambda t, L: t / torch.sqrt(t * t + L * L),
+}
+_CHARTS = tuple(_CHART_VALUES)
+_SHEARS = ("none", "exponential", "gates")
 
-    def __init__(self, nb, first, order, damped, shear, scale, inv_l, max_exp, covered, head_dim):
+
+class Structure:
+    """The position term's Jordan blocks, from its segments in the mechanism JSON (JordanSegment
+    in core/mechanism.hpp, read by the CPU kernels as kernels::TransformPlan). Per global block b:
+    its pairs [first[b], first[b] + order[b]), damped, shear (index in _SHEARS), chart (index in
+    _CHARTS) with its L, shear scale s (u = s sigma(-p)) and exponent clamp max_exp; per pair j:
+    block (-1: untouched), rank in the block, block order."""
+
+    def __init__(self, segments, head_dim):
+        nb = max((s["first_block"] + s["blocks"] for s in segments), default=0)
+        first, order, damped, shear = [None] * nb, [1] * nb, [False] * nb, [0] * nb
+        chart, chart_l, scale, max_exp = [0] * nb, [1.0] * nb, [1.0] * nb, [30.0] * nb
+        for s in segments:
+            if s["shear"] not in _SHEARS or s["chart"] not in _CHARTS:
+                raise Unsupported(f"a segment of chart {s['chart']!r}, shear {s['shear']!r}")
+            shear_code, chart_code = _SHEARS.index(s["shear"]), _CHARTS.index(s["chart"])
+            for i in range(s["blocks"]):
+                b = s["first_block"] + i
+                first[b], order[b] = s["first_pair"] + i * s["order"], s["order"]
+                damped[b], shear[b] = bool(s["damped"]), shear_code
+                chart[b], chart_l[b] = chart_code, float(s["L"])
+                scale[b], max_exp[b] = float(s["shear_scale"]), float(s["max_exponent"])
+        if None in first:
+            raise Unsupported("a block index that no segment covers")
         self.nb = nb
         self.first, self.order, self.damped, self.shear = first, order, damped, shear
-        self.scale, self.inv_l, self.max_exp = scale, inv_l, max_exp
-        self.covered = covered
+        self.chart, self.chart_l, self.scale, self.max_exp = chart, chart_l, scale, max_exp
+        # the half-split layout pairs (j, j + covered) over the covered pairs (pair_span in
+        # kernels/transform_driver.hpp)
+        self.covered = max((s["first_pair"] + s["blocks"] * s["order"] for s in segments),
+                           default=0)
         self.head_dim = head_dim
         self.max_order = max(order) if order else 1
         pairs = head_dim // 2
@@ -107,183 +140,39 @@ class Structure:
             self._device_cache[key] = dict(
                 damped=torch.tensor(self.damped, dtype=torch.bool, device=device),
                 shear=torch.tensor(self.shear, dtype=torch.int64, device=device),
+                chart=torch.tensor(self.chart, dtype=torch.int64, device=device),
+                chart_l=torch.tensor(self.chart_l, **f64),
                 scale=torch.tensor(self.scale, **f64),
-                inv_l=torch.tensor(self.inv_l, **f64),
+                max_exp=torch.tensor(self.max_exp, **f64),
                 order=torch.tensor(self.order, dtype=torch.int64, device=device),
             )
         return self._device_cache[key]
 
 
 class Unsupported(Exception):
-    pass
-
-
-def _probe_maps(spec, D, H, positions, gamma, eta, gates, alpha0, role_key=True):
-    """The CPU operator's map A(p) (keys) or A(p)^-T (queries) per head and position, float64
-    [H, T, D, D], from its action on the identity (interleaved layout, centre 0)."""
-    T = positions.numel()
-    eye = torch.eye(D, dtype=torch.float64)
-    x = eye[:, None, None, :].expand(D, H, T, D).contiguous()
-    zero = torch.zeros_like(x)
-    q, k = (zero, x) if role_key else (x, zero)
-    qo, ko = torch.ops.relpos.transform(q, k, gamma, eta, gates, alpha0, positions, None, None,
-                                        0.0, spec, D, H, 0, False)
-    out = ko if role_key else qo
-    return out.permute(1, 2, 3, 0).contiguous()  # [H, T, out, in]
+    """What the mechanism JSON does not let this module describe: the op runs on the host."""
 
 
 @functools.lru_cache(maxsize=256)
-def _structure(spec: str, head_dim: int, heads: int):
-    """The block structure of the spec's position term, read off the CPU operator; raises
-    Unsupported where it cannot be recovered exactly."""
+def _structure(spec: str, head_dim: int, heads: int) -> Structure:
+    """The block structure of the spec's position term (the first Jordan-block term, as
+    Mechanism::position_term), from its segments in the mechanism JSON."""
     info = _info(spec, head_dim, heads)
-    D, H, NB, rows = head_dim, heads, int(info["total_blocks"]), int(info["gate_rows"])
-    if NB == 0:
-        return Structure(0, [], [], [], [], [], [], 30.0, 0, D)
-    pairs = D // 2
-    max_exp = float(info["max_exp"]) or 30.0
-    gstep = 1e-3 if NB <= 512 else 1e-5
-    gamma = (gstep * (torch.arange(NB, dtype=torch.float64) + 1)).expand(H, NB).contiguous()
-    bounds = {p["name"]: p["bound"] for p in info["params"]}
-    eta_b = torch.tensor(bounds["eta"], dtype=torch.float64) * 0.5 if "eta" in bounds and len(
-        bounds["eta"]) == NB else torch.full((NB,), 0.05, dtype=torch.float64)
-    eta = eta_b.expand(H, NB).contiguous()
-    gates = torch.full((rows, H, NB), 0.5, dtype=torch.float64) if rows else torch.zeros(0, dtype=torch.float64)
-    alpha0 = torch.full((H, NB), 0.8, dtype=torch.float64)
-    P = torch.tensor([0.0, 10.0, 1.0, 7.0, 300.0, 3000.0, -50.0], dtype=torch.float64)
-    A = _probe_maps(spec, D, H, P, gamma, eta, gates, alpha0)[0]  # head 0: [T, D, D]
-    Ap = A.reshape(len(P), pairs, 2, pairs, 2).permute(0, 1, 3, 2, 4)  # [T, j, j', 2, 2]
-    mag = Ap.abs().amax(dim=(0, 3, 4))  # [j, j']
-    eye2 = torch.eye(2, dtype=torch.float64)
-    # which pairs are touched at all
-    diag = torch.stack([Ap[:, j, j] for j in range(pairs)], 1)  # [T, j, 2, 2]
-    offdiag = mag.clone()
-    offdiag.fill_diagonal_(0)
-    coupled = offdiag > 1e-13
-    touched = ((diag - eye2).abs().amax(dim=(0, 2, 3)) > 1e-13) | coupled.any(0) | coupled.any(1)
-    # scale of each pair at p = 10 relative to p = 0 (diag blocks are scalar x rotation)
-    def scale(t, j):
-        return math.sqrt(abs(float(torch.linalg.det(diag[t, j]))))
-    first, order, damped, shear, s_list, il_list = [], [], [], [], [], []
-    j = 0
-    nxt = 0  # the next block index
-    while j < pairs:
-        if not touched[j]:
-            # an untouched pair ends the covered range (segments are contiguous from pair 0),
-            # unless blocks remain: then it is an identity-looking block (ambiguous)
-            break
-        # the block's extent: coupled pairs (shear) or equal damping (no shear)
-        s0 = scale(0, j)
-        g = math.log(scale(1, j) / s0) / 10.0
-        is_damped = abs(g) > gstep * 0.25
-        m = 1
-        while j + m < pairs and bool(coupled[j, j + m]):
-            m += 1
-        if m == 1 and is_damped:  # an unsheared damped block: its pairs share the damping
-            while (j + m < pairs and touched[j + m] and not bool(coupled[j + m].any())
-                   and abs(math.log(scale(1, j + m) / scale(0, j + m)) / 10.0 - g) < gstep * 0.25):
-                m += 1
-        if is_damped:
-            b = round(g / gstep) - 1
-            if b != nxt:
-                raise Unsupported(f"block of pair {j}: damping decodes to block {b}, expected {nxt}")
-        gated = abs(s0 - 0.8) < 1e-9
-        if not gated and abs(s0 - 1.0) > 1e-9:
-            raise Unsupported(f"pair {j}: map at the centre is neither 1 nor alpha0")
-        mode = 2 if gated else (1 if m > 1 and bool(coupled[j, j + 1]) else 0)
-        sc, il = 1.0, 0.0
-        if m > 1 and mode != 0:
-            # u(p) from the ratio of the first super-diagonal block to the diagonal one
-            us = []
-            for t, p in enumerate(P.tolist()):
-                if p == 0.0:
-                    continue
-                M0, M1 = Ap[t, j, j], Ap[t, j, j + 1]
-                ratio = float((M1 * M0).sum() / (M0 * M0).sum())
-                c1 = ratio * (0.8 / 0.5 if mode == 2 else 1.0 / float(eta_b[nxt]))
-                us.append((p, c1))
-            # -p / u = a + b |p|
-            X = torch.tensor([[1.0, abs(p)] for p, _ in us], dtype=torch.float64)
-            Y = torch.tensor([-p / u for p, u in us], dtype=torch.float64)
-            sol = torch.linalg.lstsq(X, Y[:, None]).solution[:, 0]
-            a, bb = float(sol[0]), float(sol[1])
-            if not (a > 0) or float((X @ sol - Y).abs().max()) > 1e-6 * float(Y.abs().max()):
-                raise Unsupported(f"pair {j}: chart not recognised")
-            sc = 1.0 / a
-            il = bb / a if abs(bb / a) > 1e-12 else 0.0
-        first.append(j)
-        order.append(m)
-        damped.append(is_damped)
-        shear.append(mode)
-        s_list.append(sc)
-        il_list.append(il)
-        nxt += 1
-        j += m
-    if nxt != NB:
-        raise Unsupported(f"recovered {nxt} blocks, the mechanism has {NB}")
-    st = Structure(NB, first, order, damped, shear, s_list, il_list, max_exp, j, D)
-    _check_structure(spec, D, H, st, rows)
+    term = next((t for t in info["transforms"] if t["kind"] == "jordan_blocks"), None)
+    st = Structure(term["segments"] if term else [], head_dim)
+    if st.nb != int(info["total_blocks"]):
+        raise Unsupported(f"{st.nb} blocks in the segments, {info['total_blocks']} in the "
+                          "mechanism")
     return st
 
 
-def _check_structure(spec, D, H, st, rows):
-    """The recovered structure against the CPU operator at random parameters and positions
-    (some beyond the exponent clamp), both roles, float64: raises Unsupported on a mismatch."""
-    gen = torch.Generator().manual_seed(7)
-    NB = st.nb
-    gamma = torch.rand(H, NB, generator=gen, dtype=torch.float64) * 0.03
-    eta = (torch.rand(H, NB, generator=gen, dtype=torch.float64) - 0.5) * 0.2
-    gates = ((torch.rand(rows, H, NB, generator=gen, dtype=torch.float64) - 0.5) if rows
-             else torch.zeros(0, dtype=torch.float64))
-    alpha0 = 0.5 + torch.rand(H, NB, generator=gen, dtype=torch.float64)
-    P = torch.tensor([0.0, 3.0, -17.0, 250.5, 1500.0, -2100.0], dtype=torch.float64)
-    freqs = _frequencies_for(spec, D, H, P)
-    cos, sin = _trig(st, freqs, P[None, :], torch.float64)
-    ck, cq = _coefficients(st, gamma, eta, gates, alpha0, P[None, :], True, True)
-    for key in (True, False):
-        want = _probe_maps(spec, D, H, P, gamma, eta, gates, alpha0, role_key=key)
-        x = torch.eye(D, dtype=torch.float64)[:, None, None, :].expand(D, H, len(P), D).contiguous()
-        got = _torch_map(st, x, cos, sin, ck if key else cq, upper=key, transposed=False, half_split=False)
-        got = got.permute(1, 2, 3, 0)
-        err = float((got - want).abs().max())
-        if not err <= 1e-9 * max(1.0, float(want.abs().max())):
-            raise Unsupported(f"recovered structure differs from the CPU operator by {err:g}")
-
-
-def _torch_map(st, x, cos, sin, coef, *, upper, transposed, half_split):
-    """The same map as the kernel, in torch (the structure check's reference)."""
-    B, H, T, D = x.shape
-    pairs = D // 2
-    j = torch.arange(pairs)
-    if half_split:
-        re = torch.where(j < st.covered, j, 2 * j)
-        im = torch.where(j < st.covered, j + st.covered, 2 * j + 1)
-    else:
-        re, im = 2 * j, 2 * j + 1
-    xr, xi = x[..., re], x[..., im]
-    blk = torch.tensor(st.pair_block)
-    rin = torch.tensor(st.pair_rank)
-    ordp = torch.tensor(st.pair_order)
-    cov = blk >= 0
-    bidx = blk.clamp(min=0)
-    c = torch.where(cov, cos[0][:, bidx], 1.0)  # [T, pairs] (shared positions)
-    s = torch.where(cov, sin[0][:, bidx], 0.0)
-    if transposed:
-        s = -s
-    zr, zi = xr * c - xi * s, xr * s + xi * c
-    yr, yi = torch.zeros_like(xr), torch.zeros_like(xi)
-    for k in range(st.max_order):
-        jp = j + k if upper else j - k
-        ok = (rin + k < ordp) if upper else (rin - k >= 0)
-        jp = torch.where(ok, jp, j)
-        w = torch.where(cov[None, None, :], coef[0][:, :, bidx, k], 1.0 if k == 0 else 0.0)  # [T, H, pairs]
-        w = torch.where(ok, w, 0.0).permute(1, 0, 2)[None]
-        yr = yr + w * zr[..., jp]
-        yi = yi + w * zi[..., jp]
-    y = x.clone()
-    y[..., re] = yr
-    y[..., im] = yi
-    return y
+def _chart_value(st, t, bt):
+    """sigma(t) of each block's chart: t [..., 1] to [..., NB]."""
+    L = bt["chart_l"]
+    out = t.expand(*t.shape[:-1], st.nb)  # raw
+    for code in set(st.chart) - {_CHARTS.index("raw")}:
+        out = torch.where(bt["chart"] == code, _CHART_VALUES[_CHARTS[code]](t, L), out)
+    return out
 
 
 # ---- tables -------------------------------------------------------------------------------------
@@ -308,13 +197,13 @@ def _series(st, gamma, eta, gates, alpha0, pc):
     M = st.max_order
     p = pc[:, :, None, None]  # [R, T, 1, 1]
     g = gamma.to(torch.float64)
-    X = st.max_exp
+    X = bt["max_exp"]  # per block
     zero_s = torch.zeros((), dtype=torch.float64, device=dev)
     a = torch.where(bt["damped"], g[None, None] * p, zero_s)  # [R, T, H, NB]
     free = bt["damped"] & (a.abs() <= X)  # where d exponent / d gamma = p (no binding clamp)
-    a = torch.clamp(a, -X, X)
+    a = torch.maximum(torch.minimum(a, X), -X)
     ek, eq = torch.exp(a), torch.exp(-a)
-    u = -bt["scale"] * p / (1.0 + p.abs() * bt["inv_l"])  # [R, T, 1, NB]
+    u = bt["scale"] * _chart_value(st, -p, bt)  # [R, T, 1, NB]
     u = u.expand(ek.shape)
     one = torch.ones(ek.shape, dtype=torch.float64, device=dev)
     zero = torch.zeros(ek.shape, dtype=torch.float64, device=dev)
@@ -666,7 +555,7 @@ def _frequencies_for(spec, head_dim, heads, positions):
     length = 0.0
     if info["rope_scaling_dynamic"] and positions.numel():
         length = float(positions.max()) + 1.0
-        if not length > 0:
+        if not length > 0:  # the frequencies op reads a length <= 0 as "the rule as built"
             raise Unsupported("a dynamic context-extension rule at a context length <= 0")
     return _pair_frequencies(spec, head_dim, heads, length)
 
@@ -689,8 +578,8 @@ def _to_cpu(x):
 
 
 def _on_cpu(name, args, device):
-    """The CPU operator on host copies, the results moved back: the fallback for a structure
-    this module does not recover exactly."""
+    """The CPU operator on host copies, the results moved back: the fallback for what the
+    mechanism JSON and the frequencies op do not describe (Unsupported)."""
     with torch.no_grad():
         out = getattr(torch.ops.relpos, name)(*_to_cpu(args))
     if isinstance(out, (tuple, list)):

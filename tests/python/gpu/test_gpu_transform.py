@@ -107,13 +107,20 @@ def _compare(args, tol, mask=(True,) * 6, grad_tol=None):
     return out, got
 
 
-def test_every_catalogue_transform_is_recovered_exactly():
-    # the block structure is read off the CPU operator and checked against it; no mechanism of
+def test_every_catalogue_transform_is_built_from_the_json(monkeypatch):
+    # the block structure is the position term's segments in the mechanism JSON; no mechanism of
     # the catalogue may take the host fallback
     assert len(SPECS) >= 20
+
+    def no_fallback(name, *args):
+        raise AssertionError(f"{name} took the host fallback")
+
+    monkeypatch.setattr(gt, "_on_cpu", no_fallback)
     for spec in SPECS:
         enc = relpos.PositionEncoding(spec, D, H)
-        gt._structure(enc.spec, D, H)  # raises Unsupported otherwise
+        st = gt._structure(enc.spec, D, H)  # raises Unsupported otherwise
+        assert st.nb == gt._info(enc.spec, D, H)["total_blocks"] > 0, spec
+        gpu_call("transform", *_args(spec, T=5), False)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -135,10 +142,11 @@ def test_requested_gradients_only(spec):
                 assert not g.any()
 
 
-@pytest.mark.parametrize("spec", ["rope", "xpos", "jordan(m=2, regime=raw)", "damped_rope(m=1)"])
+@pytest.mark.parametrize("spec", ["rope", "xpos", "jordan(m=2, regime=raw)", "damped_rope(m=1)",
+                                  "jordan(m=2, max_exp=5)"])
 def test_long_positions_and_the_exponent_clamp(spec):
-    # positions to ~6000: gamma p passes max_exp = 30 for the damped maps (no gradient through a
-    # binding clamp), and the angles are large
+    # positions to ~6000: gamma p passes max_exp (30, or the spec's) for the damped maps (no
+    # gradient through a binding clamp), and the angles are large
     args = list(_args(spec, T=24, spread=250.0, layout=0))
     if args[2].numel():
         args[2] = args[2] + 0.01
@@ -227,7 +235,8 @@ def test_the_rotation_moves_values():
 
 
 def test_host_fallback_matches(monkeypatch):
-    # a structure the module cannot recover runs the CPU operator on host copies: same values
+    # a structure the mechanism JSON cannot describe runs the CPU operator on host copies: same
+    # values
     def refuse(*a):
         raise gt.Unsupported("test")
     monkeypatch.setattr(gt, "_structure", refuse)
