@@ -326,23 +326,27 @@ def main(argv=None):
     import relpos  # noqa: F401 - registers the GPU kernels
     device = torch.cuda.get_device_name()
     rows, t0 = [], time.time()
+    def save():
+        meta = {"device": device, "dtype": args.dtype, "torch": torch.__version__,
+                "rounds": args.rounds, "seconds": time.time() - t0}
+        md = markdown(rows, device)
+        if args.out:  # after every section: a run cut short keeps what it measured
+            os.makedirs(args.out, exist_ok=True)
+            for name, text in (("bench_gpu.json", json.dumps({"meta": meta, "rows": rows}, indent=1)),
+                               ("bench_gpu.md", md)):
+                tmp = os.path.join(args.out, name + ".tmp")
+                with open(tmp, "w") as f:
+                    f.write(text)
+                os.replace(tmp, os.path.join(args.out, name))
+        return md
+
     for section in args.sections.split(","):
         t = time.time()
         {"transforms": bench_transforms, "attention": bench_attention,
          "decode": bench_decode}[section](rows, args, dtype)
         print(f"== {section}: {time.time() - t:.0f} s", flush=True)
-    meta = {"device": device, "dtype": args.dtype, "torch": torch.__version__,
-            "rounds": args.rounds, "seconds": time.time() - t0}
-    md = markdown(rows, device)
-    print(md)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        for name, text in (("bench_gpu.json", json.dumps({"meta": meta, "rows": rows}, indent=1)),
-                           ("bench_gpu.md", md)):
-            tmp = os.path.join(args.out, name + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, os.path.join(args.out, name))
+        save()
+    print(save())
     return 0
 
 

@@ -27,7 +27,10 @@ nvidia-smi -L
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   SECONDS=0
-  "$py" -m pytest "$root/tests/python/gpu" -q -p no:cacheprovider -rfE --durations=15 \
+  # Triton compiles each kernel variant on first use: spread the files over processes
+  par=()
+  "$py" -c 'import xdist' 2>/dev/null && par=(-n "${GPU_TEST_PROCS:-8}")
+  "$py" -m pytest "$root/tests/python/gpu" -q -p no:cacheprovider -rfE --durations=15 "${par[@]}" \
     2>&1 | tee "$out/gpu_tests.log" || rc=1
   echo "== GPU tests: ${SECONDS}s"
 fi

@@ -274,8 +274,9 @@ def attention(
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise InputError(f"{name} must be a [B, H, T, D] tensor, got {shape}")
-    if q.dtype in _HALF and k.dtype == q.dtype and v.dtype == q.dtype:
-        # half storage: the mechanism and the kernel compute in float32, the output is stored back
+    if q.dtype in _HALF and k.dtype == q.dtype and v.dtype == q.dtype and q.device.type != "cuda":
+        # half storage on the CPU: the mechanism and the kernel compute in float32 copies, the
+        # output is stored back (the GPU kernels read half tiles as stored, fp32 math)
         def up(t):
             return t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALF else t
         res = attention(q.float(), k.float(), v.float(), mechanism, q_positions=q_positions,

@@ -309,7 +309,10 @@ class PositionEncoding(nn.Module):
                 if not _all_finite(t):
                     raise InputError(f"{name} contains NaN or Inf")
         stored_as = q.dtype
-        if stored_as in _HALF:  # every term in float32, one rounding at the end
+        # half storage: every term in float32, one rounding at the end (on a GPU one position
+        # term reads and writes half itself, fp32 math inside: the same single rounding)
+        if stored_as in _HALF and (q.device.type != "cuda" or self._scaled
+                                   or [kind for kind, _ in self._terms] != ["position"]):
             q, k = q.float(), k.float()
         B, H, T, D = q.shape
         for kind, i in self._terms:

@@ -375,7 +375,11 @@ class Attention(nn.Module):
             raise InputError(f"inputs must be [B, T, model_dim] with q's B and T "
                              f"({q.shape[0]}, {q.shape[2]}), got {got}")
         stored_as = q.dtype
-        if stored_as in _HALF:  # computed in float32 and stored back (the cache keeps half)
+        # half storage: computed in float32 and stored back (the cache keeps half); on a GPU the
+        # transforms and the kernel read half as stored (fp32 math) unless a runtime computes
+        # gates, probes or rotations from q and k, which keep float32 operands
+        if stored_as in _HALF and (q.device.type != "cuda" or self._content is not None
+                                   or self._rotation is not None):
             q, k, v = q.float(), k.float(), v.float()
             if isinstance(inputs, torch.Tensor) and inputs.dtype in _HALF:
                 inputs = inputs.float()

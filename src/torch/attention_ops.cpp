@@ -145,8 +145,7 @@ torch::Tensor attention_positions(const torch::Tensor& p, int64_t B, int64_t T, 
   if (p.is_complex() || p.scalar_type() == torch::kBool)
     throw InputError(fmt::format("attention: {} must be real numbers", name));
   auto d = p.to(torch::kDouble).contiguous();
-  if (!all_finite(d))
-    throw InputError(fmt::format("attention: {} contain NaN or Inf", name));
+  if (!all_finite(d)) throw InputError(fmt::format("attention: {} contain NaN or Inf", name));
   return d;
 }
 
@@ -510,11 +509,11 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_autograd(
     const OptTensor& q_pos, const OptTensor& k_pos, bool causal, double window,
     const OptTensor& key_len, double scale, bool exclude_self, double path_scale,
     const OptTensor& key_start, const OptTensor& q_segments, const OptTensor& k_segments) {
-  if (op_util::is_half(q.scalar_type()) && k.scalar_type() == q.scalar_type() &&
+  if (q.is_cpu() && op_util::is_half(q.scalar_type()) && k.scalar_type() == q.scalar_type() &&
       v.scalar_type() == q.scalar_type()) {
-    // half storage under autograd: the graph keeps the float32 copies the kernel reads (the
-    // backward reads them again instead of converting the half tensors a second time) and
-    // rounds the output once
+    // half storage under autograd on the CPU: the graph keeps the float32 copies the kernel
+    // reads (the backward reads them again instead of converting the half tensors a second
+    // time) and rounds the output once. The GPU kernels read half tiles as stored.
     const auto up = [](const torch::Tensor& t) {
       return t.defined() && op_util::is_half(t.scalar_type()) ? t.to(torch::kFloat) : t;
     };

@@ -282,6 +282,12 @@ def test_path_lse_gradient(dtype):
     for name, a, r in zip(("dq", "dk", "dv", "dpath_q", "dpath_k", "dpath_beta"),
                           list(got[:3]) + list(got[3][6:]), want):
         close(a, r.to(dtype), 10 * TOL[dtype], name)
+    # the CPU kernel against the same definition (its edge gradients once assumed zero row sums)
+    cpu = cpu_call("fused_attention_backward", w.to(dtype), *args[:3], o, lg, *args[3:],
+                   [True] * 12, wl.to(dtype))
+    for name, a, r in zip(("dq", "dk", "dv", "dpath_q", "dpath_k", "dpath_beta"),
+                          list(cpu[:3]) + list(cpu[3][6:]), want):
+        close(a, r.to(dtype), 10 * TOL[dtype], "cpu " + name)
 
 
 # ---- decode -----------------------------------------------------------------------------------
