@@ -227,7 +227,7 @@ def bench_attention(rows, args, dtype):
             if dense is not None:
                 fwd["sdpa_bias"] = lambda d=dense: _efficient(q, k, v, d)
                 both["sdpa_bias"] = fwd_bwd(lambda a, b, c, d=dense: _efficient(a, b, c, d), *leaves)
-            if flex is not None and (spec["mod"] is not None or dense is not None):
+            if flex is not None and T in args.flex_T and (spec["mod"] is not None or dense is not None):
                 mod = spec["mod"]
                 if mod is None:  # read the materialised bias
                     mod = (lambda d: lambda s, b, h, qi, kj: s + d[b, h, qi, kj])(dense)
@@ -313,6 +313,8 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--path-max-T", type=int, default=4096, help="longest T with a path bias "
                    "(its materialised baseline is O(T^2 P))")
+    p.add_argument("--flex-T", default=None, help="lengths with a FlexAttention baseline (default: "
+                   "all; each length compiles each score_mod anew)")
     p.add_argument("--bias-gib", type=float, default=24.0, help="largest materialised bias")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--rounds", type=int, default=5)
@@ -321,6 +323,7 @@ def main(argv=None):
         print("bench_gpu: no CUDA device here; run it on a machine with a GPU", file=sys.stderr)
         return 2
     args.T = [int(t) for t in args.T.split(",")]
+    args.flex_T = args.T if args.flex_T is None else [int(t) for t in args.flex_T.split(",")]
     args.T_transform = [int(t) for t in args.T_transform.split(",")]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     import relpos  # noqa: F401 - registers the GPU kernels

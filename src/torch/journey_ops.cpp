@@ -195,7 +195,7 @@ torch::Tensor pair_frequencies(const TransformTerm& t) {
 
 torch::Tensor fixed_frame_angles(const TransformTerm& t, const torch::Tensor& positions,
                                  torch::ScalarType dtype) {
-  const auto f = pair_frequencies(t);
+  const auto f = pair_frequencies(t).to(positions.device());
   const auto a = positions.to(torch::kDouble).unsqueeze(-1) * f;
   return torch::remainder(a, 2 * std::numbers::pi).to(dtype);
 }

@@ -293,8 +293,12 @@ int64_t encoding_warnings_op(const c10::optional<torch::Tensor>& user_positions,
   EncodingWarnings w{(issued & 1) != 0, (issued & 2) != 0, (issued & 4) != 0};
   std::optional<double> last;
   if (last_center) last = *last_center;
-  warn_about_positions(m, user_positions ? *user_positions : torch::Tensor(), positions, center,
-                       gamma, last, w);
+  // the checks read values on the host (a GPU call's positions and parameters are copied)
+  const auto host = [](const torch::Tensor& t) {
+    return t.defined() && !t.is_cpu() ? t.to(torch::kCPU) : t;
+  };
+  warn_about_positions(m, host(user_positions ? *user_positions : torch::Tensor()), host(positions),
+                       center, host(gamma), last, w);
   return (w.clamp ? 1 : 0) | (w.resolution ? 2 : 0) | (w.center ? 4 : 0);
 }
 

@@ -37,7 +37,7 @@ SLOTS = ("lag_table", "slopes", "cq", "ck", "gq", "gk", "path_q", "path_k", "pat
 _LAG, _SLOPES, _CQ, _CK, _GQ, _GK, _PQ, _PK, _PB = range(9)
 _HALF = (torch.bfloat16, torch.float16)
 _STORABLE = (torch.float32, torch.float64) + _HALF
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # (a global a kernel reads must be constexpr)
 
 
 def _interpreted(t: torch.Tensor) -> bool:

@@ -84,3 +84,65 @@ def triton_backend():
     """A context in which relpos ops on DEVICE tensors run the GPU backend: on a GPU the CUDA
     dispatch itself, without one a dispatch mode sending them to the Triton functions."""
     return _OnCuda() if CUDA else _TritonOnCPU()
+
+
+# ---- the compile check: the interpreter runs what a GPU compiler would refuse -------------------
+#
+# Triton's interpreter executes a kernel's Python directly, so it accepts code the compiler
+# rejects (a global that is not constexpr, a construct a backend lacks). With
+# RELPOS_TRITON_COMPILE=SM (e.g. 90) and no GPU, every interpreted launch is recorded by its
+# specialisation (tensor dtypes, integer classes, constexpr values), and at the end of the session
+# gpu_compile.py compiles each for that NVIDIA architecture down to a cubin (ptxas ships with
+# Triton) in a fresh process, without a GPU or a driver (conftest.py runs it).
+COMPILE_SM = os.environ.get("RELPOS_TRITON_COMPILE", "")
+LAUNCHES: dict = {}
+
+
+def _describe(value, constexpr):
+    """What a launch argument contributes to a compiled kernel's specialisation."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": str(value.dtype).removeprefix("torch.")}
+    import triton.language as tl
+
+    if isinstance(value, tl.dtype):
+        return {"tl_dtype": value.name}
+    if constexpr or value is None or isinstance(value, (bool, str)):
+        return {"value": value}
+    if isinstance(value, int):  # Triton specialises on == 1, divisibility by 16 and width
+        wide = not -(2**31) <= value < 2**31
+        return {"int": 1 if value == 1 else (2**33 if wide else (16 if value % 16 == 0 else 17))}
+    if isinstance(value, float):
+        return {"float": 0.5}
+    raise TypeError(f"compile check: cannot describe a launch argument {value!r}")
+
+
+def _record(interpreted, args, kwargs):
+    import inspect
+
+    import triton.language as tl
+
+    fn = interpreted.fn
+    params = inspect.signature(fn).parameters
+    names = list(params)
+    is_const = {n: params[n].annotation is tl.constexpr or params[n].annotation == "tl.constexpr"
+                for n in names}
+    launch = {
+        "module": fn.__module__, "kernel": fn.__name__,
+        "args": [_describe(a, is_const[names[i]]) for i, a in enumerate(args)],
+        "kwargs": {k: _describe(v, is_const.get(k, True)) for k, v in sorted(kwargs.items())},
+    }
+    import json
+
+    LAUNCHES[json.dumps(launch, sort_keys=True, default=str)] = launch
+
+
+if COMPILE_SM and not CUDA:
+    from triton.runtime.interpreter import InterpretedFunction as _Interpreted
+
+    _interpreted_run = _Interpreted.run
+
+    def _run_and_record(self, *args, grid, warmup, **kwargs):
+        _record(self, args, kwargs)
+        return _interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    _Interpreted.run = _run_and_record
