@@ -903,9 +903,18 @@ class _Call:
         program runs in NumPy), FlashAttention-2-like ones on a GPU by head dim."""
         BD = self.block_d
         if _interpreted(self.q):
+            if backward == "dq" and self.P == 0:
+                return 64, 16, 4, 1
+            if backward == "dkdv" and self.P == 0:
+                return 16, 64, 4, 1
             return 32, 32, 4, 1
         wide = self.acc != torch.float32 or self.dtype == torch.float32
         if backward:
+            # half operands, D <= 128, no path: FlashAttention-2's split (the Triton tutorial's
+            # Hopper tiles): the key kernel walks 32-row query tiles past 128 resident keys, the
+            # query kernel 32-key tiles past 128 resident queries, both pipelined
+            if not wide and BD <= 128 and self.P == 0 and backward in ("dq", "dkdv"):
+                return (128, 32, 4, 3) if backward == "dq" else (32, 128, 4, 3)
             if BD <= 64 and not wide:
                 return 64, 64, 4, 2
             return (32, 64, 4, 1) if BD <= 128 else (32, 32, 8, 1)
@@ -1069,17 +1078,20 @@ def fused_attention_backward(grad_out, q, k, v, out, lse, biases, q_positions, k
         lsec = lse.contiguous()
         G = Hq // Hk
         path = c.P > 0
-        BM, BN, warps, stages = c.config(backward=True)
         L = c.bias[_LAG].shape[1] if c.bias[_LAG] is not None else 1
         ptr = lambda t: t if t.numel() else c._dummy  # noqa: E731
         flags = c.flags()
-        common = dict(G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c.block_d, ACC=c.tl_acc, DOT=c.dot,
-                      num_warps=warps, num_stages=stages, **flags)
+
+        def tiles(kernel):
+            BM, BN, warps, stages = c.config(backward=kernel)
+            return dict(G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c.block_d, ACC=c.tl_acc, DOT=c.dot,
+                        num_warps=warps, num_stages=stages, **flags)
         need_dq_kernel = path or need[0] or need[3 + _CQ] or need[3 + _GQ]
         need_kv_kernel = not path and (need[1] or need[2] or need[3 + _LAG] or need[3 + _SLOPES]
                                        or need[3 + _CK] or need[3 + _GK])
         if need_dq_kernel:
-            _bwd_dq_kernel[(triton.cdiv(Tq, BM), B * Hq)](
+            common = tiles("dq")
+            _bwd_dq_kernel[(triton.cdiv(Tq, common["BLOCK_M"]), B * Hq)](
                 c.q, c.k, c.v, dout, lsec, delta, dlse_rows, ptr(dq), ptr(dk), ptr(dv),
                 *c.masks(),
                 *c.biases(), c.params, *(ptr(t) for t in db), *c.strides(), c.spq, c.spk,
@@ -1090,7 +1102,8 @@ def fused_attention_backward(grad_out, q, k, v, out, lse, biases, q_positions, k
                 NEED_GQ=need[3 + _GQ], NEED_GK=need[3 + _GK], NEED_PQ=need[3 + _PQ],
                 NEED_PK=need[3 + _PK], NEED_PB=need[3 + _PB], **common)
         if need_kv_kernel:
-            _bwd_dkdv_kernel[(triton.cdiv(Tk, BN), B * Hk)](
+            common = tiles("dkdv")
+            _bwd_dkdv_kernel[(triton.cdiv(Tk, common["BLOCK_N"]), B * Hk)](
                 c.q, c.k, c.v, dout, lsec, delta, ptr(dk), ptr(dv), *c.masks(),
                 *c.biases(_PQ), c.params, ptr(db[_LAG]), ptr(db[_SLOPES]), ptr(db[_CK]),
                 ptr(db[_GK]), *c.strides(), c.spq, c.spk, Hq, Hk, Tq, Tk, D, L,

@@ -122,6 +122,9 @@ class Structure:
         # a plain rotation everywhere: the cos/sin table alone (RoPE and its extensions)
         self.has_gates = 2 in shear
         self.plain = all(o == 1 and not d and s != 2 for o, d, s in zip(order, damped, shear))
+        # plain, with pair j < covered turned by block j (every catalogue RoPE): _rotate_kernel
+        self.rotation_only = self.plain and nb > 0 and blk == (
+            list(range(self.covered)) + [-1] * (pairs - self.covered)) and nb == self.covered
         self._device_cache = {}
 
     def pair_tables(self, device):
@@ -388,6 +391,63 @@ def _map_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, coef_ptr, pair_ptr, T, H, NB, NP
 
 
 @triton.jit
+def _rotate_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, flag_ptr, T, H, NB, NCOV, D,
+                   PER_BATCH: tl.constexpr, TRANSPOSED: tl.constexpr, HALF_SPLIT: tl.constexpr,
+                   CHECK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """The plain rotation (RoPE and its extensions: pair j < NCOV turned by table entry j, the
+    rest copied) as a stream: whole rows read and written with affine, vectorisable addresses.
+    CHECK: a non-finite output sets flag_ptr[0] (the finiteness check inside the one pass)."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    row = (bh.to(tl.int64) * T + t) * D
+    trow = ((b * PER_BATCH).to(tl.int64) * T + t) * NB
+    if HALF_SPLIT:
+        # pairs (j, j + NCOV): two contiguous halves, then the untouched tail [2 NCOV, D)
+        j = tl.arange(0, BLOCK_P)
+        m = tmask[:, None] & (j < NCOV)[None, :]
+        c = tl.load(cos_ptr + trow[:, None] + j[None, :], mask=m, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + trow[:, None] + j[None, :], mask=m, other=0.0).to(tl.float32)
+        if TRANSPOSED:
+            s = -s
+        xr = tl.load(x_ptr + row[:, None] + j[None, :], mask=m, other=0.0).to(tl.float32)
+        xi = tl.load(x_ptr + row[:, None] + NCOV + j[None, :], mask=m, other=0.0).to(tl.float32)
+        yr = xr * c - xi * s
+        yi = xr * s + xi * c
+        tl.store(y_ptr + row[:, None] + j[None, :], yr.to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(y_ptr + row[:, None] + NCOV + j[None, :], yi.to(y_ptr.dtype.element_ty), mask=m)
+        bad = tl.sum(tl.sum(((yr != yr) | (tl.abs(yr) == float("inf")) | (yi != yi)
+                             | (tl.abs(yi) == float("inf"))) & m, 1), 0)
+        e = 2 * NCOV + tl.arange(0, BLOCK_D)
+        me = tmask[:, None] & (e < D)[None, :]
+        xt = tl.load(x_ptr + row[:, None] + e[None, :], mask=me, other=0.0)
+        tl.store(y_ptr + row[:, None] + e[None, :], xt, mask=me)
+        xtf = xt.to(tl.float32)
+        bad += tl.sum(tl.sum(((xtf != xtf) | (tl.abs(xtf) == float("inf"))) & me, 1), 0)
+    else:
+        # interleaved pairs (2j, 2j + 1): the whole row at once, split into its pairs
+        e = tl.arange(0, BLOCK_D)
+        me = tmask[:, None] & (e < D)[None, :]
+        x = tl.load(x_ptr + row[:, None] + e[None, :], mask=me, other=0.0).to(tl.float32)
+        xr, xi = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_D // 2, 2)))
+        j = tl.arange(0, BLOCK_D // 2)
+        m = tmask[:, None] & (j < NCOV)[None, :]
+        c = tl.load(cos_ptr + trow[:, None] + j[None, :], mask=m, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + trow[:, None] + j[None, :], mask=m, other=0.0).to(tl.float32)
+        if TRANSPOSED:
+            s = -s
+        y = tl.reshape(tl.join(xr * c - xi * s, xr * s + xi * c), (BLOCK_T, BLOCK_D))
+        tl.store(y_ptr + row[:, None] + e[None, :], y.to(y_ptr.dtype.element_ty), mask=me)
+        bad = tl.sum(tl.sum(((y != y) | (tl.abs(y) == float("inf"))) & me, 1), 0)
+    if CHECK:
+        if bad > 0:
+            tl.atomic_max(flag_ptr, 1)
+
+
+@triton.jit
 def _coef_grad_kernel(x_ptr, g_ptr, cos_ptr, sin_ptr, out_ptr, pair_ptr, T, H, NB, NPAIRS, NCOV,
                       D, NLOOP, PER_BATCH: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
                       UPPER: tl.constexpr, HALF_SPLIT: tl.constexpr, F64: tl.constexpr,
@@ -481,11 +541,24 @@ def _warps(elements):
     return 4 if elements <= 2048 else 8
 
 
-def _apply(st, x, cos, sin, coef, per_batch, *, upper, transposed, half_split, out_dtype):
+def _apply(st, x, cos, sin, coef, per_batch, *, upper, transposed, half_split, out_dtype,
+           flag=None):
     B, H, T, D = x.shape
     y = torch.empty((B, H, T, D), dtype=out_dtype, device=x.device)
     if x.numel() == 0:
         return y
+    if st.rotation_only and coef is None and x.dtype != torch.float64:
+        # the common case (RoPE): a streaming kernel with the finiteness check inside its pass
+        bd = triton.next_power_of_2(D)
+        bt = 32 if _INTERPRET else max(1, min(64, 8192 // bd))
+        _rotate_kernel[(triton.cdiv(T, bt), B * H)](
+            x, y, cos, sin, flag if flag is not None else y, T, H, st.nb, st.covered, D,
+            PER_BATCH=int(per_batch), TRANSPOSED=transposed, HALF_SPLIT=half_split,
+            CHECK=flag is not None, BLOCK_T=bt, BLOCK_P=triton.next_power_of_2(max(st.covered, 1)),
+            BLOCK_D=bd, num_warps=4 if bt * bd <= 4096 else 8)
+        return y
+    if flag is not None:
+        raise AssertionError("the in-pass finiteness check is the rotation kernel's")
     pair, _, _ = st.pair_tables(x.device)
     bt, bp = _blocks(D)
     M = st.max_order
@@ -651,14 +724,19 @@ def transform(q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec
         with torch.no_grad():
             ck, cq = _coefficients(st, gm, et, gt, a0, pc, True, True, cdt)
     hs = bool(layout)
+    # the rotation kernel checks its outputs in its own pass: one flag per tensor
+    flag = None
+    if check_finite and st.nb and st.rotation_only and q.dtype != torch.float64:
+        flag = torch.zeros(2, dtype=torch.int32, device=q.device)
     if st.nb == 0:
         qo, ko = qc.clone(), kc.clone()
     else:
         qo = _apply(st, qc, cos_t, sin_t, cq, per_batch, upper=False, transposed=False,
-                    half_split=hs, out_dtype=q.dtype)
+                    half_split=hs, out_dtype=q.dtype, flag=None if flag is None else flag[0:1])
         ko = _apply(st, kc, cos_t, sin_t, ck, per_batch, upper=True, transposed=False,
-                    half_split=hs, out_dtype=k.dtype)
-    if check_finite:
+                    half_split=hs, out_dtype=k.dtype, flag=None if flag is None else flag[1:2])
+    # (with the flag clear nothing is non-finite; set, the passes below name what is)
+    if check_finite and (flag is None or bool(flag.any())):
         for name, out, inp in (("q", qo, qc), ("k", ko, kc)):
             if not bool(torch.isfinite(out).all()):
                 if q.dtype == torch.float16 and bool(torch.isfinite(inp).all()):
