@@ -910,11 +910,9 @@ class _Call:
             return 32, 32, 4, 1
         wide = self.acc != torch.float32 or self.dtype == torch.float32
         if backward:
-            # half operands, D <= 128, no path: FlashAttention-2's split (the Triton tutorial's
-            # Hopper tiles): the key kernel walks 32-row query tiles past 128 resident keys, the
-            # query kernel 32-key tiles past 128 resident queries, both pipelined
-            if not wide and BD <= 128 and self.P == 0 and backward in ("dq", "dkdv"):
-                return (128, 32, 4, 3) if backward == "dq" else (32, 128, 4, 3)
+            # (per kernel, "dq" or "dkdv". The Triton tutorial's asymmetric Hopper tiles, 128/32
+            # pipelined, measured slower here on an H200: 57.5 ms against 44.1 ms at T 16384;
+            # docs/gpu.md)
             if BD <= 64 and not wide:
                 return 64, 64, 4, 2
             return (32, 64, 4, 1) if BD <= 128 else (32, 32, 8, 1)
