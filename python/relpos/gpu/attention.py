@@ -162,6 +162,47 @@ def _path_edges(PQv, PK, b, h, i2, j, Hq, Tq, Tk, PD, beta, pscale,
 
 
 @triton.jit
+def _query_rows(b, i, i2, row_ok, row_ok2, PQP, QSEG, spq, Tq, POS: tl.constexpr,
+                SEGMENTS: tl.constexpr):
+    """A query tile's positions [BM, 1] with their range over the live rows (explicit
+    positions), and its segment ids [BM, 1] (packed sequences)."""
+    pq2 = 0.0
+    pq_max = 0.0
+    pq_min = 0.0
+    if POS:
+        pq = tl.load(PQP + b * spq + i, mask=row_ok, other=0)
+        pq2 = pq[:, None]
+        pq_max = tl.max(tl.where(row_ok, pq, -float("inf")), 0)
+        pq_min = tl.min(tl.where(row_ok, pq, float("inf")), 0)
+    qs2 = 0
+    if SEGMENTS:
+        qs2 = tl.load(QSEG + b * Tq + i2, mask=row_ok2, other=-1)
+    return pq2, pq_max, pq_min, qs2
+
+
+@triton.jit
+def _key_tile(n0, offs_n, hi_vis, lo, PKP, b, spk, Tk, pq_max, pq_min, window,
+              POS: tl.constexpr, PATH: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr):
+    """A key tile's columns j, which of them padding leaves visible, their positions [1, BN]
+    (explicit positions) and whether any row can see the tile: with explicit positions a tile no
+    row sees is skipped here (no loop bound without order; not with a path, whose sums run on)."""
+    j = n0 + offs_n
+    key_ok = (j < hi_vis) & (j >= lo)
+    pk2 = 0.0
+    go = True
+    if POS:
+        pk = tl.load(PKP + b * spk + j, mask=j < Tk, other=0)
+        pk2 = pk[None, :]
+        if not PATH:
+            if CAUSAL:
+                go = tl.min(tl.where(key_ok, pk, float("inf")), 0) <= pq_max
+            if WINDOW:
+                go = go & (tl.max(tl.where(key_ok, pk, -float("inf")), 0) > pq_min - window)
+    return j, key_ok, pk2, go
+
+
+@triton.jit
 def _key_bounds(b, i_min, i_max, KLEN, KSTART, window, Tq, Tk,
                 POS: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 KEY_LEN: tl.constexpr, KEY_START: tl.constexpr, PATH: tl.constexpr):
@@ -236,17 +277,8 @@ def _fwd_kernel(
 
     q = tl.load(Q + b * sqb + h2 * sqh + i2 * sqt + offs_d[None, :],
                 mask=row_ok2 & (offs_d[None, :] < D), other=0.0)
-    pq2 = 0.0
-    pq_max = 0.0
-    pq_min = 0.0
-    if POS:
-        pq = tl.load(PQP + b * spq + i, mask=row_ok, other=0)
-        pq2 = pq[:, None]
-        pq_max = tl.max(tl.where(row_ok, pq, -float("inf")), 0)
-        pq_min = tl.min(tl.where(row_ok, pq, float("inf")), 0)
-    qs2 = 0
-    if SEGMENTS:
-        qs2 = tl.load(QSEG + b * Tq + i2, mask=row_ok2, other=-1)
+    pq2, pq_max, pq_min, qs2 = _query_rows(b, i, i2, row_ok, row_ok2, PQP, QSEG, spq, Tq, POS,
+                                           SEGMENTS)
     i_min = tl.min(tl.where(row_ok, i, Tq), 0)
     i_max = tl.max(tl.where(row_ok, i, 0), 0)
     lo, hi, hi_vis, kl, ks = _key_bounds(b, i_min, i_max, KLEN, KSTART, window, Tq, Tk, POS,
@@ -271,21 +303,10 @@ def _fwd_kernel(
     # from the last key tile toward the first (the path integral's suffix sums need it)
     for t in range(0, tl.maximum(t_hi - t_lo, 0)):
         n0 = (t_hi - 1 - t) * BLOCK_N
-        j = n0 + offs_n
+        j, key_ok, pk2, go = _key_tile(n0, offs_n, hi_vis, lo, PKP, b, spk, Tk, pq_max, pq_min,
+                                       window, POS, PATH, CAUSAL, WINDOW)
         j2 = j[None, :]
-        key_ok = (j < hi_vis) & (j >= lo)
         key_ok2 = key_ok[None, :]
-        pk2 = 0.0
-        go = True
-        if POS:
-            pk = tl.load(PKP + b * spk + j, mask=j < Tk, other=0)
-            pk2 = pk[None, :]
-            if not PATH:
-                # explicit positions: skip a tile no row can see (no loop bound without order)
-                if CAUSAL:
-                    go = tl.min(tl.where(key_ok, pk, float("inf")), 0) <= pq_max
-                if WINDOW:
-                    go = go & (tl.max(tl.where(key_ok, pk, -float("inf")), 0) > pq_min - window)
         if go:
             ks2 = 0
             if SEGMENTS:
@@ -380,17 +401,8 @@ def _bwd_dq_kernel(
     if PATH:
         # dL/dlse (0 for rows without a visible key): the row sum of dS
         dlse = tl.load(DLSE + (b * Hq + h) * Tq + i, mask=row_ok, other=0.0).to(tl.float64)
-    pq2 = 0.0
-    pq_max = 0.0
-    pq_min = 0.0
-    if POS:
-        pq = tl.load(PQP + b * spq + i, mask=row_ok, other=0)
-        pq2 = pq[:, None]
-        pq_max = tl.max(tl.where(row_ok, pq, -float("inf")), 0)
-        pq_min = tl.min(tl.where(row_ok, pq, float("inf")), 0)
-    qs2 = 0
-    if SEGMENTS:
-        qs2 = tl.load(QSEG + b * Tq + i2, mask=row_ok2, other=-1)
+    pq2, pq_max, pq_min, qs2 = _query_rows(b, i, i2, row_ok, row_ok2, PQP, QSEG, spq, Tq, POS,
+                                           SEGMENTS)
     i_min = pid_m * BLOCK_M
     i_max = tl.minimum(i_min + BLOCK_M, Tq) - 1
     lo, hi, hi_vis, kl, ks = _key_bounds(b, i_min, i_max, KLEN, KSTART, window, Tq, Tk, POS,
@@ -421,20 +433,10 @@ def _bwd_dq_kernel(
     dslope = tl.zeros([BLOCK_M], dtype=tl.float64)
     for t in range(0, tl.maximum(t_hi - t_lo, 0)):
         n0 = (t_hi - 1 - t) * BLOCK_N
-        j = n0 + offs_n
+        j, key_ok, pk2, go = _key_tile(n0, offs_n, hi_vis, lo, PKP, b, spk, Tk, pq_max, pq_min,
+                                       window, POS, PATH, CAUSAL, WINDOW)
         j2 = j[None, :]
-        key_ok = (j < hi_vis) & (j >= lo)
         key_ok2 = key_ok[None, :]
-        pk2 = 0.0
-        go = True
-        if POS:
-            pk = tl.load(PKP + b * spk + j, mask=j < Tk, other=0)
-            pk2 = pk[None, :]
-            if not PATH:
-                if CAUSAL:
-                    go = tl.min(tl.where(key_ok, pk, float("inf")), 0) <= pq_max
-                if WINDOW:
-                    go = go & (tl.max(tl.where(key_ok, pk, -float("inf")), 0) > pq_min - window)
         if go:
             ks2 = 0
             if SEGMENTS:

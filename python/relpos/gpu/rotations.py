@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import compute
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HALF = (torch.bfloat16, torch.float16)
 _STORABLE = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -63,12 +65,8 @@ def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, D, P, SIGN, MINUS_INPUT
     ma = m2 & rot[None, :]
     c = tl.load(cos_ptr + arow[:, None] * P + j[None, :], mask=ma, other=1.0)
     s = tl.load(sin_ptr + arow[:, None] * P + j[None, :], mask=ma, other=0.0)
-    if F64:
-        c = c.to(tl.float64)
-        s = s.to(tl.float64)
-    else:
-        c = c.to(tl.float32)
-        s = s.to(tl.float32)
+    c = compute(c, F64)
+    s = compute(s, F64)
     s = s * SIGN
     if TRANSPOSED:
         s = -s
@@ -81,12 +79,8 @@ def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, D, P, SIGN, MINUS_INPUT
     row = (bh.to(tl.int64) * T + t) * D
     x0 = tl.load(x_ptr + row[:, None] + i0[None, :], mask=m2, other=0.0)
     x1 = tl.load(x_ptr + row[:, None] + i1[None, :], mask=m2, other=0.0)
-    if F64:
-        x0 = x0.to(tl.float64)
-        x1 = x1.to(tl.float64)
-    else:
-        x0 = x0.to(tl.float32)
-        x1 = x1.to(tl.float32)
+    x0 = compute(x0, F64)
+    x1 = compute(x1, F64)
     y0 = c * x0 - s * x1
     y1 = s * x0 + c * x1
     if MINUS_INPUT:
@@ -126,16 +120,10 @@ def _rotate_angle_grad_kernel(x_ptr, g_ptr, dc_ptr, ds_ptr, H, T, D, P, SIGN, NL
         x1 = tl.load(x_ptr + row[:, None] + i1[None, :], mask=m2, other=0.0)
         g0 = tl.load(g_ptr + row[:, None] + i0[None, :], mask=m2, other=0.0)
         g1 = tl.load(g_ptr + row[:, None] + i1[None, :], mask=m2, other=0.0)
-        if F64:
-            x0 = x0.to(tl.float64)
-            x1 = x1.to(tl.float64)
-            g0 = g0.to(tl.float64)
-            g1 = g1.to(tl.float64)
-        else:
-            x0 = x0.to(tl.float32)
-            x1 = x1.to(tl.float32)
-            g0 = g0.to(tl.float32)
-            g1 = g1.to(tl.float32)
+        x0 = compute(x0, F64)
+        x1 = compute(x1, F64)
+        g0 = compute(g0, F64)
+        g1 = compute(g1, F64)
         ac += g0 * x0 + g1 * x1
         asn += g1 * x0 - g0 * x1
     out = (ba.to(tl.int64) * T + t)[:, None] * P + j[None, :]

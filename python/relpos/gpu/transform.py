@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import compute
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HALF = (torch.bfloat16, torch.float16)
 _STORABLE = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -313,12 +315,8 @@ def _map_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, coef_ptr, pair_ptr, T, H, NB, NP
     mc = m2 & cov[None, :]
     c = tl.load(cos_ptr + trow[:, None] + bidx[None, :], mask=mc, other=1.0)
     s = tl.load(sin_ptr + trow[:, None] + bidx[None, :], mask=mc, other=0.0)
-    if F64:
-        c = c.to(tl.float64)
-        s = s.to(tl.float64)
-    else:
-        c = c.to(tl.float32)
-        s = s.to(tl.float32)
+    c = compute(c, F64)
+    s = compute(s, F64)
     if TRANSPOSED:
         s = -s
     if HALF_SPLIT:
@@ -331,20 +329,13 @@ def _map_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, coef_ptr, pair_ptr, T, H, NB, NP
     if M == 1:
         xr = tl.load(x_ptr + row[:, None] + re[None, :], mask=m2, other=0.0)
         xi = tl.load(x_ptr + row[:, None] + im[None, :], mask=m2, other=0.0)
-        if F64:
-            xr = xr.to(tl.float64)
-            xi = xi.to(tl.float64)
-        else:
-            xr = xr.to(tl.float32)
-            xi = xi.to(tl.float32)
+        xr = compute(xr, F64)
+        xi = compute(xi, F64)
         yr = xr * c - xi * s
         yi = xr * s + xi * c
         if HAS_COEF:
             w = tl.load(coef_ptr + crow[:, None] + bidx[None, :], mask=mc, other=1.0)
-            if F64:
-                w = w.to(tl.float64)
-            else:
-                w = w.to(tl.float32)
+            w = compute(w, F64)
             yr = yr * w
             yi = yi * w
     else:
@@ -374,14 +365,9 @@ def _map_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, coef_ptr, pair_ptr, T, H, NB, NP
             xi = tl.load(x_ptr + row[:, None] + imp[None, :], mask=mk, other=0.0)
             w = tl.load(coef_ptr + (crow[:, None] + bidx[None, :]) * M + k, mask=mk & cov[None, :],
                         other=0.0)
-            if F64:
-                xr = xr.to(tl.float64)
-                xi = xi.to(tl.float64)
-                w = w.to(tl.float64)
-            else:
-                xr = xr.to(tl.float32)
-                xi = xi.to(tl.float32)
-                w = w.to(tl.float32)
+            xr = compute(xr, F64)
+            xi = compute(xi, F64)
+            w = compute(w, F64)
             if k == 0:
                 w = tl.where(cov[None, :], w, 1.0)
             yr += w * (xr * c - xi * s)
@@ -474,12 +460,8 @@ def _coef_grad_kernel(x_ptr, g_ptr, cos_ptr, sin_ptr, out_ptr, pair_ptr, T, H, N
     trow = (prow.to(tl.int64) * T + t) * NB
     c = tl.load(cos_ptr + trow[:, None] + bidx[None, :], mask=mc, other=1.0)
     s = tl.load(sin_ptr + trow[:, None] + bidx[None, :], mask=mc, other=0.0)
-    if F64:
-        c = c.to(tl.float64)
-        s = s.to(tl.float64)
-    else:
-        c = c.to(tl.float32)
-        s = s.to(tl.float32)
+    c = compute(c, F64)
+    s = compute(s, F64)
     if HALF_SPLIT:
         re = tl.where(j < NCOV, j, 2 * j)
         im = tl.where(j < NCOV, j + NCOV, 2 * j + 1)
@@ -512,16 +494,10 @@ def _coef_grad_kernel(x_ptr, g_ptr, cos_ptr, sin_ptr, out_ptr, pair_ptr, T, H, N
         gi = tl.load(g_ptr + row[:, None] + im[None, :], mask=m2, other=0.0)
         xr = tl.load(x_ptr + row[:, None, None] + rep[None, :, :], mask=m3, other=0.0)
         xi = tl.load(x_ptr + row[:, None, None] + imp[None, :, :], mask=m3, other=0.0)
-        if F64:
-            gr = gr.to(tl.float64)
-            gi = gi.to(tl.float64)
-            xr = xr.to(tl.float64)
-            xi = xi.to(tl.float64)
-        else:
-            gr = gr.to(tl.float32)
-            gi = gi.to(tl.float32)
-            xr = xr.to(tl.float32)
-            xi = xi.to(tl.float32)
+        gr = compute(gr, F64)
+        gi = compute(gi, F64)
+        xr = compute(xr, F64)
+        xi = compute(xi, F64)
         wr = gr * c + gi * s
         wi = gi * c - gr * s
         acc += wr[:, :, None] * xr + wi[:, :, None] * xi
