@@ -651,6 +651,21 @@ def _trig_for(st, spec, head_dim, heads, pos, center, batch, dtype, cos_in, sin_
     return _trig(st, freqs, pc, dtype)
 
 
+def _prepare(op, args, q, positions, cos, sin, center, spec, head_dim, heads):
+    """A transform call's (structure, compute dtype, positions on q's device, cos, sin table), or
+    (None, the CPU operator's answer) for what the mechanism JSON does not describe."""
+    st = _structure_or_none(spec, head_dim, heads)
+    if st is None:
+        return None, _on_cpu(op, args, q.device)
+    cdt = _compute_dtype(q.dtype)
+    pos = positions.to(q.device).contiguous()
+    try:
+        cos_t, sin_t = _trig_for(st, spec, head_dim, heads, pos, center, q.shape[0], cdt, cos, sin)
+    except Unsupported:
+        return None, _on_cpu(op, args, q.device)
+    return (st, cdt, pos, cos_t, sin_t), None
+
+
 def trig_table(positions, center, batch, spec, head_dim, heads, layout, dtype):
     cdt = _compute_dtype(dtype)
     pos = positions.to(torch.float64).contiguous()
@@ -679,18 +694,14 @@ def _params(gamma, eta, gates, alpha0, cdt):
 def transform(q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec, head_dim,
               heads, layout, check_finite=False):
     _check_inputs(q, k, positions)
-    st = _structure_or_none(spec, head_dim, heads)
     args = (q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec, head_dim, heads,
             layout, check_finite)
-    if st is None:
-        return _on_cpu("transform", args, q.device)
-    cdt = _compute_dtype(q.dtype)
-    pos = positions.to(q.device).contiguous()
+    call, answer = _prepare("transform", args, q, positions, cos, sin, center, spec, head_dim,
+                            heads)
+    if call is None:
+        return answer
+    st, cdt, pos, cos_t, sin_t = call
     B, H, T, D = q.shape
-    try:
-        cos_t, sin_t = _trig_for(st, spec, head_dim, heads, pos, center, B, cdt, cos, sin)
-    except Unsupported:
-        return _on_cpu("transform", args, q.device)
     qc, kc = q.contiguous(), k.contiguous()
     per_batch = pos.dim() == 2
     ck = cq = None
@@ -730,18 +741,14 @@ def transform_backward(grad_q, grad_k, q, k, gamma, eta, gates, alpha0, position
                        center, spec, head_dim, heads, layout, output_mask):
     _check_inputs(q, k, positions)
     mask = list(output_mask)
-    st = _structure_or_none(spec, head_dim, heads)
     args = (grad_q, grad_k, q, k, gamma, eta, gates, alpha0, positions, cos, sin, center, spec,
             head_dim, heads, layout, mask)
-    if st is None:
-        return _on_cpu("transform_backward", args, q.device)
-    cdt = _compute_dtype(q.dtype)
-    pos = positions.to(q.device).contiguous()
+    call, answer = _prepare("transform_backward", args, q, positions, cos, sin, center, spec,
+                            head_dim, heads)
+    if call is None:
+        return answer
+    st, cdt, pos, cos_t, sin_t = call
     B, H, T, D = q.shape
-    try:
-        cos_t, sin_t = _trig_for(st, spec, head_dim, heads, pos, center, B, cdt, cos, sin)
-    except Unsupported:
-        return _on_cpu("transform_backward", args, q.device)
     per_batch = pos.dim() == 2
     hs = bool(layout)
     gqo = grad_q.contiguous() if grad_q is not None else None

@@ -32,6 +32,20 @@ def _to(x, device):
     return x
 
 
+def catalog_specs():
+    """Every mechanism of the catalogue as a spec; a context-extension rule (kind "scaling") on
+    RoPE, with original / L of 16 so that the dynamic rules act at the tests' lengths."""
+    specs = []
+    for m in relpos.mechanisms():
+        if m["kind"] != "scaling":
+            specs.append(m["name"])
+            continue
+        keys = {o["key"] for o in m["options"]}
+        opt = "original=16" if "original" in keys else ("L=16" if "L" in keys else "")
+        specs.append(f"rope + {m['name']}({opt})")
+    return specs
+
+
 def gpu_call(name, *args):
     """The GPU backend's `name` on `args` (moved to DEVICE): the registered CUDA kernel through
     the dispatcher with a GPU, the Triton function under the interpreter without one."""

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from gpu_testing import CUDA, DEVICE, cpu_call, gpu_call
+from gpu_testing import CUDA, DEVICE, catalog_specs, cpu_call, gpu_call
 
 import relpos
 import relpos.engine as engine
@@ -326,21 +326,6 @@ def test_decode_bf16():
 # ---- every mechanism of the catalogue, on the arguments relpos.Attention passes ---------------
 
 MODEL_DIM = 8
-_EXTENSIONS = {"linear", "ntk", "dynamic_ntk", "yarn", "llama3", "longrope", "pj_pi",
-               "pj_dynamic_ntk", "pj_yarn"}
-
-
-def _catalog():
-    specs = []
-    for m in relpos.mechanisms():
-        name = m["name"]
-        keys = {o["key"] for o in m["options"]}
-        if name in _EXTENSIONS:
-            opt = "original=16" if "original" in keys else ("L=16" if "L" in keys else "")
-            specs.append(f"rope + {name}({opt})")
-        else:
-            specs.append(name)
-    return specs
 
 
 def _head_dim(spec, heads):
@@ -414,7 +399,7 @@ def _captured(a, hq, hk, T=40, decode=False):
     return calls
 
 
-CATALOG = _catalog()
+CATALOG = catalog_specs()
 
 
 @pytest.mark.parametrize("spec", CATALOG)

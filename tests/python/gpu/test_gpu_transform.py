@@ -8,33 +8,18 @@ Under Triton's interpreter without a GPU, on the registered CUDA kernels with on
 
 import pytest
 import torch
-from gpu_testing import cpu_call, gpu_call
+from gpu_testing import catalog_specs, cpu_call, gpu_call
 
 import relpos
 from relpos.gpu import transform as gt
 
 D, H = 48, 2  # 48: divisible by every catalogue order's block width (2, 4, 6, 8)
 
-# the context-extension rules compose with a rotary term; original / L of 16 so that the dynamic
-# rules act at these lengths
-_EXTENSIONS = {"linear", "ntk", "dynamic_ntk", "yarn", "llama3", "longrope", "pj_pi",
-               "pj_dynamic_ntk", "pj_yarn"}
-
-
 def _catalog_specs():
-    specs = []
-    for m in relpos.mechanisms():
-        name = m["name"]
-        keys = {o["key"] for o in m["options"]}
-        if name in _EXTENSIONS:
-            opt = "original=16" if "original" in keys else ("L=16" if "L" in keys else "")
-            specs.append(f"rope + {name}({opt})")
-        else:
-            specs.append(name)
-    specs += ["jordan(m=3)", "damped_rope(m=1)", "orthogonal_mix(seed=3) + rope",
-              "jordan(m=2) + pj_dynamic_ntk(L=16)", "jordan(m=2, regime=scaled)",
-              "jordan(m=2, regime=raw)"]
-    return specs
+    """The catalogue (gpu_testing.catalog_specs) and higher orders, other regimes, compositions."""
+    return catalog_specs() + [
+        "jordan(m=3)", "damped_rope(m=1)", "orthogonal_mix(seed=3) + rope",
+        "jordan(m=2) + pj_dynamic_ntk(L=16)", "jordan(m=2, regime=scaled)", "jordan(m=2, regime=raw)"]
 
 
 def _position_specs():
