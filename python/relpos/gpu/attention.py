@@ -142,6 +142,60 @@ def _bias_and_mask(s, b, h2, i2, j2, row_ok2, key_ok2, d, qs2, ks2,
 
 
 @triton.jit
+def _finite(x):
+    return (x == x) & (tl.abs(x) != float("inf"))
+
+
+@triton.jit
+def _hides(vis, row_ok2, j2, n0, i_min, i_max, lo, hi_vis, Tq, Tk, window,
+           BLOCK_N: tl.constexpr, POS: tl.constexpr, CAUSAL: tl.constexpr,
+           EXCLUDE_SELF: tl.constexpr, WINDOW: tl.constexpr, SEGMENTS: tl.constexpr):
+    """Whether a mask or the padding hides some pair of this tile whose row and key exist: the
+    pairs whose zero weight must not meet a non-finite operand (0 x NaN in a tile product).
+    With the default positions and no segments, from the bounds (no per-pair work); keys
+    [lo, hi_vis) are those padding leaves; rows i_min..i_max."""
+    if POS or SEGMENTS:
+        some = tl.max(tl.where(row_ok2 & (j2 < Tk) & (vis == 0), 1, 0)) > 0
+    else:
+        some = (n0 < lo) | (tl.minimum(n0 + BLOCK_N, Tk) > hi_vis)
+        if CAUSAL:
+            if EXCLUDE_SELF:
+                some = some | (n0 + BLOCK_N - 1 >= Tk - Tq + i_min)
+            else:
+                some = some | (n0 + BLOCK_N - 1 > Tk - Tq + i_min)
+        if WINDOW:
+            some = some | ((Tk - Tq + i_max - n0).to(tl.float64) >= window)
+    return some
+
+
+@triton.jit
+def _unscreened(x, hidden):
+    """Whether x (an operand tile) has a non-finite entry while some pair of the tile is hidden
+    (only then is it read)."""
+    bad = hidden != hidden
+    if hidden:
+        bad = tl.max(tl.where(_finite(x), 0, 1)) > 0
+    return bad
+
+
+@triton.jit
+def _masked_product(acc, a, b, vis_ab, screen, ACC: tl.constexpr, DOT: tl.constexpr):
+    """acc + a @ b where a is zero at the pairs the masks hide (vis_ab false). With screen (such
+    a pair exists and b has a non-finite entry) b's non-finite entries enter as zero and every
+    entry of the product that a visible pair takes one into is NaN: a hidden NaN or Inf changes
+    nothing (0 x NaN would reach the rows that cannot see it), a visible one is never lost."""
+    if screen:
+        fin = _finite(b)
+        out = acc + _dot(a.to(b.dtype), tl.where(fin, b, 0.0), ACC, DOT)
+        hit = tl.dot(tl.where(vis_ab, 1.0, 0.0).to(tl.float16),
+                     tl.where(fin, 0.0, 1.0).to(tl.float16))
+        out = tl.where(hit > 0, float("nan"), out)
+    else:
+        out = acc + _dot(a.to(b.dtype), b, ACC, DOT)
+    return out
+
+
+@triton.jit
 def _path_edges(PQv, PK, b, h, i2, j, Hq, Tq, Tk, PD, beta, pscale,
                 ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
                 PDOT: tl.constexpr):
@@ -335,7 +389,10 @@ def _fwd_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + b * svb + hk * svh + j[:, None] * svt + offs_d[None, :],
                         mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC, DOT)
+            hidden = _hides(vis, row_ok2, j2, n0, i_min, i_max, lo, hi_vis, Tq, Tk, window,
+                            BLOCK_N, POS, CAUSAL, EXCLUDE_SELF, WINDOW, SEGMENTS)
+            acc = _masked_product(acc * alpha[:, None], p, v, vis, _unscreened(v, hidden), ACC,
+                                  DOT)
             m_i = m_new
 
     if SPLIT:
@@ -347,7 +404,7 @@ def _fwd_kernel(
         tl.store(O + (pid_s * nrows_all + row[:, None]) * D + offs_d[None, :], acc,
                  mask=row_ok2 & (offs_d[None, :] < D))
     else:
-        ok = l_i > 0
+        ok = l_i != 0  # (a NaN sum, from a non-finite score the row sees, stays NaN)
         out = acc / tl.where(ok, l_i, 1.0)[:, None]
         lse = tl.where(ok, m_i + tl.log(tl.where(ok, l_i, 1.0)), -float("inf"))
         tl.store(O + b * sob + h2 * soh + i2 * sot + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -461,8 +518,12 @@ def _bwd_dq_kernel(
             p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
             dp = _dot(do, tl.trans(v), ACC, DOT)
             ds = p * (dp - delta[:, None])
+            hidden = _hides(vis, row_ok2, j2, n0, i_min, i_max, lo, hi_vis, Tq, Tk, window,
+                            BLOCK_N, POS, CAUSAL, EXCLUDE_SELF, WINDOW, SEGMENTS)
+            if hidden:  # a hidden pair's dS is 0 whatever v, dO or the row's delta hold
+                ds = tl.where(vis, ds, 0.0)
             if NEED_DQ:
-                dq += _dot(ds.to(k.dtype), k, ACC, DOT)
+                dq = _masked_product(dq, ds, k, vis, _unscreened(k, hidden), ACC, DOT)
             if NEED_CQ:
                 dcq += tl.sum(ds, 1)
             if NEED_GQ:  # lag-weighted sums in float64 (long lags times dS cancel)
@@ -494,12 +555,17 @@ def _bwd_dq_kernel(
             if FUSED:
                 # the key side from here (the path integral's suffix sums live on this walk)
                 kv_row = ((b * Hk + hk) * Tk + j[:, None]) * D + offs_d[None, :]
+                zero = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
                 if NEED_DV:
-                    tl.atomic_add(DV + kv_row, _dot(tl.trans(p).to(do.dtype), do, ACC, DOT),
+                    tl.atomic_add(DV + kv_row,
+                                  _masked_product(zero, tl.trans(p), do, tl.trans(vis),
+                                                  _unscreened(do, hidden), ACC, DOT),
                                   mask=kmask)
                 if NEED_DK:
-                    tl.atomic_add(DK + kv_row, _dot(tl.trans(ds).to(q.dtype), q, ACC, DOT)
-                                  * scale, mask=kmask)
+                    tl.atomic_add(DK + kv_row,
+                                  _masked_product(zero, tl.trans(ds), q, tl.trans(vis),
+                                                  _unscreened(q, hidden), ACC, DOT) * scale,
+                                  mask=kmask)
                 if NEED_CK:
                     tl.atomic_add(DCK + (b * Hq + h) * Tk + j,
                                   (-tl.sum(ds, 0)).to(DCK.dtype.element_ty),
@@ -560,6 +626,7 @@ def _bwd_dkdv_kernel(
     scale = tl.load(PARAMS + 0).to(ACC)
     window = tl.load(PARAMS + 1)
     kl = Tk
+    ks = 0
     key_ok = j < Tk
     if KEY_LEN:
         kl = tl.minimum(tl.maximum(tl.load(KLEN + b), 0), Tk).to(tl.int32)
@@ -635,12 +702,19 @@ def _bwd_dkdv_kernel(
                                              SEGMENTS,
                                              HAS_LAG, HAS_SLOPES, HAS_TOKEN, HAS_GQ, HAS_GK)
                 p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+                hidden = _hides(vis, row_ok2, j2, n0, t * BLOCK_M,
+                                tl.minimum(t * BLOCK_M + BLOCK_M, Tq) - 1, ks, kl, Tq, Tk,
+                                window, BLOCK_N, POS, CAUSAL, EXCLUDE_SELF, WINDOW, SEGMENTS)
                 if NEED_DV:
-                    dv += _dot(tl.trans(p).to(do.dtype), do, ACC, DOT)
+                    dv = _masked_product(dv, tl.trans(p), do, tl.trans(vis),
+                                         _unscreened(do, hidden), ACC, DOT)
                 dp = _dot(do, tl.trans(v), ACC, DOT)
                 ds = p * (dp - delta[:, None])
+                if hidden:  # a hidden pair's dS is 0 whatever v, dO or the row's delta hold
+                    ds = tl.where(vis, ds, 0.0)
                 if NEED_DK:
-                    dk += _dot(tl.trans(ds).to(q.dtype), q, ACC, DOT)
+                    dk = _masked_product(dk, tl.trans(ds), q, tl.trans(vis),
+                                         _unscreened(q, hidden), ACC, DOT)
                 if NEED_CK:
                     dck -= tl.sum(ds, 0)
                 if NEED_GK:  # lag-weighted sums in float64 (long lags times dS cancel)
@@ -1029,7 +1103,7 @@ def _merge_splits(o_part, m_part, l_part):
     m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
     w = torch.exp(m_part - m_safe)  # 0 for splits that saw nothing
     total = (w * l_part).sum(0)
-    ok = total > 0
+    ok = total != 0  # (NaN stays NaN)
     o = (w.unsqueeze(-1) * o_part).sum(0) / torch.where(ok, total, torch.ones_like(total))[:, None]
     lse = torch.where(ok, m_safe + torch.log(torch.where(ok, total, torch.ones_like(total))),
                       torch.full_like(total, -math.inf))
