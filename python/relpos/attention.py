@@ -9,7 +9,6 @@ its biases (ALiBi slopes) handed to the kernel. The C++ ``relpos::nn::attention`
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -158,9 +157,6 @@ def _check_biases(spec: str, head_dim: int, heads: int, *, cq, ck, lag_table):
     return learned
 
 
-_MAX_LAG_TABLE = 1 << 20  # kernels::kMaxLagTable: longer lags use the last entry
-
-
 def _learned_lag_table(enc, qpos, kpos, Hq, Hk, dtype):
     """The encoding's learned lag table over every lag of the call (differentiable in its
     parameters), bounded as the C++ nn::attention bounds it."""
@@ -171,8 +167,7 @@ def _learned_lag_table(enc, qpos, kpos, Hq, Hk, dtype):
         )
     if qpos.numel() == 0 or kpos.numel() == 0:
         return None
-    span = float(qpos.max() - kpos.min())
-    return enc.lag_table(int(min(max(math.ceil(span), 0), _MAX_LAG_TABLE)) + 1).to(dtype)
+    return enc.attention_lag_table(float(qpos.max() - kpos.min())).to(dtype)
 
 
 def _transform_qk(enc: PositionEncoding, q, k, q_positions, k_positions, checked: bool = False):

@@ -25,6 +25,7 @@ _LAYOUTS = {"interleaved": 0, "half_split": 1, "neox": 1, "rotate_half": 1}
 # Half-precision storage: bf16 / fp16 tensors are computed in float32 (angles, products,
 # accumulation) and the results stored back in their dtype, as the C++ ops do.
 _HALF = (torch.bfloat16, torch.float16)
+_MAX_LAG_TABLE = 1 << 20  # kernels::kMaxLagTable: the kernel's longest lag table
 _STORABLE = (torch.float32, torch.float64) + _HALF
 
 
@@ -198,6 +199,11 @@ class PositionEncoding(nn.Module):
         self._center_value = float(info["center_value"])
         self._max_exp = float(info["max_exp"])
         self._lag_names = [p["name"] for b in info["biases"] for p in b.get("lag_params", [])]
+        # kernels::lag_table_bound: past it the learned tables stop changing (or the kernel's
+        # longest table); the kernel reads longer lags at a table's last entry
+        self._lag_bound = max([_MAX_LAG_TABLE if b.get("constant_from") is None
+                               else min(int(b["constant_from"]), _MAX_LAG_TABLE)
+                               for b in info["biases"] if b.get("learned")] or [0])
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}"
@@ -223,6 +229,15 @@ class PositionEncoding(nn.Module):
             )
         except ValueError as e:
             raise InputError(str(e)) from None
+
+    def attention_lag_table(self, span: float) -> torch.Tensor | None:
+        """The learned lag table that attention over lags up to ``span`` reads: lags
+        ``0..min(ceil(span), bound)``, where the bound is the lag from which the table no
+        longer changes (T5's last bucket) or the kernel's longest table (the kernel reads longer
+        lags at its last entry; C++ kernels::lag_table_length)."""
+        if not self._lag_names:
+            return None
+        return self.lag_table(int(min(math.ceil(span), self._lag_bound)) + 1 if span > 0 else 1)
 
     def center_for(self, positions: torch.Tensor) -> float:
         if self._center_mode == "fixed":

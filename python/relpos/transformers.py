@@ -51,7 +51,6 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - an old
 # apply() sets it as the model's attention implementation, so HF builds masks with our function.
 IMPLEMENTATION = "relpos"
 
-_MAX_LAG_TABLE = 1 << 20  # the kernel's longest lag table (longer lags use its last entry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,8 +249,7 @@ class RelposAttention(nn.Module):
             out["slopes"] = torch.tensor(self._slopes, dtype=dtype)
         if self._lag_table:
             span = float(qslot.max() - kslot.min()) if qslot.numel() and kslot.numel() else 0.0
-            length = int(min(max(math.ceil(span), 0), _MAX_LAG_TABLE)) + 1
-            out["lag_table"] = self.encoding.lag_table(length).to(dtype)
+            out["lag_table"] = self.encoding.attention_lag_table(span).to(dtype)
         return out
 
     def attend(self, q, k, v, qslot, kslot, mask):

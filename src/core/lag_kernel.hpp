@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -43,6 +44,11 @@ class LagKernel {
   // table[h * len + d] = b_h(d), d = 0..len-1, float64 (the paper's formula). `values` are
   // checked (check_lag_values) by the caller.
   virtual std::vector<double> table(const LagParamValues& values, int heads, int64_t len) const = 0;
+  // The lag from which b_h(d) no longer changes, whatever the parameters (every longer lag has
+  // its value): a table through it serves every lag, since the attention kernels read lags past
+  // a table's end at its last entry. kUnbounded: the table changes at every lag.
+  static constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
+  virtual int64_t constant_from() const { return kUnbounded; }
 
   // The term's resolved options as canonical text: the runtime reads its settings from them.
   const std::map<std::string, std::string>& options() const { return options_; }

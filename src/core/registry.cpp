@@ -283,17 +283,22 @@ nlohmann::json mechanism_json(const Mechanism& m) {
     if (b.learned)
       for (const auto& p : b.learned->params(m.heads))
         lag_params.push_back({{"name", p.name}, {"shape", p.shape}, {"init", p.init}});
-    biases.push_back({{"name", b.name},
-                      {"shape", b.shape == BiasShape::LagTable       ? "lag_table"
-                                : b.shape == BiasShape::Separable    ? "separable"
-                                : b.shape == BiasShape::PathIntegral ? "path_integral"
-                                                                     : "gated_slope"},
-                      {"slopes", b.slopes},
-                      {"gate", b.gate},
-                      {"paper_form", b.paper_form},
-                      {"probe_dim", b.probe_dim},
-                      {"learned", b.learned != nullptr},
-                      {"lag_params", std::move(lag_params)}});
+    biases.push_back(
+        {{"name", b.name},
+         {"shape", b.shape == BiasShape::LagTable       ? "lag_table"
+                   : b.shape == BiasShape::Separable    ? "separable"
+                   : b.shape == BiasShape::PathIntegral ? "path_integral"
+                                                        : "gated_slope"},
+         {"slopes", b.slopes},
+         {"gate", b.gate},
+         {"paper_form", b.paper_form},
+         {"probe_dim", b.probe_dim},
+         {"learned", b.learned != nullptr},
+         {"lag_params", std::move(lag_params)},
+         // the lag from which a learned table stops changing (null: never)
+         {"constant_from", b.learned && b.learned->constant_from() != LagKernel::kUnbounded
+                               ? nlohmann::json(b.learned->constant_from())
+                               : nlohmann::json(nullptr)}});
   }
   const ParamValues init = default_params(m);
   nlohmann::json params = nlohmann::json::array();

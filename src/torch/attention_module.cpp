@@ -561,9 +561,8 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   }
   if (encoding->has_lag_table()) {  // (one row per head: no GQA, attention_refusal)
     const double span = (pos.max() - a.k_positions.min()).item<double>();
-    const int64_t len = static_cast<int64_t>(
-        std::clamp(std::ceil(span), 0.0, static_cast<double>(kernels::kMaxLagTable)) + 1);
-    a.lag_table = encoding->lag_table(len).to(op_util::compute_type(q.scalar_type()));
+    a.lag_table = encoding->lag_table(kernels::lag_table_length(m, span))
+                      .to(op_util::compute_type(q.scalar_type()));
   }
   auto out = fused_attention(qt, kt, vt, a)[0];
   if (frames.defined() && rotation_->roles.outputs)

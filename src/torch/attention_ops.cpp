@@ -685,9 +685,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           "learned table is not supported; add them into one table");
     // bounded as kernels::attention_bias_of: longer lags use the last entry (the kernel's clamp)
     const double span = (qpos.max() - kpos.min()).item<double>();
-    const int64_t len = static_cast<int64_t>(
-        std::clamp(std::ceil(span), 0.0, static_cast<double>(kernels::kMaxLagTable)) + 1);
-    a.lag_table = enc.lag_table(len).to(q.scalar_type());
+    a.lag_table = enc.lag_table(kernels::lag_table_length(m, span)).to(q.scalar_type());
   }
   auto out = fused_attention(qt, kt, vt, a)[0];
   if (journey && journey->roles.outputs && q_frame.defined())

@@ -74,10 +74,28 @@ TEST(LagKernels, EveryLearnedTableOfTheCatalogIsConsistent) {
     // a spec string's table differs between heads or from zero: the bias is not plain attention
     EXPECT_NE(*std::max_element(t300.begin(), t300.end()),
               *std::min_element(t300.begin(), t300.end()));
-    // the attention kernels' bias of the spec is that table (lags 0..max_lag)
+    // a kernel reporting constant_from n: its table is constant from lag n on (the attention
+    // kernels read longer lags at a table's last entry)
+    const int64_t from = k.constant_from();
+    if (from < 299) {
+      for (int h = 0; h < H; ++h) {
+        for (int d = static_cast<int>(from); d < 300; ++d) {
+          EXPECT_EQ(t300[static_cast<size_t>(h * 300 + d)],
+                    t300[static_cast<size_t>(h * 300 + from)])
+              << k.term() << " lag " << d;
+        }
+      }
+    }
+    // the attention kernels' bias of the spec is that table (lags 0..max_lag, at most to
+    // constant_from)
     const auto bias = kernels::attention_bias_of<double>(m, H, 299);
-    ASSERT_EQ(bias.lag_len, 300);
-    EXPECT_EQ(bias.lag_table, t300);
+    const int64_t len = from < 300 ? from + 1 : 300;
+    ASSERT_EQ(bias.lag_len, len);
+    EXPECT_EQ(bias.complete, from < 300);
+    for (int h = 0; h < H; ++h)
+      for (int64_t d = 0; d < len; ++d)
+        EXPECT_EQ(bias.lag_table[static_cast<size_t>(h * len + d)],
+                  t300[static_cast<size_t>(h * 300 + d)]);
     // wrong parameter shapes are named
     auto bad = initial_lag_values(k, H);
     bad[0].pop_back();
@@ -115,6 +133,11 @@ TEST(LagKernels, T5BucketsMatchTheFormulaByHand) {
     EXPECT_EQ(t[static_cast<size_t>(n)], b) << "lag " << n;
     EXPECT_EQ(t[static_cast<size_t>(len + n)], 100 + b) << "lag " << n;
   }
+  // the last bucket from 16 log(n / 16) / log 8 >= 15, n >= 16 * 8^(15/16) = 112.4: n = 113
+  // (112 -> 16 + 14.97 -> 30, 113 -> 16 + 15.04 -> 31)
+  EXPECT_EQ(t[112], 30);
+  EXPECT_EQ(k.constant_from(), 113);
+  EXPECT_EQ(kernel_of(build_mechanism("kerple", 8, 1)).constant_from(), LagKernel::kUnbounded);
   // the initial weights: seeded, small, non-zero
   double mx = 0;
   for (double x : params[0].init) mx = std::max(mx, std::abs(x));

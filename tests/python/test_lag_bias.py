@@ -109,3 +109,60 @@ def test_journey_with_a_learned_table_applies_the_table():
     assert not torch.allclose(got, plain, atol=1e-6)
     # the same as the spec string, whose initial table is the module's (no torch RNG in t5_bias)
     torch.testing.assert_close(got, relpos.attention(q, k, v, "journey + t5_bias(init_std=0.5)"))
+
+
+def _bounded():
+    out = []
+    for spec, params in LEARNED:
+        info = relpos.mechanism(spec, 8, H)
+        bounds = [b["constant_from"] for b in info["biases"] if b["learned"]]
+        if all(b is not None for b in bounds):
+            out.append((spec, params, max(bounds)))
+    return out
+
+
+BOUNDED = _bounded()
+
+
+def test_some_learned_table_stops_changing():
+    assert BOUNDED  # t5_bias: its last bucket holds every lag from some point on
+
+
+@pytest.mark.parametrize("spec,params,bound", BOUNDED, ids=[s for s, _, _ in BOUNDED])
+def test_tables_stop_changing_where_the_mechanism_says(spec, params, bound):
+    """A table reporting constant_from n is constant from lag n (whatever its parameters) and
+    changes between n - 1 and n at random parameters; attention reads only lags up to n (the
+    kernel reads longer ones at the table's last entry), with the same result as the full table,
+    forward, parameter gradients and decode through the cache."""
+    T, D = bound + 30, 8
+    enc = relpos.PositionEncoding(spec, D, H).double()
+    with torch.no_grad():
+        for p in params:
+            getattr(enc, p["name"]).copy_(torch.randn_like(getattr(enc, p["name"])))
+    full = enc.lag_table(T).detach()
+    assert torch.equal(full[:, bound:], full[:, bound:bound + 1].expand(-1, T - bound))
+    assert not torch.equal(full[:, bound - 1], full[:, bound])
+    assert enc.attention_lag_table(T - 1).shape == (H, bound + 1)
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, H, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    names = [p["name"] for p in params]
+    leaves = [getattr(enc, n) for n in names]
+    out = relpos.attention(q, k, v, enc)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * dout).sum(), leaves)
+    ref = relpos.fused_attention(q, k, v, lag_table=enc.lag_table(T))[0]
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
+    ref_grads = torch.autograd.grad((ref * dout).sum(), leaves)
+    for n, a, b in zip(names, grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=n)
+
+    attn = relpos.Attention(spec, D, H).double()
+    attn.encoding.load_state_dict(enc.state_dict())
+    with torch.no_grad():
+        whole = attn(q, k, v)
+        cache = relpos.KVCache(1, H, D, dtype=torch.float64)
+        steps = [attn(q[:, :, :T - 4], k[:, :, :T - 4], v[:, :, :T - 4], cache=cache)]
+        for t in range(T - 4, T):
+            steps.append(attn(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(steps, 2), whole, rtol=1e-12, atol=1e-12)

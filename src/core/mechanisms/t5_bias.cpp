@@ -8,6 +8,8 @@
 // The bucket index is computed in float64 here (the reference computes the log in float32; the
 // two agree wherever the float32 rounding does not cross an integer, which no lag does for
 // B = 32, max_distance = 128).
+#include <algorithm>
+#include <cmath>
 #include <memory>
 #include <random>
 
@@ -37,6 +39,21 @@ class T5BucketKernel final : public LagKernel {
     LagParam p{"t5_bucket_bias", {heads, buckets_}, {}};
     for (int i = 0; i < heads * buckets_; ++i) p.init.push_back(init_std_ * normal(rng));
     return {p};
+  }
+
+  // the first lag in the last bucket (bucket() is non-decreasing): from the closed form
+  // exact (max_distance / exact)^((B - 1 - exact) / (B - exact)), then the exact boundary of
+  // bucket() itself found around it
+  int64_t constant_from() const override {
+    const double exact = buckets_ / 2;
+    const double at =
+        exact * std::pow(max_distance_ / exact,
+                         (buckets_ - 1 - exact) / static_cast<double>(buckets_ - exact));
+    if (!(at < 1e15)) return kUnbounded;
+    int64_t n = std::max<int64_t>(static_cast<int64_t>(exact), static_cast<int64_t>(at) - 4);
+    while (n > static_cast<int64_t>(exact) && bucket(n - 1) == buckets_ - 1) --n;
+    while (bucket(n) < buckets_ - 1) ++n;
+    return n;
   }
 
   std::vector<double> table(const LagParamValues& v, int heads, int64_t len) const override {

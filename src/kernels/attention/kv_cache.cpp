@@ -205,9 +205,9 @@ void KvCache<T>::append(std::span<const T> k, std::span<const T> v,
   if (n > 0) first_position_ = std::min(first_position_, positions[0]);
   // grow a learned lag table (doubling) to the cache's span plus the next token
   if (bias_.lag_len > 0 && n > 0) {
-    // (bounded: attention_bias_of stops at kMaxLagTable, longer lags use the last entry)
+    // (until complete: attention_bias_of stops at lag_table_bound, longer lags use the last entry)
     const double span = std::ceil(last - first_position_) + 1;
-    if (span >= static_cast<double>(bias_.lag_len) && bias_.lag_len <= kMaxLagTable)
+    if (span >= static_cast<double>(bias_.lag_len) && !bias_.complete)
       bias_ = attention_bias_of<T>(mech_, Hq_, lag_request(2 * span));
   }
 }
@@ -235,7 +235,7 @@ void KvCache<T>::decode(std::span<const T> q, double position, std::span<T> out,
   std::optional<MechanismBias<T>> longer;
   if (bias_.lag_len > 0 && !chunks_.empty()) {
     const double need = std::ceil(position - first_position_);
-    if (need >= static_cast<double>(bias_.lag_len) && bias_.lag_len <= kMaxLagTable)
+    if (need >= static_cast<double>(bias_.lag_len) && !bias_.complete)
       longer = attention_bias_of<T>(mech_, Hq_, lag_request(2 * need));
   }
   const AttentionBias<T> bias = longer ? longer->view() : bias_.view();

@@ -91,10 +91,23 @@ void check_attention_support(const Mechanism& m) {
                       b.name, shape_name(b.shape)));
 }
 
+int64_t lag_table_bound(const Mechanism& m) {
+  int64_t bound = 0;
+  for (const auto& b : m.biases)
+    if (b.shape == BiasShape::LagTable && b.learned)
+      bound = std::max(bound, b.learned->constant_from());
+  return std::min(bound, kMaxLagTable);
+}
+
+int64_t lag_table_length(const Mechanism& m, double span) {
+  const double bound = static_cast<double>(lag_table_bound(m));
+  return static_cast<int64_t>(span > 0 ? std::min(std::ceil(span), bound) : 0.0) + 1;
+}
+
 template <class T>
 MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq, int64_t max_lag) {
   std::vector<double> slopes, table;
-  const int64_t len = std::clamp<int64_t>(max_lag, 0, kMaxLagTable) + 1;
+  const int64_t len = lag_table_length(m, static_cast<double>(max_lag));
   for (const auto& b : m.biases) {
     switch (b.shape) {
       case BiasShape::LagTable:
@@ -134,6 +147,7 @@ MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq, int64_t max_l
   out.slopes.assign(slopes.begin(), slopes.end());
   out.lag_table.assign(table.begin(), table.end());
   out.lag_len = table.empty() ? 0 : len;
+  out.complete = len > lag_table_bound(m);
   return out;
 }
 

@@ -34,6 +34,7 @@ struct MechanismBias {
   std::vector<T> slopes;     // per query head; empty: none
   std::vector<T> lag_table;  // [Hq, lag_len]; empty: none
   int64_t lag_len = 0;
+  bool complete = false;  // the table reaches lag_table_bound: it serves every lag
   AttentionBias<T> view() const {
     AttentionBias<T> b;
     b.slopes = slopes.empty() ? nullptr : slopes.data();
@@ -43,6 +44,12 @@ struct MechanismBias {
   }
 };
 inline constexpr int64_t kMaxLagTable = int64_t{1} << 20;
+// The lag from which the mechanism's lag tables no longer change (its learned kernels'
+// constant_from), at most kMaxLagTable: a table through it serves every lag.
+int64_t lag_table_bound(const Mechanism& m);
+// The length of the lag table a call needs whose lags reach `span` (a NaN or negative span:
+// one entry), at most lag_table_bound + 1.
+int64_t lag_table_length(const Mechanism& m, double span);
 template <class T>
 MechanismBias<T> attention_bias_of(const Mechanism& m, int64_t Hq, int64_t max_lag = 0);
 
