@@ -147,24 +147,38 @@ def _finite(x):
 
 
 @triton.jit
-def _hides(vis, row_ok2, j2, n0, i_min, i_max, lo, hi_vis, Tq, Tk, window,
+def _hides(row_ok2, key_ok2, n0, i_min, i_max, lo, hi_vis, pq2, pk2, qs2, ks2, Tq, Tk, window,
            BLOCK_N: tl.constexpr, POS: tl.constexpr, CAUSAL: tl.constexpr,
            EXCLUDE_SELF: tl.constexpr, WINDOW: tl.constexpr, SEGMENTS: tl.constexpr):
-    """Whether a mask or the padding hides some pair of this tile whose row and key exist: the
-    pairs whose zero weight must not meet a non-finite operand (0 x NaN in a tile product).
-    With the default positions and no segments, from the bounds (no per-pair work); keys
-    [lo, hi_vis) are those padding leaves; rows i_min..i_max."""
-    if POS or SEGMENTS:
-        some = tl.max(tl.where(row_ok2 & (j2 < Tk) & (vis == 0), 1, 0)) > 0
+    """Whether a mask or the padding may hide some pair of this tile whose row and key exist:
+    the pairs whose zero weight must not meet a non-finite operand (0 x NaN in a tile product).
+    From the tile's bounds only (rows i_min..i_max, keys n0.., [lo, hi_vis) those padding leaves;
+    the range of the positions and segment ids of its live rows and keys): no per-pair work, and
+    false only when every pair is visible."""
+    some = (n0 < lo) | (tl.minimum(n0 + BLOCK_N, Tk) > hi_vis)
+    if POS:
+        q_lo = tl.min(tl.where(row_ok2, pq2, float("inf")))
+        q_hi = tl.max(tl.where(row_ok2, pq2, -float("inf")))
+        k_lo = tl.min(tl.where(key_ok2, pk2, float("inf")))
+        k_hi = tl.max(tl.where(key_ok2, pk2, -float("inf")))
     else:
-        some = (n0 < lo) | (tl.minimum(n0 + BLOCK_N, Tk) > hi_vis)
-        if CAUSAL:
-            if EXCLUDE_SELF:
-                some = some | (n0 + BLOCK_N - 1 >= Tk - Tq + i_min)
-            else:
-                some = some | (n0 + BLOCK_N - 1 > Tk - Tq + i_min)
-        if WINDOW:
-            some = some | ((Tk - Tq + i_max - n0).to(tl.float64) >= window)
+        q_lo = Tk - Tq + i_min
+        q_hi = Tk - Tq + i_max
+        k_lo = n0
+        k_hi = n0 + BLOCK_N - 1
+    if CAUSAL:
+        if EXCLUDE_SELF:
+            some = some | (k_hi >= q_lo)
+        else:
+            some = some | (k_hi > q_lo)
+    if WINDOW:
+        some = some | ((q_hi - k_lo).to(tl.float64) >= window)
+    if SEGMENTS:
+        s_hi = tl.max(tl.where(row_ok2, qs2, -1))
+        s_lo = tl.min(tl.where(row_ok2, qs2, s_hi))
+        t_hi = tl.max(tl.where(key_ok2, ks2, s_hi))
+        t_lo = tl.min(tl.where(key_ok2, ks2, s_hi))
+        some = some | (s_lo != s_hi) | (t_lo != t_hi) | (t_lo != s_hi)
     return some
 
 
@@ -389,8 +403,8 @@ def _fwd_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + b * svb + hk * svh + j[:, None] * svt + offs_d[None, :],
                         mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            hidden = _hides(vis, row_ok2, j2, n0, i_min, i_max, lo, hi_vis, Tq, Tk, window,
-                            BLOCK_N, POS, CAUSAL, EXCLUDE_SELF, WINDOW, SEGMENTS)
+            hidden = _hides(row_ok2, key_ok2, n0, i_min, i_max, lo, hi_vis, pq2, pk2, qs2, ks2, Tq,
+                            Tk, window, BLOCK_N, POS, CAUSAL, EXCLUDE_SELF, WINDOW, SEGMENTS)
             acc = _masked_product(acc * alpha[:, None], p, v, vis, _unscreened(v, hidden), ACC,
                                   DOT)
             m_i = m_new
@@ -518,8 +532,8 @@ def _bwd_dq_kernel(
             p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
             dp = _dot(do, tl.trans(v), ACC, DOT)
             ds = p * (dp - delta[:, None])
-            hidden = _hides(vis, row_ok2, j2, n0, i_min, i_max, lo, hi_vis, Tq, Tk, window,
-                            BLOCK_N, POS, CAUSAL, EXCLUDE_SELF, WINDOW, SEGMENTS)
+            hidden = _hides(row_ok2, key_ok2, n0, i_min, i_max, lo, hi_vis, pq2, pk2, qs2, ks2, Tq,
+                            Tk, window, BLOCK_N, POS, CAUSAL, EXCLUDE_SELF, WINDOW, SEGMENTS)
             if hidden:  # a hidden pair's dS is 0 whatever v, dO or the row's delta hold
                 ds = tl.where(vis, ds, 0.0)
             if NEED_DQ:
@@ -702,9 +716,10 @@ def _bwd_dkdv_kernel(
                                              SEGMENTS,
                                              HAS_LAG, HAS_SLOPES, HAS_TOKEN, HAS_GQ, HAS_GK)
                 p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-                hidden = _hides(vis, row_ok2, j2, n0, t * BLOCK_M,
-                                tl.minimum(t * BLOCK_M + BLOCK_M, Tq) - 1, ks, kl, Tq, Tk,
-                                window, BLOCK_N, POS, CAUSAL, EXCLUDE_SELF, WINDOW, SEGMENTS)
+                hidden = _hides(row_ok2, key_ok2, n0, t * BLOCK_M,
+                                tl.minimum(t * BLOCK_M + BLOCK_M, Tq) - 1, ks, kl, pq2, pk2, qs2,
+                                ks2, Tq, Tk, window, BLOCK_N, POS, CAUSAL, EXCLUDE_SELF, WINDOW,
+                                SEGMENTS)
                 if NEED_DV:
                     dv = _masked_product(dv, tl.trans(p), do, tl.trans(vis),
                                          _unscreened(do, hidden), ACC, DOT)
@@ -977,28 +992,14 @@ class _Call:
     def config(self, backward=False):
         """(BLOCK_M, BLOCK_N, num_warps, num_stages): small tiles under the interpreter (each
         program runs in NumPy), FlashAttention-2-like ones on a GPU by head dim."""
-        BD = self.block_d
         if _interpreted(self.q):
             if backward == "dq" and self.P == 0:
                 return 64, 16, 4, 1
             if backward == "dkdv" and self.P == 0:
                 return 16, 64, 4, 1
             return 32, 32, 4, 1
-        wide = self.acc != torch.float32 or self.dtype == torch.float32
-        if backward:
-            # (per kernel, "dq" or "dkdv". The Triton tutorial's asymmetric Hopper tiles, 128/32
-            # pipelined, measured slower here on an H200: 57.5 ms against 44.1 ms at T 16384;
-            # docs/gpu.md)
-            if BD <= 64 and not wide:
-                return 64, 64, 4, 2
-            return (32, 64, 4, 1) if BD <= 128 else (32, 32, 8, 1)
-        if wide:  # fp32/fp64 operands: twice the bytes per tile
-            return (64, 64, 4, 2) if BD <= 64 else (64, 32, 4, 2)
-        if BD <= 64:
-            return 128, 64, 4, 3
-        if BD <= 128:
-            return 128, 64, 8, 2
-        return 64, 32, 8, 1
+        return device_tiles(backward, self.block_d, self.acc != torch.float32
+                            or self.dtype == torch.float32)
 
     @property
     def block_d(self):
@@ -1031,6 +1032,26 @@ class _Call:
 
 
 @functools.lru_cache(maxsize=None)
+def device_tiles(backward, block_d: int, wide: bool):
+    """A GPU's (BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward (backward False) or the
+    backward kernel "dq" / "dkdv", by padded head dim; wide: fp32/fp64 operands. (The compile
+    check compiles every interpreted launch at these tiles too: tests/python/gpu/gpu_compile.py.)"""
+    BD = block_d
+    if backward:
+        # (The Triton tutorial's asymmetric Hopper tiles, 128/32 pipelined, measured slower here
+        # on an H200: 57.5 ms against 44.1 ms at T 16384; docs/gpu.md)
+        if BD <= 64 and not wide:
+            return 64, 64, 4, 2
+        return (32, 64, 4, 1) if BD <= 128 else (32, 32, 8, 1)
+    if wide:  # fp32/fp64 operands: twice the bytes per tile
+        return (64, 64, 4, 2) if BD <= 64 else (64, 32, 4, 2)
+    if BD <= 64:
+        return 128, 64, 4, 3
+    if BD <= 128:
+        return 128, 64, 8, 2
+    return 64, 32, 8, 1
+
+
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
