@@ -177,6 +177,7 @@ class PositionEncoding(nn.Module):
         self._trig_cache: tuple | None = None  # (key, positions, cos, sin) of the last eager call
         # the once-per-module warnings (docs/errors.md), issued by the op the C++ module shares
         self._warned = 0  # bits of torch.ops.relpos.encoding_warnings
+        self._zero_gamma: tuple | None = None  # (versions of gamma's tensors, all zero)
         self._last_center: float | None = None
         self._terms = []  # ("position" | "fixed" | "vector", index of the term)
         for i, t in enumerate(info["transforms"]):
@@ -275,8 +276,24 @@ class PositionEncoding(nn.Module):
         if not any(kind == "position" for kind, _ in self._terms):
             return False
         narrow = positions is not None and positions.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        return ((gamma.numel() > 0 and not self._warned & 1) or (narrow and not self._warned & 2)
+        return ((gamma.numel() > 0 and not self._warned & 1 and not self._damping_is_zero(gamma))
+                or (narrow and not self._warned & 2)
                 or (self._center_mode == "mid" and not self._warned & 4))
+
+    def _damping_is_zero(self, gamma) -> bool:
+        """Whether the kernels' gamma is all zero (no exponent, so the clamp cannot bind): read
+        once per version of the tensors it comes from (RoPE's never change, so a decode step on a
+        GPU does not copy gamma to the host for the clamp check)."""
+        key = tuple((id(t), t._version) for t in self._gamma_sources())
+        if self._zero_gamma is None or self._zero_gamma[0] != key:
+            self._zero_gamma = (key, bool((gamma.detach() == 0).all()))
+        return self._zero_gamma[1]
+
+    def _gamma_sources(self):
+        """The schema tensors kernel_params() computes gamma from."""
+        return [getattr(self, f"{pre}{p['name']}{post}") for p in self._info["params"]
+                if p["slot"] == "gamma"
+                for pre, post in (("raw_", ""), ("", "_fixed"), ("", "_bound"), ("", "_learn"))]
 
     def _check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         for name, t in (("q", q), ("k", k)):

@@ -65,6 +65,24 @@ def test_binding_clamp_warns_instead_of_breaking_the_law_silently():
     assert [str(w.message).count("exponent clamp") for w in seen] == [1]
 
 
+def test_clamp_check_follows_the_damping_it_reads():
+    """Zero damping cannot bind the clamp (the check is skipped while gamma's tensors keep their
+    versions); once the damping changes in place, the next call checks it again and warns."""
+    enc = relpos.PositionEncoding("damped_rope(gamma0=0, gamma_min=0, learn_gamma=false, center=0)",
+                                  8, 1)
+    x = torch.randn(1, 1, 8, 8)
+    far = torch.arange(8, dtype=F64) * 1e3  # a span the clamp binds on with damping 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        enc(x, x, far)
+        enc(x, x, far)
+    with torch.no_grad():  # its fixed damping (a buffer) changed in place, e.g. by a loader
+        enc.gamma_fixed.fill_(2.0)
+    assert float(enc.kernel_params()["gamma"].min()) == 2.0
+    with pytest.warns(UserWarning, match="exponent clamp"):
+        enc(x, x, far)
+
+
 def test_float32_resolution_and_moving_mid_centre_warn():
     x = torch.randn(1, 1, 4, 8)
     rope = relpos.PositionEncoding("rope", 8, 1)
