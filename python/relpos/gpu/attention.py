@@ -197,15 +197,16 @@ def _masked_product(acc, a, b, vis_ab, screen, ACC: tl.constexpr, DOT: tl.conste
     """acc + a @ b where a is zero at the pairs the masks hide (vis_ab false). With screen (such
     a pair exists and b has a non-finite entry) b's non-finite entries enter as zero and every
     entry of the product that a visible pair takes one into is NaN: a hidden NaN or Inf changes
-    nothing (0 x NaN would reach the rows that cannot see it), a visible one is never lost."""
+    nothing (0 x NaN would reach the rows that cannot see it), a visible one is never lost.
+    The plain product stays unconditional (the loop's pipelined dot); a screened tile computes
+    its product again."""
+    out = acc + _dot(a.to(b.dtype), b, ACC, DOT)
     if screen:
         fin = _finite(b)
         out = acc + _dot(a.to(b.dtype), tl.where(fin, b, 0.0), ACC, DOT)
         hit = tl.dot(tl.where(vis_ab, 1.0, 0.0).to(tl.float16),
                      tl.where(fin, 0.0, 1.0).to(tl.float16))
         out = tl.where(hit > 0, float("nan"), out)
-    else:
-        out = acc + _dot(a.to(b.dtype), b, ACC, DOT)
     return out
 
 
