@@ -1,6 +1,6 @@
 """Single-token decode against SDPA on a cached K/V, in one process, round robin.
 
-    .venv/bin/python bench/bench_decode.py [--ctx 4096,16384,32768] [--rounds 21] [--threads 2]
+    .venv/bin/python bench/bench_decode.py [--ctx 4096,16384,32768] [--rounds 21] [--threads 2] [--general]
 
 Per context length and head layout (MHA 8:8 and GQA 8:2, D 64, batch 1, float32), the time of
 one decode step:
@@ -8,6 +8,9 @@ one decode step:
   ours_module  relpos.Attention(spec)(q, k, v, cache=KVCache) as users decode: the new token's
                transform, the finiteness check (on by default), the append and the kernel; the
                cache is reset to ctx - 1 keys before each call (untimed)
+  module_general  (--general) the same module with the one-call step switched off: every step
+               through the general path (the transform, cache and kernel ops called one by one
+               from Python), as before the one-call step
   sdpa         torch's scaled_dot_product_attention(q, K, V, enable_gqa=...) on a copy of that
                cache (each case streams its own keys and values, as a decoder does), no mask
   sdpa_step    (--spec rope) the step a RoPE user writes in Python: HF's rotate_half RoPE from a
@@ -39,7 +42,7 @@ def timed(f):
     return (time.perf_counter() - t0) * 1e3
 
 
-def cases_for(spec, ctx, hk, g):
+def cases_for(spec, ctx, hk, g, general=False):
     """name -> (setup, call): setup runs untimed before each call."""
     k = torch.randn(1, hk, ctx, D, generator=g)
     v = torch.randn(1, hk, ctx, D, generator=g)
@@ -57,6 +60,17 @@ def cases_for(spec, ctx, hk, g):
     def reset():
         cache.lengths.copy_(prefill_len)
 
+    if general:  # a second module and cache, same keys, every step on the general path
+        attn_g = relpos.Attention(spec, D, H, hk)
+        attn_g._one_call_decode = False
+        cache_g = relpos.KVCache(1, hk, D, capacity=2 * ctx)
+        with torch.no_grad():
+            attn_g(torch.randn(1, H, ctx - 1, D, generator=g), k[:, :, :-1], v[:, :, :-1],
+                   cache=cache_g)
+
+        def reset_g():
+            cache_g.lengths.copy_(prefill_len)
+
     s = [b["slopes"] for b in relpos.mechanism(spec, D, H)["biases"] if b["slopes"]]
     slopes = torch.tensor(s[0], dtype=torch.float64) if s else None
     # the whole cache, as the op reads it; SDPA reads its own copy: every case streams its own
@@ -68,6 +82,7 @@ def cases_for(spec, ctx, hk, g):
             q, kf, vf, q_positions=qpos,
             slopes=None if slopes is None else slopes.float())),
         "ours_module": (reset, lambda: attn(q, kn, vn, cache=cache)),
+        **({"module_general": (reset_g, lambda: attn_g(q, kn, vn, cache=cache_g))} if general else {}),
         "sdpa": (None, lambda: F.scaled_dot_product_attention(q, ks_, vs_, enable_gqa=hk != H)),
     }
     if spec == "rope":
@@ -104,6 +119,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--spec", default="rope")
+    ap.add_argument("--general", action="store_true",
+                    help="also time the module with the one-call step switched off")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
@@ -116,7 +133,7 @@ def main():
     print("|---|---|---|---|---|---|" + ("---|" if step else ""))
     for ctx in (int(x) for x in a.ctx.split(",")):
         for hk in (H, 2):
-            cases = cases_for(a.spec, ctx, hk, g)
+            cases = cases_for(a.spec, ctx, hk, g, a.general)
             times = {n: [] for n in cases}
             with torch.no_grad():
                 for _ in range(2):  # warm-up

@@ -178,6 +178,7 @@ class PositionEncoding(nn.Module):
         # the once-per-module warnings (docs/errors.md), issued by the op the C++ module shares
         self._warned = 0  # bits of torch.ops.relpos.encoding_warnings
         self._zero_gamma: tuple | None = None  # (versions of gamma's tensors, all zero)
+        self._inference_cache: tuple | None = None  # (dtype, versions of the schema, params)
         self._last_center: float | None = None
         self._terms = []  # ("position" | "fixed" | "vector", index of the term)
         for i, t in enumerate(info["transforms"]):
@@ -216,6 +217,18 @@ class PositionEncoding(nn.Module):
         gamma, eta, gates, alpha0 = torch.ops.relpos.encoding_kernel_params(
             self.spec, self.head_dim, self.num_heads, [getattr(self, n) for n in self._schema])
         return {"gamma": gamma, "eta": eta, "gates": gates, "alpha0": alpha0}
+
+    def _inference_params(self, dtype) -> list[torch.Tensor]:
+        """kernel_params() detached, in dtype, contiguous: [gamma, eta, gates, alpha0], kept while
+        the schema's tensors keep their identities and versions (an optimizer step, ``.to()`` or
+        ``load_state_dict`` changes one), so a decode step does not recompute them."""
+        key = (dtype, tuple((id(t), t._version) for t in (getattr(self, n) for n in self._schema)))
+        if self._inference_cache is None or self._inference_cache[0] != key:
+            with torch.no_grad():
+                kp = self.kernel_params()
+            self._inference_cache = (key, [kp[n].to(dtype).contiguous()
+                                           for n in ("gamma", "eta", "gates", "alpha0")])
+        return self._inference_cache[1]
 
     def lag_table(self, length: int) -> torch.Tensor | None:
         """The learned lag table ``b_h(d)``, ``d = 0..length-1``: float64 ``[H, length]``,

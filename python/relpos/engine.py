@@ -21,6 +21,10 @@ from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_a
 from .encoding import _HALF, _STORABLE, InputError, PositionEncoding, _integer, _op
 from .journey import rotate_pairs
 
+# the dtypes of the one-call decode step (half storage takes the general path)
+_ONE_CALL_DTYPES = (torch.float32, torch.float64)
+
+
 class KVCache:
     """The decode state of :class:`Attention`: transformed keys, values (rotated into their
     frames for journey mechanisms) and their float64 positions, per sequence; for a content bias
@@ -120,14 +124,21 @@ class KVCache:
     def _append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 counts: torch.Tensor, content: list[torch.Tensor] = ()) -> None:
         n = k.shape[2]
+        if not self._content:
+            self._content = [c.new_zeros(*c.shape[:2], self.capacity, *c.shape[3:]) for c in content]
+        self._reserve(n)
+        # (the C++ DecodeCache's append: each row's new tokens after its length, lengths += counts)
+        _op(torch.ops.relpos.cache_append, self._keys, self._values, self._positions, self.lengths,
+            self._content, k.detach(), v.detach(), pos, counts, [c.detach() for c in content])
+
+    def _reserve(self, n: int) -> None:
+        """Room for n more tokens in every row (the storage doubles as needed)."""
 
         def grown(t: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
             shape = list(t.shape)
             shape[dim] = extra
             return torch.cat([t, t.new_zeros(shape)], dim)
 
-        if not self._content:
-            self._content = [c.new_zeros(*c.shape[:2], self.capacity, *c.shape[3:]) for c in content]
         need = int(self.lengths.max()) + n
         if need > self.capacity:
             cap = max(self.capacity, 1)
@@ -138,9 +149,6 @@ class KVCache:
             self._values = grown(self._values, 2, grow)
             self._positions = grown(self._positions, 1, grow)
             self._content = [grown(c, 2, grow) for c in self._content]
-        # (the C++ DecodeCache's append: each row's new tokens after its length, lengths += counts)
-        _op(torch.ops.relpos.cache_append, self._keys, self._values, self._positions, self.lengths,
-            self._content, k.detach(), v.detach(), pos, counts, [c.detach() for c in content])
 
 
 class Attention(nn.Module):
@@ -270,6 +278,12 @@ class Attention(nn.Module):
         # frames the runtime returns (journey) turn values in and outputs back out
         term = info["transforms"][0] if self._rotation is not None else {}
         self._frame_values, self._frame_outputs = term.get("values", False), term.get("outputs", False)
+        # a decode step in one op call (attention_decode): one position term (or none), slope
+        # biases or none, no runtime of its own
+        self._one_call_decode = (
+            backend == "softmax" and self._rotation is None and self._content is None
+            and self._vector_dims is None and not self.encoding._lag_names
+            and [kind for kind, _ in self.encoding._terms] in ([], ["position"]))
         # with a cache, keys transformed in earlier calls must stay valid
         self._cache_refusal = None
         if backend == "favor":  # the features' prefix sums are not kept between calls
@@ -289,7 +303,7 @@ class Attention(nn.Module):
         return (f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}")
 
-    def _check(self, q, k, v, cache, key_len) -> None:
+    def _check(self, q, k, v, cache, key_len, positions, inputs, finite: bool = True) -> None:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -308,7 +322,16 @@ class Attention(nn.Module):
             raise InputError(f"q has head dim {D}; the module was built for {self.head_dim}")
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise InputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-        if self.check_finite and not torch.compiler.is_compiling() and q.device.type != "meta":
+        if inputs is not None and (not isinstance(inputs, torch.Tensor) or inputs.dim() != 3
+                                   or tuple(inputs.shape[:2]) != (q.shape[0], q.shape[2])):
+            # unread by most mechanisms (a model passes them to every layer), but never mismatched
+            got = list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+            raise InputError(f"inputs must be [B, T, model_dim] with q's B and T "
+                             f"({q.shape[0]}, {q.shape[2]}), got {got}")
+        if positions is not None and not isinstance(positions, torch.Tensor):
+            raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
+        if (finite and self.check_finite and not torch.compiler.is_compiling()
+                and q.device.type != "meta"):
             bad = torch.ops.relpos.nonfinite([q, k, v])
             if bad >= 0:
                 raise InputError(f"{'qkv'[bad]} contains NaN or Inf")
@@ -355,7 +378,11 @@ class Attention(nn.Module):
                 key_start: torch.Tensor | None = None, segments: torch.Tensor | None = None,
                 inputs: torch.Tensor | None = None, cache: KVCache | None = None,
                 return_lse: bool = False):
-        self._check(q, k, v, cache, key_len)
+        if (cache is not None and self._one_call_decode and key_start is None and segments is None
+                and q.device.type == "cpu" and q.dtype in _ONE_CALL_DTYPES
+                and not torch.compiler.is_compiling() and not self._needs_grad(q, k, v)):
+            return self._decode(q, k, v, positions, key_len, inputs, cache, return_lse)
+        self._check(q, k, v, cache, key_len, positions, inputs)
         if key_start is not None and self._rotation is not None and self._rotation["reads_inputs"]:
             raise InputError(f"{self.spec!r}: its per-token phases are scanned along the row and "
                              "would run through the left padding; pad on the right (key_len) "
@@ -368,12 +395,6 @@ class Attention(nn.Module):
                 raise InputError(f"{self.spec!r}: its per-token phases are scanned along the "
                                  "whole row and would cross the packed documents' boundaries; "
                                  "run the documents as separate rows")
-        if inputs is not None and (not isinstance(inputs, torch.Tensor) or inputs.dim() != 3
-                                   or tuple(inputs.shape[:2]) != (q.shape[0], q.shape[2])):
-            # unread by most mechanisms (a model passes them to every layer), but never mismatched
-            got = list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
-            raise InputError(f"inputs must be [B, T, model_dim] with q's B and T "
-                             f"({q.shape[0]}, {q.shape[2]}), got {got}")
         stored_as = q.dtype
         # half storage: computed in float32 and stored back (the cache keeps half); on a GPU the
         # transforms and the kernel read half as stored (fp32 math) unless a runtime computes
@@ -384,8 +405,6 @@ class Attention(nn.Module):
             if isinstance(inputs, torch.Tensor) and inputs.dtype in _HALF:
                 inputs = inputs.float()
         B, _, T, _ = q.shape
-        if positions is not None and not isinstance(positions, torch.Tensor):
-            raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
         phase_end = frames = None
         if self._vector_dims is not None:
             if positions is None:
@@ -466,6 +485,27 @@ class Attention(nn.Module):
         if frames is not None and self._frame_outputs:  # the output back out of the query's
             out = rotate_pairs(out, frames, inverse=True, pair_layout=self.pair_layout)
         out = out.to(stored_as)
+        return (out, lse) if return_lse else out
+
+    def _needs_grad(self, q, k, v) -> bool:
+        """Whether autograd would record this call (the one-call decode step has no backward)."""
+        return torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or any(p.requires_grad for p in self.encoding.parameters()))
+
+    def _decode(self, q, k, v, positions, key_len, inputs, cache, return_lse):
+        """A cached step in one op call: the checks, the cache's step and append, the new
+        tokens' transform and the kernel (the general path's calls, without the interpreter
+        between them)."""
+        self._check(q, k, v, cache, key_len, positions, inputs, finite=False)
+        enc = self.encoding
+        cache._reserve(q.shape[2])
+        out, lse, enc._warned = _op(
+            torch.ops.relpos.attention_decode, q, k, v, cache._keys, cache._values,
+            cache._positions, cache.lengths, positions, key_len,
+            enc._inference_params(q.dtype), self.spec, self.head_dim, self.num_kv_heads,
+            self.num_heads, enc.layout, self.causal, self.window,
+            0.0 if self.scale is None else float(self.scale), self.check_finite, enc._warned)
         return (out, lse) if return_lse else out
 
     def _favor(self, qt, kt, vt, qpos, key_len, return_lse):

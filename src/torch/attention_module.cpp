@@ -77,6 +77,112 @@ std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_hea
   return std::nullopt;
 }
 
+std::optional<std::string> one_call_decode_refusal(const Mechanism& m) {
+  const bool plain_term =
+      m.transforms.empty() ||
+      (m.transforms.size() == 1 && m.transforms[0].position_driven() &&
+       !rotation_runtime(m.transforms[0]) && !m.transforms[0].roles.values &&
+       !m.transforms[0].roles.outputs && m.transforms[0].time == TimeSource::Position &&
+       !m.transforms[0].learned_frequencies && m.transforms[0].basis == "none");
+  if (!plain_term || m.content_bias() || m.learned_lag_bias() || m.center == CenterMode::Mid ||
+      m.rope_scaling.dynamic())
+    return fmt::format(
+        "'{}': a one-call decode step takes one position term and slope biases, no per-call "
+        "centre or dynamic rule",
+        m.spec);
+  return std::nullopt;
+}
+
+namespace {
+
+// q [B, Hq, T, D] and k [B, Hk, T, D] (Hq = g Hk, contiguous, the compute dtype) transformed at
+// positions [B, T] by the kernels directly: one plan, a trig table of the few new rows, no op
+// dispatch per tensor. Each query head uses its key/value head's map: q viewed as
+// [B, Hk, g T, D] with the positions repeated g times.
+std::pair<torch::Tensor, torch::Tensor> transformed_step(const Mechanism& m, Layout layout,
+                                                         const torch::Tensor& q,
+                                                         const torch::Tensor& k,
+                                                         const torch::Tensor& pos, double center,
+                                                         const std::vector<torch::Tensor>& kp) {
+  const auto plan = kernels::TransformPlan::from(m, layout);
+  const int64_t B = k.size(0), Hk = k.size(1), T = k.size(2), g = q.size(1) / Hk;
+  auto qo = torch::empty_like(q), ko = torch::empty_like(k);
+  const auto qpos = g == 1 ? pos : pos.repeat({1, g}).contiguous();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_attention_decode_transform", [&] {
+    using op_util::ptr;
+    const kernels::Params<scalar_t> p{ptr<scalar_t>(kp[0]), ptr<scalar_t>(kp[1]),
+                                      ptr<scalar_t>(kp[2]), ptr<scalar_t>(kp[3])};
+    const auto apply = [&](const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& at,
+                           int64_t rows, bool query) {
+      const kernels::Dims dims{B, Hk, rows};
+      const kernels::Positions P{at.data_ptr<double>(), true, center};
+      const auto trig = kernels::build_trig_table<scalar_t>(plan, dims, P);
+      kernels::transform_forward<scalar_t>(
+          plan, dims, P, p, trig.view(), query ? x.data_ptr<scalar_t>() : nullptr,
+          query ? nullptr : x.data_ptr<scalar_t>(), query ? y.data_ptr<scalar_t>() : nullptr,
+          query ? nullptr : y.data_ptr<scalar_t>());
+    };
+    apply(q, qo, qpos, g * T, true);
+    apply(k, ko, pos, T, false);
+  });
+  return {qo, ko};
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> decode_step(const Mechanism& m,
+                                       const std::vector<torch::Tensor>& kernel_params,
+                                       const torch::Tensor& q, const torch::Tensor& k,
+                                       const torch::Tensor& v, const CacheStorage& cache,
+                                       const torch::Tensor& positions, const torch::Tensor& key_len,
+                                       const DecodeStep& step, EncodingWarnings& warned) {
+  const torch::NoGradGuard no_grad;
+  const auto dt = q.scalar_type();
+  if (kernel_params.size() != 4)
+    throw InputError("decode_step: kernel_params must be gamma, eta, gates, alpha0");
+  for (const auto& t : kernel_params)
+    if (t.scalar_type() != dt || !t.is_contiguous() || !t.is_cpu())
+      throw InputError("decode_step: kernel_params must be contiguous CPU tensors of q's dtype");
+  const int64_t T = q.size(2);
+  const auto s = cache_step(cache.lengths, cache.positions, positions, key_len, T);
+  const auto& pos = s.positions;  // [B, T], contiguous
+  torch::Tensor qt = q, kt = k;
+  if (m.has_transform() && T > 0) {
+    check_exponent_range(m, dt);
+    const double center = m.resolve_center(0, 0);  // (center=mid has no cache)
+    // float64 positions from the cache's step: only the clamp warning can apply
+    if (!warned.clamp) {
+      std::optional<double> last_center;
+      warn_about_positions(m, pos, pos, center, kernel_params[0], last_center, warned);
+    }
+    std::tie(qt, kt) = transformed_step(m, step.layout, q.contiguous(), k.contiguous(), pos, center,
+                                        kernel_params);
+    if (const double af = scaling_attention_factor(m, pos); af != 1.0) {
+      qt = qt * af;
+      kt = kt * af;
+    }
+  }
+  cache_append(cache.keys, cache.values, cache.positions, cache.lengths, {}, kt, v, pos, s.counts,
+               {});
+  const int64_t* L = cache.lengths.data_ptr<int64_t>();
+  const int64_t len = *std::max_element(L, L + cache.lengths.numel());
+  AttentionArgs a;
+  a.q_positions = pos;
+  a.k_positions = cache.positions.narrow(1, 0, len);
+  a.key_len = cache.lengths.clone();
+  a.causal = step.causal;
+  a.window = step.window;
+  a.scale = step.scale;
+  if (const BiasTerm* alibi = m.alibi()) {
+    const std::vector<double> slopes =
+        step.num_heads == m.heads
+            ? alibi->slopes
+            : build_mechanism(m.spec, m.head_dim, static_cast<int>(step.num_heads)).alibi()->slopes;
+    a.slopes = torch::tensor(slopes, torch::kDouble).to(dt);
+  }
+  return fused_attention(qt, cache.keys.narrow(2, 0, len), cache.values.narrow(2, 0, len), a);
+}
+
 std::optional<std::string> favor_refusal(const Mechanism& m) {
   for (const auto& b : m.biases)
     return fmt::format(
@@ -158,19 +264,24 @@ CacheStep DecodeCache::step(const torch::Tensor& positions, const torch::Tensor&
 void DecodeCache::append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
                          const torch::Tensor& counts, const std::vector<torch::Tensor>& content) {
   const int64_t n = k.size(2);
-  // zeros appended along the time axis (2 for [B, H, T, ...], 1 for positions)
-  const auto grown = [](const torch::Tensor& t, int64_t dim, int64_t extra) {
-    auto shape = t.sizes().vec();
-    shape[static_cast<size_t>(dim)] = extra;
-    return torch::cat({t, torch::zeros(shape, t.options())}, dim);
-  };
   if (content_.empty())
     for (const auto& c : content) {
       auto shape = c.sizes().vec();
       shape[2] = capacity();
       content_.push_back(torch::zeros(shape, c.options().requires_grad(false)));
     }
-  const int64_t need = (lengths_ + n).max().item<int64_t>();
+  reserve(n);
+  cache_append(keys_, values_, positions_, lengths_, content_, k, v, pos, counts, content);
+}
+
+CacheStorage DecodeCache::reserve(int64_t n) {
+  // zeros appended along the time axis (2 for [B, H, T, ...], 1 for positions)
+  const auto grown = [](const torch::Tensor& t, int64_t dim, int64_t extra) {
+    auto shape = t.sizes().vec();
+    shape[static_cast<size_t>(dim)] = extra;
+    return torch::cat({t, torch::zeros(shape, t.options())}, dim);
+  };
+  const int64_t need = length() + n;
   if (need > capacity()) {
     int64_t cap = std::max<int64_t>(capacity(), 1);
     while (cap < need) cap *= 2;
@@ -180,7 +291,7 @@ void DecodeCache::append(const torch::Tensor& k, const torch::Tensor& v, const t
     positions_ = grown(positions_, 1, grow);
     for (auto& c : content_) c = grown(c, 2, grow);
   }
-  cache_append(keys_, values_, positions_, lengths_, content_, k, v, pos, counts, content);
+  return {keys_, values_, positions_, lengths_};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -337,6 +448,7 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
     throw InputError(
         "features and feature_seed are options of backend favor; this module is backend softmax");
   }
+  one_call_decode_ = options.backend == "softmax" && !one_call_decode_refusal(m);
   if (favor_projection_.defined())  // the features' prefix sums are not kept between calls
     cache_refusal_ =
         fmt::format("'{}': backend favor has no decode cache; decode with backend softmax", m.spec);
@@ -437,6 +549,15 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
   }
 }
 
+bool AttentionImpl::needs_grad(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v) const {
+  if (!torch::GradMode::is_enabled()) return false;
+  if (q.requires_grad() || k.requires_grad() || v.requires_grad()) return true;
+  for (const auto& p : parameters())
+    if (p.requires_grad()) return true;
+  return false;
+}
+
 torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const AttentionCall& call) {
   check(q, k, v, call);
@@ -473,6 +594,20 @@ torch::Tensor AttentionImpl::computed(const torch::Tensor& q, const torch::Tenso
 torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tensor& k,
                                        const torch::Tensor& v, const AttentionCall& call) {
   DecodeCache* cache = call.cache;
+  if (cache && one_call_decode_ && !call.key_start.defined() && q.is_cpu() &&
+      !op_util::is_half(cache->keys().scalar_type()) && !needs_grad(q, k, v)) {
+    // a cached step without autograd: the one decode_step the Python module runs too
+    const auto dt = q.scalar_type();
+    const KernelParams kp = encoding->kernel_params();
+    std::vector<torch::Tensor> params;
+    for (const auto* t : {&kp.gamma, &kp.eta, &kp.gates, &kp.alpha0})
+      params.push_back(t->defined() ? t->detach().to(dt).contiguous()
+                                    : torch::empty({0}, torch::TensorOptions().dtype(dt)));
+    return decode_step(
+        mechanism(), params, q, k, v, cache->reserve(q.size(2)), call.positions, call.key_len,
+        {options_.layout, num_heads_, options_.causal, options_.window, options_.scale},
+        encoding->warnings_issued())[0];
+  }
   const Mechanism& m = mechanism();
   const int64_t B = q.size(0), T = q.size(2), D = q.size(3), g = num_heads_ / num_kv_heads_;
   // vector positions drive the rotation only; the kernel's positions are then the token order

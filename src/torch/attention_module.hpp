@@ -40,6 +40,39 @@ void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
                   const torch::Tensor& v, const torch::Tensor& pos, const torch::Tensor& counts,
                   const std::vector<torch::Tensor>& content);
 
+// A cache's storage as the step functions take it: keys, values [B, Hk, capacity, D], positions
+// [B, capacity] float64 and lengths int64 [B], written in place.
+struct CacheStorage {
+  torch::Tensor keys, values, positions, lengths;
+};
+
+// Why a cached step of this mechanism cannot run as one decode_step (empty: it can): it takes at
+// most one transform, driven by positions alone (no runtime, frames, learned frequencies or
+// basis), slope biases only, a fixed centre and a static context-extension rule.
+std::optional<std::string> one_call_decode_refusal(const Mechanism& m);
+
+struct DecodeStep {
+  Layout layout = Layout::Interleaved;
+  int64_t num_heads = 0;  // query heads (the mechanism is built for the key/value heads)
+  bool causal = true;
+  double window = 0.0;
+  double scale = 0.0;
+};
+
+// One cached step without autograd, for a mechanism one_call_decode_refusal accepts: the new
+// tokens' positions and counts (cache_step), their transform by the kernels directly
+// (kernel_params: gamma, eta, gates, alpha0 in q's dtype, contiguous), the append into storage
+// with room for them, and the fused kernel over the used prefix. q [B, Hq, T, D], k and v
+// [B, Hk, T, D] in the storage's float32 or float64 (checked for finiteness by the caller).
+// Issues the clamp warning into `warned`. Returns {out, lse}. The Python Attention's step (op
+// attention_decode) and AttentionImpl's both run it.
+std::vector<torch::Tensor> decode_step(const Mechanism& m,
+                                       const std::vector<torch::Tensor>& kernel_params,
+                                       const torch::Tensor& q, const torch::Tensor& k,
+                                       const torch::Tensor& v, const CacheStorage& cache,
+                                       const torch::Tensor& positions, const torch::Tensor& key_len,
+                                       const DecodeStep& step, EncodingWarnings& warned);
+
 // Transformed keys, values (in their frames for journey mechanisms) and float64 positions per
 // sequence; row b holds lengths()[b] tokens (rows may differ). Storage doubles as needed; stored
 // tensors are detached (the cache is for inference).
@@ -65,6 +98,8 @@ class DecodeCache {
   // `content`: the new tokens' content-bias side tensors [B, H, n, ...] (stored like the keys)
   void append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
               const torch::Tensor& counts, const std::vector<torch::Tensor>& content = {});
+  // room for n more tokens in every row (the storage doubles as needed); the storage itself
+  CacheStorage reserve(int64_t n);
   std::vector<torch::Tensor> content() const;  // [B, H, length, ...] each
   // per-token phases (a rotation runtime's): each row's phase after its last token, [B, 1]
   // float64 (undefined before the first call)
@@ -130,6 +165,8 @@ class AttentionImpl : public torch::nn::Module {
   // content bias
   torch::Tensor assembled(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const AttentionCall& call);
+  // whether autograd records this call (decode_step has no backward)
+  bool needs_grad(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
   int64_t num_heads_, num_kv_heads_;
   AttentionOptions options_;
   std::optional<std::string> cache_refusal_;
@@ -138,6 +175,7 @@ class AttentionImpl : public torch::nn::Module {
   const TransformTerm* rotation_ = nullptr;    // a transform with learned frequencies, if any
   std::vector<torch::Tensor> rotation_params_;
   torch::Tensor favor_projection_;  // backend favor: W [m, D]
+  bool one_call_decode_ = false;    // a cached step without autograd runs as decode_step
 };
 TORCH_MODULE(Attention);
 

@@ -8,9 +8,19 @@
 //       the new tokens written after each row's length (the caller grows the storage first)
 //   nonfinite(Tensor[] tensors) -> int
 //       the index of the first tensor holding NaN or Inf, -1 when none does (one pass each)
+//   attention_decode(q, k, v, keys!, values!, positions!, lengths!, new_positions?, key_len?,
+//                    kernel_params[4], spec, head_dim, kv_heads, num_heads, layout, causal, window,
+//                    scale, check_finite, warned) -> (out, lse, warned)
+//       the Python Attention's cached step in one call, for a mechanism of one position term
+//       (or none) and slope or no biases, without autograd: the checks, the cache's step, the
+//       new tokens' transform, the append and the kernel over the used prefix. The same steps as
+//       AttentionImpl::assembled with a cache (the interpreter's share of a decode step was
+//       about as large as the kernel's at 1k keys)
+#include <fmt/format.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include "core/registry.hpp"
 #include "torch/attention_module.hpp"
 #include "torch/finite.hpp"
 #include "torch/op_util.hpp"
@@ -48,6 +58,43 @@ int64_t nonfinite_op(at::TensorList tensors) {
   return -1;
 }
 
+std::tuple<torch::Tensor, torch::Tensor, int64_t> attention_decode_op(
+    const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v,
+    const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& positions,
+    const torch::Tensor& lengths, const c10::optional<torch::Tensor>& new_positions,
+    const c10::optional<torch::Tensor>& key_len, at::TensorList kernel_params,
+    const std::string& spec, int64_t head_dim, int64_t kv_heads, int64_t num_heads, int64_t layout,
+    bool causal, double window, double scale, bool check_finite, int64_t warned) {
+  return op_util::value_errors([&] {
+    const torch::NoGradGuard no_grad;
+    if (head_dim <= 0 || head_dim > kMaxHeadDim || kv_heads <= 0 || kv_heads > kMaxHeads ||
+        num_heads <= 0 || num_heads % kv_heads)
+      throw InputError(
+          fmt::format("head dim {} / heads {}:{} out of range", head_dim, num_heads, kv_heads));
+    const Mechanism m =
+        build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
+    if (auto why = one_call_decode_refusal(m)) throw InputError(*why);
+    for (auto [name, t] : {std::pair{"q", &q_in}, std::pair{"k", &k_in}, std::pair{"v", &v}})
+      if (t->dim() != 4 || !t->is_cpu() || op_util::is_half(t->scalar_type()) ||
+          t->scalar_type() != keys.scalar_type())
+        throw InputError(fmt::format(
+            "attention_decode: {} must be a [B, H, T, D] CPU tensor of the cache's float32 or "
+            "float64",
+            name));
+    if (check_finite)
+      for (auto [name, t] : {std::pair{"q", &q_in}, std::pair{"k", &k_in}, std::pair{"v", &v}})
+        if (!all_finite(*t)) throw InputError(fmt::format("{} contains NaN or Inf", name));
+    EncodingWarnings w{(warned & 1) != 0, (warned & 2) != 0, (warned & 4) != 0};
+    const DecodeStep step{layout ? Layout::HalfSplit : Layout::Interleaved, num_heads, causal,
+                          window, scale};
+    const auto o = decode_step(
+        m, kernel_params.vec(), q_in, k_in, v, {keys, values, positions, lengths},
+        new_positions.value_or(torch::Tensor()), key_len.value_or(torch::Tensor()), step, w);
+    warned = (w.clamp ? 1 : 0) | (w.resolution ? 2 : 0) | (w.center ? 4 : 0);
+    return std::make_tuple(o[0], o[1], warned);
+  });
+}
+
 }  // namespace
 
 }  // namespace relpos::nn
@@ -63,4 +110,11 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "Tensor[] content) -> ()",
       relpos::nn::cache_append_op);
   m.def("nonfinite(Tensor[] tensors) -> int", relpos::nn::nonfinite_op);
+  m.def(
+      "attention_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, "
+      "Tensor(c!) positions, Tensor(d!) lengths, Tensor? new_positions, Tensor? key_len, "
+      "Tensor[] kernel_params, str spec, int head_dim, int kv_heads, int num_heads, int layout, "
+      "bool causal, float window, float scale, bool check_finite, int warned) -> "
+      "(Tensor, Tensor, int)",
+      relpos::nn::attention_decode_op);
 }

@@ -401,7 +401,7 @@ PositionEncodingImpl::Output PositionEncodingImpl::position_forward(const torch:
                                                                     bool check_finite) {
   auto kp = kernel_params();
   const auto dt = q.scalar_type();
-  check_exponent_range(dt);
+  check_exponent_range(mech_, dt);
   const double center = center_for(pos);
   warn_about_positions(mech_, positions, pos, center, kp.gamma, last_center_, warned_);
   auto& c = trig_cache_;
@@ -423,15 +423,15 @@ PositionEncodingImpl::Output PositionEncodingImpl::position_forward(const torch:
   }
 }
 
-void PositionEncodingImpl::check_exponent_range(torch::ScalarType dt) const {
+void check_exponent_range(const Mechanism& m, torch::ScalarType dt) {
   // e^x is finite for x <= 88.72 in float32 and 709.78 in float64
   const double limit = dt == torch::kFloat ? 88.0 : 709.0;
-  for (const auto& s : mech_.segments())
+  for (const auto& s : m.segments())
     if (s.damped && s.max_exponent > limit)
       throw InputError(fmt::format(
           "{}: max_exp={} overflows {} (e^x is finite only up to x = {}); use float64 tensors or "
           "max_exp <= {}",
-          mech_.name, s.max_exponent, dtype_name(dt), limit, limit));
+          m.name, s.max_exponent, dtype_name(dt), limit, limit));
 }
 
 torch::Tensor PositionEncodingImpl::alibi_slopes() const {

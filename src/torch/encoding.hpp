@@ -73,12 +73,11 @@ class PositionEncodingImpl : public torch::nn::Module {
   // Which once-per-module warnings forward() has issued so far.
   using Warnings = EncodingWarnings;
   const Warnings& warnings_issued() const { return warned_; }
+  Warnings& warnings_issued() { return warned_; }  // (a decode step outside forward issues them)
   const kernels::TransformPlan& plan() const { return plan_; }
   double center_for(const torch::Tensor& positions) const;
 
  private:
-  void check_exponent_range(torch::ScalarType dt) const;
-
   Mechanism mech_;
   kernels::TransformPlan plan_;
   EncodingOptions options_;
@@ -124,6 +123,9 @@ torch::Tensor checked_position_values(const torch::Tensor& positions, int64_t B,
 void warn_about_positions(const Mechanism& m, const torch::Tensor& user_positions,
                           const torch::Tensor& pos, double center, const torch::Tensor& gamma,
                           std::optional<double>& last_center, EncodingWarnings& issued);
+
+// Refuses (InputError) a damped mechanism whose exponent clamp max_exp overflows dtype's exp.
+void check_exponent_range(const Mechanism& m, torch::ScalarType dtype);
 
 // Validates q/k/positions for a mechanism (shape, dtype, head dim, finiteness) with errors that
 // name the tensor and the problem. Returns the positions as float64 (default 0..T-1).

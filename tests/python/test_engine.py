@@ -144,8 +144,49 @@ def test_forward_is_the_plain_torch_composition(spec):
     torch.testing.assert_close(a(q, k, v), want, rtol=0, atol=0)
 
 
+def one_call(info):
+    """Whether a cached step runs as one op call (attention_decode): at most one transform, driven
+    by positions alone, biases of slope form only."""
+    return (len(info["transforms"]) <= 1
+            and all(t["kind"] not in ("fixed_linear", "vector_rotation") and t["time"] == "position"
+                    and not t["learned_frequencies"] and t["basis"] == "none"
+                    and not t.get("values") and not t.get("outputs") for t in info["transforms"])
+            and all(b["shape"] == "lag_table" and b["slopes"] for b in info["biases"]))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("spec", DECODED)
-def test_decode_through_the_cache_is_the_full_forward(spec):
+def test_decode_through_the_cache_is_the_full_forward(spec, grad):
+    # without autograd (and for mechanisms without parameters) a cached step is one op call
+    # (Attention._decode); with it the general path: both against the same full forward
+    with torch.set_grad_enabled(grad):
+        check_decode(spec)
+
+
+@pytest.mark.parametrize("spec", DECODED)
+def test_the_one_call_decode_step_is_the_general_path(spec):
+    a = module(spec, torch.float32)
+    q, k, v = qkv(spec, dtype=torch.float32)
+    calls = []
+    decode = a._decode
+    a._decode = lambda *args: calls.append(1) or decode(*args)
+    caches = [relpos.KVCache(2, HK, DIMS[spec], capacity=2) for _ in range(2)]
+    for t in range(6):
+        got = []
+        for cache, grad in zip(caches, (False, True)):
+            x = [y[:, :, t : t + 1] for y in (q, k, v)]
+            if grad:  # the general path: autograd records the step
+                x[0] = x[0].clone().requires_grad_(True)
+            with torch.set_grad_enabled(grad):
+                got.append(a(*x, cache=cache, return_lse=True))
+        for one, general in zip(*got):
+            torch.testing.assert_close(one, general.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(caches[0].keys, caches[1].keys, rtol=0, atol=0)
+    assert torch.equal(caches[0].positions, caches[1].positions)
+    assert len(calls) == (6 if one_call(INFO[spec]) else 0)
+
+
+def check_decode(spec):
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
         a = module(spec, dtype)
         q, k, v = qkv(spec, dtype=dtype)

@@ -120,17 +120,23 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
       continue;
     }
     ++decoded;
-    // a prefill of 3 tokens, then one token at a time
-    nn::DecodeCache cache(B, kHk, D, torch::kDouble, 2);
-    std::vector<torch::Tensor> outs = {a->forward(x.q.narrow(2, 0, 3), x.k.narrow(2, 0, 3),
-                                                  x.v.narrow(2, 0, 3),
-                                                  {.positions = tokens(P, 0, 3), .cache = &cache})};
-    for (int64_t t = 3; t < T; ++t)
-      outs.push_back(a->forward(x.q.narrow(2, t, 1), x.k.narrow(2, t, 1), x.v.narrow(2, t, 1),
-                                {.positions = tokens(P, t, 1), .cache = &cache}));
-    EXPECT_LT(max_diff(torch::cat(outs, 2), full), 1e-12);
-    EXPECT_EQ(cache.length(), T);
-    EXPECT_GE(cache.capacity(), T);  // grown from 2
+    // with autograd the general path; without it (and a mechanism one_call_decode_refusal
+    // accepts) each cached step is one decode_step: both against the same full forward
+    for (const bool grad : {true, false}) {
+      SCOPED_TRACE(grad ? "grad" : "no grad");
+      const torch::AutoGradMode mode(grad);
+      // a prefill of 3 tokens, then one token at a time
+      nn::DecodeCache cache(B, kHk, D, torch::kDouble, 2);
+      std::vector<torch::Tensor> outs = {
+          a->forward(x.q.narrow(2, 0, 3), x.k.narrow(2, 0, 3), x.v.narrow(2, 0, 3),
+                     {.positions = tokens(P, 0, 3), .cache = &cache})};
+      for (int64_t t = 3; t < T; ++t)
+        outs.push_back(a->forward(x.q.narrow(2, t, 1), x.k.narrow(2, t, 1), x.v.narrow(2, t, 1),
+                                  {.positions = tokens(P, t, 1), .cache = &cache}));
+      EXPECT_LT(max_diff(torch::cat(outs, 2).detach(), full.detach()), 1e-12);
+      EXPECT_EQ(cache.length(), T);
+      EXPECT_GE(cache.capacity(), T);  // grown from 2
+    }
   }
   EXPECT_GT(accepted, 10);
   EXPECT_GT(decoded, 10);
