@@ -112,18 +112,24 @@ std::pair<torch::Tensor, torch::Tensor> transformed_step(const Mechanism& m, Lay
     using op_util::ptr;
     const kernels::Params<scalar_t> p{ptr<scalar_t>(kp[0]), ptr<scalar_t>(kp[1]),
                                       ptr<scalar_t>(kp[2]), ptr<scalar_t>(kp[3])};
-    const auto apply = [&](const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& at,
-                           int64_t rows, bool query) {
+    // one kernel pass over queries and keys when they share rows and positions (g = 1), else
+    // the grouped queries and the keys apart
+    const auto apply = [&](const torch::Tensor* x, torch::Tensor* y, const torch::Tensor& at,
+                           int64_t rows, const torch::Tensor* xk, torch::Tensor* yk) {
       const kernels::Dims dims{B, Hk, rows};
       const kernels::Positions P{at.data_ptr<double>(), true, center};
       const auto trig = kernels::build_trig_table<scalar_t>(plan, dims, P);
-      kernels::transform_forward<scalar_t>(
-          plan, dims, P, p, trig.view(), query ? x.data_ptr<scalar_t>() : nullptr,
-          query ? nullptr : x.data_ptr<scalar_t>(), query ? y.data_ptr<scalar_t>() : nullptr,
-          query ? nullptr : y.data_ptr<scalar_t>());
+      const auto in = [](const torch::Tensor* t) { return t ? t->data_ptr<scalar_t>() : nullptr; };
+      const auto out = [](torch::Tensor* t) { return t ? t->data_ptr<scalar_t>() : nullptr; };
+      kernels::transform_forward<scalar_t>(plan, dims, P, p, trig.view(), in(x), in(xk), out(y),
+                                           out(yk));
     };
-    apply(q, qo, qpos, g * T, true);
-    apply(k, ko, pos, T, false);
+    if (g == 1) {
+      apply(&q, &qo, pos, T, &k, &ko);
+    } else {
+      apply(&q, &qo, qpos, g * T, nullptr, nullptr);
+      apply(nullptr, nullptr, pos, T, &k, &ko);
+    }
   });
   return {qo, ko};
 }

@@ -232,11 +232,32 @@ void warn_about_positions(const Mechanism& m, const torch::Tensor& user_position
                           const torch::Tensor& pos, double center, const torch::Tensor& gamma,
                           std::optional<double>& last_center, EncodingWarnings& issued) {
   if (pos.numel() == 0) return;
-  const double lo = pos.min().item<double>(), hi = pos.max().item<double>();
+  const bool narrow = !issued.resolution && user_positions.defined() &&
+                      user_positions.is_floating_point() &&
+                      user_positions.scalar_type() != torch::kDouble;
+  // the clamp cannot bind without an exponent (RoPE's gamma is all zero): a decode step of an
+  // undamped mechanism reads no position range
+  torch::Tensor g;
+  if (!issued.clamp && gamma.defined() && gamma.numel() > 0) {
+    g = gamma.detach().to(torch::kCPU, torch::kDouble).contiguous();
+    const double* v = g.data_ptr<double>();
+    if (std::all_of(v, v + g.numel(), [](double x) { return x == 0.0; })) g = torch::Tensor();
+  }
+  double lo = 0, hi = 0;
+  if (narrow || g.defined()) {
+    if (pos.is_cpu() && pos.scalar_type() == torch::kDouble && pos.is_contiguous()) {
+      const auto [a, b] =
+          std::minmax_element(pos.data_ptr<double>(), pos.data_ptr<double>() + pos.numel());
+      lo = *a;
+      hi = *b;
+    } else {
+      lo = pos.min().item<double>();
+      hi = pos.max().item<double>();
+    }
+  }
   // float32 (or narrower) positions: resolution ulp(|p|) >= 1/16 from |p| = 2^19 on, so
   // fractional positions have already collapsed before they reach us
-  if (!issued.resolution && user_positions.defined() && user_positions.is_floating_point() &&
-      user_positions.scalar_type() != torch::kDouble) {
+  if (narrow) {
     const double far = std::max(std::abs(lo), std::abs(hi));
     const int mant = user_positions.scalar_type() == torch::kFloat      ? 24
                      : user_positions.scalar_type() == torch::kBFloat16 ? 8
@@ -251,9 +272,8 @@ void warn_about_positions(const Mechanism& m, const torch::Tensor& user_position
     }
   }
   // the exponent clamp |gamma (p - c0)| <= max_exp changes the scores where it binds
-  if (!issued.clamp && gamma.defined() && gamma.numel() > 0) {
+  if (g.defined()) {
     ParamValues pv = default_params(m);
-    const auto g = gamma.detach().to(torch::kDouble).contiguous();
     pv.gamma.assign(g.data_ptr<double>(), g.data_ptr<double>() + g.numel());
     const double far = std::max(std::abs(lo - center), std::abs(hi - center));
     if (clamp_ratio(m, pv, far) > 1) {
