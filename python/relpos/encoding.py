@@ -178,7 +178,7 @@ class PositionEncoding(nn.Module):
         # the once-per-module warnings (docs/errors.md), issued by the op the C++ module shares
         self._warned = 0  # bits of torch.ops.relpos.encoding_warnings
         self._zero_gamma: tuple | None = None  # (versions of gamma's tensors, all zero)
-        self._inference_cache: tuple | None = None  # (dtype, versions of the schema, params)
+        self._inference_cache: tuple | None = None  # (dtype, schema values, params)
         self._last_center: float | None = None
         self._terms = []  # ("position" | "fixed" | "vector", index of the term)
         for i, t in enumerate(info["transforms"]):
@@ -220,15 +220,20 @@ class PositionEncoding(nn.Module):
 
     def _inference_params(self, dtype) -> list[torch.Tensor]:
         """kernel_params() detached, in dtype, contiguous: [gamma, eta, gates, alpha0], kept while
-        the schema's tensors keep their identities and versions (an optimizer step, ``.to()`` or
-        ``load_state_dict`` changes one), so a decode step does not recompute them."""
-        key = (dtype, tuple((id(t), t._version) for t in (getattr(self, n) for n in self._schema)))
-        if self._inference_cache is None or self._inference_cache[0] != key:
+        the schema's tensors hold the same values (compared, not versioned: a write through
+        ``.data``, as EMA swaps do, bumps no version counter), so a decode step does not
+        recompute them."""
+        schema = [getattr(self, n) for n in self._schema]
+        c = self._inference_cache
+        if (c is None or c[0] != dtype or len(c[1]) != len(schema)
+                or not all(t.dtype == u.dtype and t.shape == u.shape and torch.equal(t.detach(), u)
+                           for t, u in zip(schema, c[1]))):
             with torch.no_grad():
                 kp = self.kernel_params()
-            self._inference_cache = (key, [kp[n].to(dtype).contiguous()
-                                           for n in ("gamma", "eta", "gates", "alpha0")])
-        return self._inference_cache[1]
+            self._inference_cache = (dtype, [t.detach().clone() for t in schema],
+                                     [kp[n].to(dtype).contiguous()
+                                      for n in ("gamma", "eta", "gates", "alpha0")])
+        return self._inference_cache[2]
 
     def lag_table(self, length: int) -> torch.Tensor | None:
         """The learned lag table ``b_h(d)``, ``d = 0..length-1``: float64 ``[H, length]``,

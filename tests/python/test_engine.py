@@ -186,6 +186,26 @@ def test_the_one_call_decode_step_is_the_general_path(spec):
     assert len(calls) == (6 if one_call(INFO[spec]) else 0)
 
 
+def test_the_one_call_decode_step_reads_parameters_written_through_data():
+    # an EMA swap writes parameters through .data, which bumps no version counter: the step's
+    # cached kernel parameters must follow the values
+    a = relpos.Attention("jordan(m=2)", 16, 2, 2)
+    q, k, v = (torch.randn(1, 2, 1, 16) for _ in range(3))
+
+    def step(grad):
+        cache = relpos.KVCache(1, 2, 16)
+        with torch.set_grad_enabled(grad):  # no grad: the one-call step; grad: the general path
+            a(q, k, v, cache=cache)
+            return a(q, k, v, cache=cache).detach()
+
+    before = step(False)
+    for p in a.parameters():
+        p.data.add_(0.3)
+    after = step(False)
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, step(True), rtol=0, atol=0)
+
+
 def check_decode(spec):
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
         a = module(spec, dtype)
