@@ -306,6 +306,12 @@ std::vector<Case> random_cases() {
   add({1, 4, 4, 1, 2000, 64},
       [](Case& c) { c.causal = false, c.window = 300, c.lag = c.padding = true; });
   add({2, 6, 3, 8, 333, 40}, [](Case& c) { c.segments = c.left_padding = true, c.slopes = true; });
+  // the dot-product rows' blocks (4 rows x 1 key, 2 x 2, 1 x 4) and their tails: 3 rows (a
+  // block of 2 and a single row), key tiles ending in 1-3 keys, D a multiple of 16 or not
+  add({1, 3, 1, 1, 131, 48}, [](Case& c) { c.lag = c.slopes = true; });
+  add({2, 2, 2, 1, 67, 16}, [](Case& c) { c.tokens = c.padding = true; });
+  add({1, 4, 1, 1, 70, 64}, [](Case& c) { c.pos = Pos::Fractional, c.slopes = true; });
+  add({1, 2, 1, 2, 65, 20}, [](Case& c) { c.lag = true; });
   // every case under both backward schemes
   const size_t n = cs.size();
   for (size_t i = 0; i < n; ++i)
