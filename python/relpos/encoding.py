@@ -215,19 +215,23 @@ class PositionEncoding(nn.Module):
         reparameterisation (softplus + floor, bounded tanh, softmax) of the schema's tensors,
         differentiable in the raw parameters."""
         gamma, eta, gates, alpha0 = torch.ops.relpos.encoding_kernel_params(
-            self.spec, self.head_dim, self.num_heads, [getattr(self, n) for n in self._schema])
+            self.spec, self.head_dim, self.num_heads, self._schema_tensors())
         return {"gamma": gamma, "eta": eta, "gates": gates, "alpha0": alpha0}
+
+    def _schema_tensors(self) -> list[torch.Tensor]:
+        # the registered tensors read directly (nn.Module.__getattr__ is the slow path; a decode
+        # step reads the schema every call)
+        p, b = self._parameters, self._buffers
+        return [p[n] if n in p else b[n] for n in self._schema]
 
     def _inference_params(self, dtype) -> list[torch.Tensor]:
         """kernel_params() detached, in dtype, contiguous: [gamma, eta, gates, alpha0], kept while
         the schema's tensors hold the same values (compared, not versioned: a write through
         ``.data``, as EMA swaps do, bumps no version counter), so a decode step does not
         recompute them."""
-        schema = [getattr(self, n) for n in self._schema]
+        schema = self._schema_tensors()
         c = self._inference_cache
-        if (c is None or c[0] != dtype or len(c[1]) != len(schema)
-                or not all(t.dtype == u.dtype and t.shape == u.shape and torch.equal(t.detach(), u)
-                           for t, u in zip(schema, c[1]))):
+        if c is None or c[0] != dtype or not torch.ops.relpos.same_values(schema, c[1]):
             with torch.no_grad():
                 kp = self.kernel_params()
             self._inference_cache = (dtype, [t.detach().clone() for t in schema],

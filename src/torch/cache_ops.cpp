@@ -8,6 +8,9 @@
 //       the new tokens written after each row's length (the caller grows the storage first)
 //   nonfinite(Tensor[] tensors) -> int
 //       the index of the first tensor holding NaN or Inf, -1 when none does (one pass each)
+//   same_values(Tensor[] a, Tensor[] b) -> bool
+//       whether a and b hold the same tensors by dtype, shape and bytes (one call for a list: the
+//       module's per-step check that cached kernel parameters are still its parameters')
 //   attention_decode(q, k, v, keys!, values!, positions!, lengths!, new_positions?, key_len?,
 //                    kernel_params[4], spec, head_dim, kv_heads, num_heads, layout, causal, window,
 //                    scale, check_finite, warned) -> (out, lse, warned)
@@ -19,6 +22,8 @@
 #include <fmt/format.h>
 #include <torch/library.h>
 #include <torch/torch.h>
+
+#include <cstring>
 
 #include "core/registry.hpp"
 #include "torch/attention_module.hpp"
@@ -50,6 +55,21 @@ void cache_append_op(const torch::Tensor& keys, const torch::Tensor& values,
                  content.vec());
     return 0;
   });
+}
+
+bool same_values_op(at::TensorList a, at::TensorList b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const torch::Tensor &x = a[i], &y = b[i];
+    if (x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes() || x.device() != y.device())
+      return false;
+    if (x.is_cpu() && x.is_contiguous() && y.is_contiguous()) {
+      if (std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * x.element_size()) != 0) return false;
+    } else if (!torch::equal(x.detach(), y.detach())) {
+      return false;
+    }
+  }
+  return true;
 }
 
 int64_t nonfinite_op(at::TensorList tensors) {
@@ -110,6 +130,7 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "Tensor[] content) -> ()",
       relpos::nn::cache_append_op);
   m.def("nonfinite(Tensor[] tensors) -> int", relpos::nn::nonfinite_op);
+  m.def("same_values(Tensor[] a, Tensor[] b) -> bool", relpos::nn::same_values_op);
   m.def(
       "attention_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, "
       "Tensor(c!) positions, Tensor(d!) lengths, Tensor? new_positions, Tensor? key_len, "

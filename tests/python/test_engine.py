@@ -398,6 +398,31 @@ def test_learned_lag_tables_run_without_grouped_heads(spec):
     torch.testing.assert_close(torch.cat(steps, 2), out.detach(), rtol=0, atol=1e-12)
 
 
+def test_same_values_compares_dtype_shape_and_every_byte():
+    """relpos::same_values (the one-call step's check that its cached kernel parameters are still
+    the module's): equal lists are equal, and any one difference of dtype, shape, length or a
+    single element (a NaN included, strided views too) is found."""
+    a = [torch.randn(3, 5, dtype=torch.float64), torch.zeros(0), torch.arange(7.0)]
+    b = [t.clone() for t in a]
+    assert torch.ops.relpos.same_values(a, b)
+    assert torch.ops.relpos.same_values(a[:1] + [torch.zeros(0)] + a[2:], b)
+    assert not torch.ops.relpos.same_values(a, b[:2])
+    assert not torch.ops.relpos.same_values(a, [b[0].float()] + b[1:])
+    assert not torch.ops.relpos.same_values(a, [b[0].reshape(5, 3)] + b[1:])
+    for i in range(15):
+        c = b[0].clone()
+        x = c.view(-1)[i]
+        c.view(-1)[i] = math.nan if i % 2 else torch.nextafter(x, x + 1)  # one unit in the last place
+        assert not torch.ops.relpos.same_values(a, [c] + b[1:]), i
+    big = torch.randn(4, 9)
+    assert torch.ops.relpos.same_values([big[:, ::2]], [big[:, ::2].clone()])
+    other = big.clone()
+    other[3, 7] += 1
+    assert torch.ops.relpos.same_values([big[:, ::2]], [other[:, ::2]])  # outside the view
+    other[3, 6] += 1
+    assert not torch.ops.relpos.same_values([big[:, ::2]], [other[:, ::2]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_the_finiteness_check_finds_every_non_finite_value(dtype):
     """relpos::nonfinite (the modules' check_finite): every NaN, +Inf or -Inf is found wherever
