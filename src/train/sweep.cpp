@@ -411,6 +411,13 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
       agg;
   std::vector<std::pair<std::string, std::string>> order;
   std::map<std::pair<std::string, std::string>, std::map<std::string, std::vector<double>>> extras;
+  // RFC 4180: a field with a comma (most method specs), a quote or a line break is quoted
+  const auto csv_field = [](const std::string& f) {
+    if (f.find_first_of(",\"\r\n") == std::string::npos) return f;
+    std::string q = "\"";
+    for (char c : f) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+    return q + "\"";
+  };
   std::string csv = "method,setting,seed,length,loss,accuracy,perplexity,wall_s\n";
   std::vector<int64_t> lengths;
   for (const auto& j : jobs) {
@@ -430,9 +437,10 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
       const int64_t L = e["length"];
       agg[key][L].push_back({e["loss"].get<double>(), e["accuracy"].get<double>()});
       if (std::find(lengths.begin(), lengths.end(), L) == lengths.end()) lengths.push_back(L);
-      csv += fmt::format("{},{},{},{},{:.9g},{:.9g},{:.9g},{:.3f}\n", j.method, j.setting, j.seed,
-                         L, e["loss"].get<double>(), e["accuracy"].get<double>(),
-                         e["perplexity"].get<double>(), s["wall_s"].get<double>());
+      csv += fmt::format("{},{},{},{},{:.9g},{:.9g},{:.9g},{:.3f}\n", csv_field(j.method),
+                         csv_field(j.setting), j.seed, L, e["loss"].get<double>(),
+                         e["accuracy"].get<double>(), e["perplexity"].get<double>(),
+                         s["wall_s"].get<double>());
     }
   }
   std::string md = fmt::format(

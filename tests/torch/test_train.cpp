@@ -268,13 +268,20 @@ TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
   c.eval.every = 0;
   c.eval.lengths = {24};
   std::ofstream(dir / "sweep.toml")
-      << c.to_toml() << "\n[sweep]\nmethods = [\"nope\", \"rope + alibi\"]\nseeds = [0, 1]\n";
+      << c.to_toml()
+      << "\n[sweep]\nmethods = [\"nope\", \"rope + alibi\", \"jordan(m=2, regime=raw)\"]\n"
+         "seeds = [0, 1]\n";
   const auto md = train::run_sweep(dir / "sweep.toml", {}, (dir / "out").string(), false);
   EXPECT_NE(md.find("| rope + alibi |"), std::string::npos) << md;
   EXPECT_TRUE(fs::exists(dir / "out" / "rope_alibi" / "s1" / "summary.json"));
   EXPECT_TRUE(fs::exists(dir / "out" / "summary.md"));
   EXPECT_TRUE(fs::exists(dir / "out" / "loss_curves.csv"));
   EXPECT_TRUE(fs::exists(dir / "out" / "length_curves.gp"));
+  // results.csv is RFC 4180: a method spec with commas is one quoted field
+  std::ifstream csv(dir / "out" / "results.csv");
+  const std::string rows((std::istreambuf_iterator<char>(csv)), std::istreambuf_iterator<char>());
+  EXPECT_NE(rows.find("\n\"jordan(m=2, regime=raw)\",,0,24,"), std::string::npos) << rows;
+  EXPECT_NE(rows.find("\nrope + alibi,,1,24,"), std::string::npos) << rows;
   // a second call skips every finished run (their summaries are left untouched)
   const auto t = fs::last_write_time(dir / "out" / "nope" / "s0" / "summary.json");
   train::run_sweep(dir / "sweep.toml", {}, (dir / "out").string(), false);
