@@ -92,6 +92,7 @@ struct Operands {
   Biases bias;
   double path_scale = 1.0;
   kernels::AttentionDims dims;
+  int64_t key_rows = 0;  // AttentionBias::key_rows: ck, gk, path_k read in place (0: contiguous)
   bool per_batch = false;
 
   // The slot pointers of a kernel bias struct (AttentionBias, AttentionBiasGrads: one field per
@@ -115,6 +116,7 @@ struct Operands {
     b.lag_len = bias[kLagTable].defined() ? bias[kLagTable].size(1) : 0;
     b.path_dim = bias[kPathQ].defined() ? bias[kPathQ].size(3) : 0;
     b.path_scale = path_scale;
+    b.key_rows = key_rows;
     return b;
   }
   // the gradient pointers of the slots (undefined or empty tensors: not computed)
@@ -149,18 +151,24 @@ torch::Tensor attention_positions(const torch::Tensor& p, int64_t B, int64_t T, 
   return d;
 }
 
-// The rows per key/value head when k and v are the used prefix of a decode cache's storage
-// ([B, Hk, Tk, D] views of one [B, Hk, R, D] layout, R > Tk, rows contiguous): the forward reads
-// them in place instead of copying the whole cache every step. 0 for any other layout.
+// R when t, [B, H, T] or [B, H, T, w], is the used prefix of a decode cache's storage ([B, H, R]
+// or [B, H, R, w], R > T, rows contiguous); 0 for any other layout.
+int64_t prefix_rows(const torch::Tensor& t) {
+  if (t.is_contiguous() || t.dim() < 3 || t.dim() > 4) return 0;
+  const int64_t B = t.size(0), H = t.size(1), T = t.size(2), w = t.dim() == 4 ? t.size(3) : 1;
+  if (w < 1 || (t.dim() == 4 && t.stride(3) != 1) || (T > 1 && t.stride(2) != w)) return 0;
+  const int64_t head = H > 1 ? t.stride(1) : t.stride(0);  // B > 1 when H == 1
+  if (head % w || head / w < T) return 0;
+  if (B > 1 && t.stride(0) != H * head) return 0;
+  return head / w;
+}
+
+// The rows per key/value head when k and v are the used prefix of a decode cache's storage: the
+// forward reads them in place instead of copying the whole cache every step. 0 for any other
+// layout.
 int64_t cache_rows(const torch::Tensor& k, const torch::Tensor& v) {
-  if (k.is_contiguous() || op_util::is_half(k.scalar_type()) || k.strides() != v.strides())
-    return 0;
-  const int64_t B = k.size(0), Hk = k.size(1), Tk = k.size(2), D = k.size(3);
-  if (D < 1 || k.stride(3) != 1 || (Tk > 1 && k.stride(2) != D)) return 0;
-  const int64_t head = Hk > 1 ? k.stride(1) : k.stride(0) / Hk;  // B > 1 when Hk == 1
-  if (head % D || head / D < Tk) return 0;
-  if (B > 1 && k.stride(0) != Hk * head) return 0;
-  return head / D;
+  if (op_util::is_half(k.scalar_type()) || k.strides() != v.strides()) return 0;
+  return prefix_rows(k);
 }
 
 Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -240,7 +248,7 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     if (!tcq.is_floating_point() || !tck.is_floating_point())
       throw InputError("attention: cq and ck must be floating point");
     o.bias[kCq] = tcq.to(torch::kDouble).contiguous();
-    o.bias[kCk] = tck.to(torch::kDouble).contiguous();
+    o.bias[kCk] = tck.to(torch::kDouble);
   }
   // integer tensors of an exact shape, as int64
   const auto ids = [&](const OptTensor& x, std::vector<int64_t> shape, const char* name) {
@@ -275,7 +283,9 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     }
   }
   // per-token tensors of q's dtype with an exact shape
-  const auto per_token = [&](const torch::Tensor& t, std::vector<int64_t> shape, const char* name) {
+  // (key sides: contiguous below, unless read in place)
+  const auto per_token = [&](const torch::Tensor& t, std::vector<int64_t> shape, const char* name,
+                             bool key_side = false) {
     if (!t.defined()) return t;
     if (t.sizes() != torch::IntArrayRef(shape))
       throw InputError(fmt::format("attention: {} must be [{}], got {}", name,
@@ -283,10 +293,10 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     if (!op_util::goes_with(t.scalar_type(), q.scalar_type()))
       throw InputError(
           fmt::format("attention: {} must have q's dtype (or float32 beside half q)", name));
-    return computed(t);
+    return key_side && !op_util::is_half(t.scalar_type()) ? t : computed(t);
   };
   o.bias[kGq] = per_token(in[kGq], {B, Hq, Tq}, "gq");
-  o.bias[kGk] = per_token(in[kGk], {B, Hq, Tk}, "gk");
+  o.bias[kGk] = per_token(in[kGk], {B, Hq, Tk}, "gk", true);
   const auto tpq = in[kPathQ], tpk = in[kPathK], tpb = in[kPathBeta];
   if (tpq.defined() != tpk.defined() || tpq.defined() != tpb.defined())
     throw InputError("attention: the path integral needs path_q, path_k and path_beta together");
@@ -296,11 +306,23 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
       throw InputError(fmt::format("attention: path_q must be [{}, {}, {}, P], got {}", B, Hq, Tq,
                                    shape_of(tpq)));
     o.bias[kPathQ] = per_token(tpq, {B, Hq, Tq, P}, "path_q");
-    o.bias[kPathK] = per_token(tpk, {B, Hq, Tk, P}, "path_k");
+    o.bias[kPathK] = per_token(tpk, {B, Hq, Tk, P}, "path_k", true);
     o.bias[kPathBeta] = per_token(tpb, {Hq}, "path_beta");
     if (!std::isfinite(path_scale)) throw InputError("attention: path_scale must be finite");
     o.path_scale = path_scale;
   }
+  // the key sides of per-token biases (ck, gk, path_k): in place when they all are the used
+  // prefix of one decode cache layout (the forward), as the keys; else contiguous
+  int64_t key_rows = -1;
+  for (int slot : {kCk, kGk, kPathK})
+    if (const torch::Tensor& t = o.bias[slot]; t.defined()) {
+      const int64_t r = keys_in_place ? prefix_rows(t) : 0;
+      key_rows = key_rows < 0 || key_rows == r ? r : 0;
+    }
+  o.key_rows = std::max<int64_t>(key_rows, 0);
+  if (o.key_rows == 0)
+    for (int slot : {kCk, kGk, kPathK})
+      if (o.bias[slot].defined()) o.bias[slot] = o.bias[slot].contiguous();
   return o;
 }
 

@@ -100,6 +100,46 @@ def test_keys_read_in_place_from_a_cache_prefix(B, Hq, Hk, Tq, Tk, rows):
     assert not kk.grad[:, :, Tk:].any()
 
 
+@pytest.mark.parametrize("B,Hq,Hk,Tq,Tk,rows", [(1, 8, 8, 1, 300, 512), (2, 4, 2, 3, 70, 71),
+                                                 (3, 2, 1, 1, 129, 200)])
+def test_key_side_biases_read_in_place_from_a_cache_prefix(B, Hq, Hk, Tq, Tk, rows):
+    """ck, gk and path_k as the used prefix of a decode cache's storage ([B, Hq, Tk(, P)] views of
+    [B, Hq, rows(, P)], as DecodeCache.content() gives them) give what contiguous copies give,
+    bit for bit, alone and together with the keys in place; the storage past Tk (NaN) is never
+    read; a view of another layout is copied."""
+    D, P = 32, 4
+    q, _, _ = inputs(B, Hq, Hk, Tq, Tk, D, seed=5)
+    store_k = torch.full((B, Hk, rows, D), float("nan"))
+    store_v = torch.full((B, Hk, rows, D), float("nan"))
+    store_k[:, :, :Tk].normal_()
+    store_v[:, :, :Tk].normal_()
+    k, v = store_k[:, :, :Tk], store_v[:, :, :Tk]
+
+    def stored(shape, dtype=torch.float32, scale=1.0):
+        s = torch.full((B, Hq, rows) + shape, float("nan"), dtype=dtype)
+        s[:, :, :Tk] = scale * torch.randn((B, Hq, Tk) + shape, dtype=dtype)
+        return s[:, :, :Tk]
+
+    c = torch.cumsum(-torch.rand(B, Hq, Tk, dtype=torch.float64), -1)
+    fox = dict(cq=c[..., Tk - Tq:].clone(), ck=stored((), torch.float64))
+    grape_a = dict(gq=0.03 * torch.rand(B, Hq, Tq), gk=stored((), scale=0.03))
+    path = dict(path_q=torch.randn(B, Hq, Tq, P), path_k=stored((P,)),
+                path_beta=0.5 * torch.rand(Hq), path_scale=1.0 / P)
+    for biases in (fox, grape_a, path, {**grape_a, **path}):
+        contiguous = {n: t.contiguous() if torch.is_tensor(t) else t for n, t in biases.items()}
+        want, want_lse = relpos.fused_attention(q, k.contiguous(), v.contiguous(), **contiguous)
+        assert torch.isfinite(want).all()
+        for kk, vv in ((k, v), (k.contiguous(), v.contiguous())):
+            got, got_lse = relpos.fused_attention(q, kk, vv, **biases)
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+            torch.testing.assert_close(got_lse, want_lse, atol=0, rtol=0)
+        # a transposed (non-prefix) view is read through a copy, as before
+        if "path_k" in biases:
+            odd = dict(biases, path_k=biases["path_k"].transpose(0, 1).contiguous().transpose(0, 1))
+            got, _ = relpos.fused_attention(q, k, v, **odd)
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_gradcheck_every_input():
     """Finite differences in float64 on the kernel itself: q, k, v, lag table, slopes, cq, ck."""
     q, k, v = inputs(1, 2, 1, 6, 9, 32, torch.float64, seed=3)

@@ -37,6 +37,8 @@ void check(const AttentionDims& d, const AttentionBias<T>& bias, const Attention
     throw InputError("attention: every dimension must be positive");
   if (d.k_rows != 0 && d.k_rows < d.Tk)
     throw InputError("attention: k_rows (rows per key/value head) must be 0 or >= Tk");
+  if (bias.key_rows != 0 && bias.key_rows < d.Tk)
+    throw InputError("attention: key_rows (rows per head of ck, gk, path_k) must be 0 or >= Tk");
   if (d.Hq % d.Hk)
     throw InputError("attention: key/value heads (" + std::to_string(d.Hk) +
                      ") must divide query heads (" + std::to_string(d.Hq) + ")");
@@ -66,7 +68,7 @@ double path_z(const AttentionDims& d, const AttentionBias<double>& bias, int64_t
               int64_t i, int64_t l) {
   const int64_t P = bias.path_dim;
   const double* a = bias.path_q + ((b * d.Hq + h) * d.Tq + i) * P;
-  const double* c = bias.path_k + ((b * d.Hq + h) * d.Tk + l) * P;
+  const double* c = bias.path_k + (bias.key_row(d, b, h) + l) * P;
   double z = 0;
   for (int64_t p = 0; p < P; ++p) z += a[p] * c[p];
   return bias.path_scale * z;
@@ -114,9 +116,9 @@ bool reference_logits(const AttentionDims& d, const double* q, const double* k,
     if (bias.lag_table)
       x += bias.lag_table[h * bias.lag_len + attention_lag_index(pq - pk, bias.lag_len)];
     if (bias.slopes) x -= bias.slopes[h] * (pq - pk);
-    if (bias.cq) x += bias.cq[(b * d.Hq + h) * d.Tq + i] - bias.ck[(b * d.Hq + h) * d.Tk + j];
+    if (bias.cq) x += bias.cq[(b * d.Hq + h) * d.Tq + i] - bias.ck[bias.key_row(d, b, h) + j];
     const double gate = (bias.gq ? bias.gq[(b * d.Hq + h) * d.Tq + i] : 0.0) +
-                        (bias.gk ? bias.gk[(b * d.Hq + h) * d.Tk + j] : 0.0);
+                        (bias.gk ? bias.gk[bias.key_row(d, b, h) + j] : 0.0);
     x -= (pq - pk) * gate;
     if (bias.path_q) x += suffix[j];
     s[j] = x;
@@ -237,7 +239,7 @@ void attention_reference_backward(const AttentionDims& d, const double* q, const
               if (g.path_beta) g.path_beta[h] += de * log_sigmoid(z);
               const double dz = de * bias.path_beta[h] / (1.0 + std::exp(z)) * bias.path_scale;
               const double* a = bias.path_q + row * P;
-              const double* c = bias.path_k + ((b * d.Hq + h) * d.Tk + l) * P;
+              const double* c = bias.path_k + (bias.key_row(d, b, h) + l) * P;
               for (int64_t p = 0; p < P; ++p) {
                 if (g.path_q) g.path_q[row * P + p] += dz * c[p];
                 if (g.path_k) g.path_k[((b * d.Hq + h) * d.Tk + l) * P + p] += dz * a[p];

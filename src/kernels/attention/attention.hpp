@@ -119,7 +119,14 @@ struct AttentionBias {
   const T* path_beta = nullptr;
   int64_t path_dim = 0;
   double path_scale = 1.0;
+  // Rows from one (batch, query head)'s first key to the next's in ck, gk and path_k (>= Tk;
+  // 0: Tk), so that a decode cache's per-token key sides are read in place, as k_rows for k, v.
+  int64_t key_rows = 0;
   bool path() const { return path_q != nullptr; }
+  // the row of key 0 of (b, h) in ck, gk and path_k (path_k: times path_dim)
+  int64_t key_row(const AttentionDims& d, int64_t b, int64_t h) const {
+    return (b * d.Hq + h) * (key_rows > 0 ? key_rows : d.Tk);
+  }
   bool any() const { return lag_table || slopes || cq || ck || gq || gk || path_q; }
 };
 
