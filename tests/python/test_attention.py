@@ -69,6 +69,14 @@ def test_fused_matches_float64_composition(B, Hq, Hk, Tq, Tk, D, window, padded)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
 
 
+def cache_storage(lead, rows, used, tail=(), dtype=torch.float32, scale=1.0):
+    """A decode cache's storage [*lead, rows, *tail]: random in the first `used` rows, NaN past
+    them (a kernel that reads past the used prefix gives NaN)."""
+    s = torch.full(tuple(lead) + (rows,) + tuple(tail), float("nan"), dtype=dtype)
+    s[:, :, :used] = scale * torch.randn(tuple(lead) + (used,) + tuple(tail), dtype=dtype)
+    return s
+
+
 @pytest.mark.parametrize("B,Hq,Hk,Tq,Tk,rows", [(1, 8, 8, 1, 300, 512), (2, 4, 2, 3, 70, 71),
                                                  (3, 2, 1, 1, 129, 200), (1, 4, 1, 5, 64, 64)])
 def test_keys_read_in_place_from_a_cache_prefix(B, Hq, Hk, Tq, Tk, rows):
@@ -77,10 +85,7 @@ def test_keys_read_in_place_from_a_cache_prefix(B, Hq, Hk, Tq, Tk, rows):
     Tk (NaN here) is never read."""
     D = 32
     q, _, _ = inputs(B, Hq, Hk, Tq, Tk, D, seed=3)
-    store_k = torch.full((B, Hk, rows, D), float("nan"))
-    store_v = torch.full((B, Hk, rows, D), float("nan"))
-    store_k[:, :, :Tk].normal_()
-    store_v[:, :, :Tk].normal_()
+    store_k, store_v = (cache_storage((B, Hk), rows, Tk, (D,)) for _ in range(2))
     k, v = store_k[:, :, :Tk], store_v[:, :, :Tk]
     lag = 0.3 * torch.randn(Hq, 20)
     want, want_lse = relpos.fused_attention(q, k.contiguous(), v.contiguous(), lag_table=lag)
@@ -109,16 +114,11 @@ def test_key_side_biases_read_in_place_from_a_cache_prefix(B, Hq, Hk, Tq, Tk, ro
     read; a view of another layout is copied."""
     D, P = 32, 4
     q, _, _ = inputs(B, Hq, Hk, Tq, Tk, D, seed=5)
-    store_k = torch.full((B, Hk, rows, D), float("nan"))
-    store_v = torch.full((B, Hk, rows, D), float("nan"))
-    store_k[:, :, :Tk].normal_()
-    store_v[:, :, :Tk].normal_()
+    store_k, store_v = (cache_storage((B, Hk), rows, Tk, (D,)) for _ in range(2))
     k, v = store_k[:, :, :Tk], store_v[:, :, :Tk]
 
     def stored(shape, dtype=torch.float32, scale=1.0):
-        s = torch.full((B, Hq, rows) + shape, float("nan"), dtype=dtype)
-        s[:, :, :Tk] = scale * torch.randn((B, Hq, Tk) + shape, dtype=dtype)
-        return s[:, :, :Tk]
+        return cache_storage((B, Hq), rows, Tk, shape, dtype, scale)[:, :, :Tk]
 
     c = torch.cumsum(-torch.rand(B, Hq, Tk, dtype=torch.float64), -1)
     fox = dict(cq=c[..., Tk - Tq:].clone(), ck=stored((), torch.float64))
