@@ -21,9 +21,6 @@ from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_a
 from .encoding import _HALF, _STORABLE, InputError, PositionEncoding, _integer, _op
 from .journey import rotate_pairs
 
-# the dtypes of the one-call decode step (half storage takes the general path)
-_ONE_CALL_DTYPES = (torch.float32, torch.float64)
-
 
 class KVCache:
     """The decode state of :class:`Attention`: transformed keys, values (rotated into their
@@ -379,7 +376,7 @@ class Attention(nn.Module):
                 inputs: torch.Tensor | None = None, cache: KVCache | None = None,
                 return_lse: bool = False):
         if (cache is not None and self._one_call_decode and key_start is None and segments is None
-                and q.device.type == "cpu" and q.dtype in _ONE_CALL_DTYPES
+                and q.device.type == "cpu" and q.dtype == cache._keys.dtype
                 and not torch.compiler.is_compiling() and not self._needs_grad(q, k, v)):
             return self._decode(q, k, v, positions, key_len, inputs, cache, return_lse)
         self._check(q, k, v, cache, key_len, positions, inputs)
@@ -464,8 +461,11 @@ class Attention(nn.Module):
             cache._append(kt, vt, qpos, counts, side)
             if phase_end is not None:
                 cache._phase = phase_end
-            L = cache.length  # the used prefix, read in place by the kernel (no copy)
-            kv_q, kv_k, kv_v = qt, cache._keys[:, :, :L].to(qt.dtype), cache._values[:, :, :L].to(qt.dtype)
+            # the used prefix, read in place by the kernel (no copy); a half cache with the queries
+            # rounded to its dtype, as its keys were
+            L = cache.length
+            kv_k, kv_v = cache._keys[:, :, :L], cache._values[:, :, :L]
+            kv_q = qt.to(kv_k.dtype)
             k_positions = cache._positions[:, :L]
             klen = cache.lengths.clone()
             side = [c[:, :, :L] for c in cache._content]
@@ -482,6 +482,7 @@ class Attention(nn.Module):
                                    scale=self.scale, slopes=slopes, lag_table=lag_table,
                                    key_start=key_start, q_segments=segments,
                                    k_segments=segments, **extra)
+        out = out.to(qt.dtype)
         if frames is not None and self._frame_outputs:  # the output back out of the query's
             out = rotate_pairs(out, frames, inverse=True, pair_layout=self.pair_layout)
         out = out.to(stored_as)
@@ -503,8 +504,8 @@ class Attention(nn.Module):
         out, lse, enc._warned = _op(
             torch.ops.relpos.attention_decode, q, k, v, cache._keys, cache._values,
             cache._positions, cache.lengths, positions, key_len,
-            enc._inference_params(q.dtype), self.spec, self.head_dim, self.num_kv_heads,
-            self.num_heads, enc.layout, self.causal, self.window,
+            enc._inference_params(torch.float32 if q.dtype in _HALF else q.dtype), self.spec,
+            self.head_dim, self.num_kv_heads, self.num_heads, enc.layout, self.causal, self.window,
             0.0 if self.scale is None else float(self.scale), self.check_finite, enc._warned)
         return (out, lse) if return_lse else out
 

@@ -51,6 +51,7 @@ class RowPrefetcher {
 
 struct Avx2Ops {
   using R = __m256;
+  using elem = float;  // what load reads (the row policies of a kernel loop: see HalfRows)
   static constexpr int W =
       8;  // floats per register = blocks per order-2 group = pairs per rotation step
   static R set1(float x) { return _mm256_set1_ps(x); }
@@ -102,6 +103,7 @@ struct Avx2Ops {
 #if defined(__AVX512F__)
 struct Avx512Ops {
   using R = __m512;
+  using elem = float;
   static constexpr int W = 16;
   static R set1(float x) { return _mm512_set1_ps(x); }
   static R zero() { return _mm512_setzero_ps(); }

@@ -143,33 +143,44 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
                                        const torch::Tensor& positions, const torch::Tensor& key_len,
                                        const DecodeStep& step, EncodingWarnings& warned) {
   const torch::NoGradGuard no_grad;
-  const auto dt = q.scalar_type();
+  // the new tokens are transformed in q's compute dtype (half: float32); a half cache is read in
+  // place, with the queries rounded to its dtype as its keys are
+  const auto dt = q.scalar_type(), ct = op_util::compute_type(dt), st = cache.keys.scalar_type();
   if (kernel_params.size() != 4)
     throw InputError("decode_step: kernel_params must be gamma, eta, gates, alpha0");
   for (const auto& t : kernel_params)
-    if (t.scalar_type() != dt || !t.is_contiguous() || !t.is_cpu())
-      throw InputError("decode_step: kernel_params must be contiguous CPU tensors of q's dtype");
+    if (t.scalar_type() != ct || !t.is_contiguous() || !t.is_cpu())
+      throw InputError(
+          "decode_step: kernel_params must be contiguous CPU tensors of q's compute dtype");
   const int64_t T = q.size(2);
   const auto s = cache_step(cache.lengths, cache.positions, positions, key_len, T);
   const auto& pos = s.positions;  // [B, T], contiguous
-  torch::Tensor qt = q, kt = k;
+  torch::Tensor qt = q.to(ct), kt = k.to(ct);
   if (m.has_transform() && T > 0) {
-    check_exponent_range(m, dt);
+    check_exponent_range(m, ct);
     const double center = m.resolve_center(0, 0);  // (center=mid has no cache)
     // float64 positions from the cache's step: only the clamp warning can apply
     if (!warned.clamp) {
       std::optional<double> last_center;
       warn_about_positions(m, pos, pos, center, kernel_params[0], last_center, warned);
     }
-    std::tie(qt, kt) = transformed_step(m, step.layout, q.contiguous(), k.contiguous(), pos, center,
-                                        kernel_params);
+    std::tie(qt, kt) = transformed_step(m, step.layout, qt.contiguous(), kt.contiguous(), pos,
+                                        center, kernel_params);
     if (const double af = scaling_attention_factor(m, pos); af != 1.0) {
       qt = qt * af;
       kt = kt * af;
     }
   }
-  cache_append(cache.keys, cache.values, cache.positions, cache.lengths, {}, kt, v, pos, s.counts,
-               {});
+  qt = qt.to(st);
+  kt = kt.to(st);
+  if (st == torch::kHalf)
+    for (const auto* t : {&qt, &kt})
+      if (!all_finite(*t) && all_finite(t == &qt ? q : k))
+        throw InputError(fmt::format(
+            "{} overflows float16 after the transform (above 65504): pass bfloat16 or float32",
+            t == &qt ? "q" : "k"));
+  cache_append(cache.keys, cache.values, cache.positions, cache.lengths, {}, kt, v.to(st), pos,
+               s.counts, {});
   const int64_t* L = cache.lengths.data_ptr<int64_t>();
   const int64_t len = *std::max_element(L, L + cache.lengths.numel());
   AttentionArgs a;
@@ -184,9 +195,11 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
         step.num_heads == m.heads
             ? alibi->slopes
             : build_mechanism(m.spec, m.head_dim, static_cast<int>(step.num_heads)).alibi()->slopes;
-    a.slopes = torch::tensor(slopes, torch::kDouble).to(dt);
+    a.slopes = torch::tensor(slopes, torch::kDouble).to(op_util::compute_type(st));
   }
-  return fused_attention(qt, cache.keys.narrow(2, 0, len), cache.values.narrow(2, 0, len), a);
+  auto r = fused_attention(qt, cache.keys.narrow(2, 0, len), cache.values.narrow(2, 0, len), a);
+  r[0] = r[0].to(dt);
+  return r;
 }
 
 std::optional<std::string> favor_refusal(const Mechanism& m) {
@@ -601,7 +614,7 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
                                        const torch::Tensor& v, const AttentionCall& call) {
   DecodeCache* cache = call.cache;
   if (cache && one_call_decode_ && !call.key_start.defined() && q.is_cpu() &&
-      !op_util::is_half(cache->keys().scalar_type()) && !needs_grad(q, k, v)) {
+      !needs_grad(q, k, v)) {
     // a cached step without autograd: the one decode_step the Python module runs too
     const auto dt = q.scalar_type();
     const KernelParams kp = encoding->kernel_params();
@@ -680,8 +693,10 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
     if (phase_end.defined()) cache->set_phase(phase_end);
     a.k_positions = cache->positions();
     a.key_len = cache->lengths().clone();
-    kt = cache->keys().to(qt.scalar_type());
-    vt = cache->values().to(qt.scalar_type());
+    // a half cache is read in place: the queries rounded to its dtype, as its keys were
+    kt = cache->keys();
+    vt = cache->values();
+    qt = qt.to(kt.scalar_type());
     if (content_) content = cache->content();
   } else {
     a.k_positions = pos;
@@ -705,7 +720,7 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
     a.lag_table = encoding->lag_table(kernels::lag_table_length(m, span))
                       .to(op_util::compute_type(q.scalar_type()));
   }
-  auto out = fused_attention(qt, kt, vt, a)[0];
+  auto out = fused_attention(qt, kt, vt, a)[0].to(q.scalar_type());
   if (frames.defined() && rotation_->roles.outputs)
     out = rotate_pairs(out, frames, true, options_.layout);
   return out;

@@ -167,13 +167,26 @@ int64_t prefix_rows(const torch::Tensor& t) {
 // forward reads them in place instead of copying the whole cache every step. 0 for any other
 // layout.
 int64_t cache_rows(const torch::Tensor& k, const torch::Tensor& v) {
-  if (op_util::is_half(k.scalar_type()) || k.strides() != v.strides()) return 0;
+  if (k.strides() != v.strides()) return 0;
   return prefix_rows(k);
+}
+
+// Half storage: the 16-bit words the kernels' half entry points read and write (null for an
+// empty tensor: a gradient not asked for), and their format.
+const uint16_t* words(const torch::Tensor& t) {
+  return t.numel() ? static_cast<const uint16_t*>(t.const_data_ptr()) : nullptr;
+}
+uint16_t* mwords(torch::Tensor& t) {
+  return t.numel() ? static_cast<uint16_t*>(t.data_ptr()) : nullptr;
+}
+kernels::HalfType half_type(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 ? kernels::HalfType::BFloat16
+                                             : kernels::HalfType::Float16;
 }
 
 Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                  const OptTensor& q_pos, const OptTensor& k_pos, const Masks& masks,
-                 const BiasList& biases, const CallOptions& c, bool keys_in_place = false) {
+                 const BiasList& biases, const CallOptions& c, bool in_place = false) {
   const double window = c.window, scale = c.scale, path_scale = c.path_scale;
   const Biases in = unpack(biases);
   for (const auto* t : {&q, &k, &v}) {
@@ -205,11 +218,13 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     throw InputError("attention: window must be >= 0 and finite");
   if (!(scale >= 0) || std::isinf(scale))
     throw InputError("attention: scale must be >= 0 (0: 1/sqrt(D))");
+  // half storage stays as stored (the kernels widen each tile as they read it); the forward
+  // (in_place) reads a decode cache's used prefix in place
   Operands o;
-  o.q = computed(q);  // half storage: computed in float32
-  const int64_t rows = keys_in_place ? cache_rows(k, v) : 0;
-  o.k = rows ? k : computed(k);
-  o.v = rows ? v : computed(v);
+  o.q = q.contiguous();
+  const int64_t rows = in_place ? cache_rows(k, v) : 0;
+  o.k = rows ? k : k.contiguous();
+  o.v = rows ? v : v.contiguous();
   o.dims = {B, Hq, Hk, Tq, Tk, D, rows};
   o.q_pos = attention_positions(get(q_pos), B, Tq, "q_positions");
   o.k_pos = attention_positions(get(k_pos), B, Tk, "k_positions");
@@ -316,7 +331,7 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   int64_t key_rows = -1;
   for (int slot : {kCk, kGk, kPathK})
     if (const torch::Tensor& t = o.bias[slot]; t.defined()) {
-      const int64_t r = keys_in_place ? prefix_rows(t) : 0;
+      const int64_t r = in_place ? prefix_rows(t) : 0;
       key_rows = key_rows < 0 || key_rows == r ? r : 0;
     }
   o.key_rows = std::max<int64_t>(key_rows, 0);
@@ -336,16 +351,22 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
   return value_errors([&] {
     const CallOptions c{causal, window, scale, exclude_self, path_scale};
     const auto o = prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments},
-                           biases, c, /*keys_in_place=*/true);
+                           biases, c, /*in_place=*/true);
     const auto& d = o.dims;
     // lse stays in the compute dtype: the backward and merges of partial results need it exact
     auto out = output_like(o.q);
-    auto lse = torch::empty({d.B, d.Hq, d.Tq}, o.q.options());
+    auto lse = torch::empty({d.B, d.Hq, d.Tq}, o.q.options().dtype(compute_type(q.scalar_type())));
     if (out.numel() == 0) return std::make_tuple(stored(out, q.scalar_type()), lse);
     if (d.Tk == 0) {  // no key at all: every row is empty
       out.zero_();
       lse.fill_(-std::numeric_limits<double>::infinity());
       return std::make_tuple(stored(out, q.scalar_type()), lse);
+    }
+    if (op_util::is_half(q.scalar_type())) {
+      kernels::attention_forward_half(d, half_type(q), words(o.q), words(o.k), words(o.v),
+                                      o.positions(), o.kernel_bias<float>(), o.options(c),
+                                      mwords(out), lse.data_ptr<float>());
+      return std::make_tuple(out, lse);
     }
     AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention", [&] {
       kernels::attention_forward<scalar_t>(d, o.q.data_ptr<scalar_t>(), o.k.data_ptr<scalar_t>(),
@@ -376,13 +397,18 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
     const auto o =
         prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments}, biases, c);
     const auto& d = o.dims;
-    const auto out = computed(out_in), lse = lse_in.contiguous();
-    const auto dout = grad_out.defined() ? computed(grad_out) : torch::zeros_like(out);
+    const bool half = op_util::is_half(q.scalar_type());
+    // out and dout in q's storage (half: as stored, read by the kernel tile by tile)
+    const auto stored_as_q = [&](const torch::Tensor& t) {
+      return half ? t.to(q.scalar_type()).contiguous() : computed(t);
+    };
+    const auto out = stored_as_q(out_in), lse = lse_in.contiguous();
+    const auto dout = grad_out.defined() ? stored_as_q(grad_out) : torch::zeros_like(out);
     // lse is differentiable: its gradient (when lse was used) enters the kernel's Delta
     const auto dlse = grad_lse && grad_lse->defined() ? computed(*grad_lse) : torch::Tensor();
     if (dout.sizes() != out.sizes() || lse.sizes() != torch::IntArrayRef({d.B, d.Hq, d.Tq}) ||
-        lse.scalar_type() != o.q.scalar_type() || out.scalar_type() != o.q.scalar_type() ||
-        dout.scalar_type() != o.q.scalar_type() ||
+        lse.scalar_type() != compute_type(q.scalar_type()) ||
+        out.scalar_type() != o.q.scalar_type() || dout.scalar_type() != o.q.scalar_type() ||
         (dlse.defined() &&
          (dlse.sizes() != lse.sizes() || dlse.scalar_type() != lse.scalar_type())))
       throw InputError("attention backward: grad_out, out, lse or grad_lse does not match q");
@@ -396,6 +422,12 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
       db[i] = mask[3 + i] && o.bias[i].defined() ? torch::zeros_like(o.bias[i]) : empty();
     if (d.Tk == 0 || o.q.numel() == 0) {  // no visible key: every gradient is zero
       for (auto* t : {&dq, &dk, &dv}) t->zero_();
+    } else if (half) {
+      kernels::attention_backward_half(d, half_type(q), words(o.q), words(o.k), words(o.v),
+                                       o.positions(), o.kernel_bias<float>(), o.options(c),
+                                       words(dout), words(out), lse.data_ptr<float>(), mwords(dq),
+                                       mwords(dk), mwords(dv), Operands::kernel_grads<float>(db),
+                                       dlse.defined() ? dlse.data_ptr<float>() : nullptr);
     } else {
       AT_DISPATCH_FLOATING_TYPES(o.q.scalar_type(), "relpos_fused_attention_backward", [&] {
         kernels::attention_backward<scalar_t>(
@@ -531,21 +563,6 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_autograd(
     const OptTensor& q_pos, const OptTensor& k_pos, bool causal, double window,
     const OptTensor& key_len, double scale, bool exclude_self, double path_scale,
     const OptTensor& key_start, const OptTensor& q_segments, const OptTensor& k_segments) {
-  if (q.is_cpu() && op_util::is_half(q.scalar_type()) && k.scalar_type() == q.scalar_type() &&
-      v.scalar_type() == q.scalar_type()) {
-    // half storage under autograd on the CPU: the graph keeps the float32 copies the kernel
-    // reads (the backward reads them again instead of converting the half tensors a second
-    // time) and rounds the output once. The GPU kernels read half tiles as stored.
-    const auto up = [](const torch::Tensor& t) {
-      return t.defined() && op_util::is_half(t.scalar_type()) ? t.to(torch::kFloat) : t;
-    };
-    BiasList ub;
-    for (const OptTensor& t : biases) ub.push_back(t ? OptTensor(up(*t)) : t);
-    auto [out, lse] = fused_attention_autograd(up(q), up(k), up(v), ub, q_pos, k_pos, causal,
-                                               window, key_len, scale, exclude_self, path_scale,
-                                               key_start, q_segments, k_segments);
-    return {out.to(q.scalar_type()), lse};
-  }
   const Biases b = value_errors([&] { return unpack(biases); });
   NonDifferentiable n{{},
                       get(q_pos),

@@ -96,12 +96,10 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> attention_decode_op(
         build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
     if (auto why = one_call_decode_refusal(m)) throw InputError(*why);
     for (auto [name, t] : {std::pair{"q", &q_in}, std::pair{"k", &k_in}, std::pair{"v", &v}})
-      if (t->dim() != 4 || !t->is_cpu() || op_util::is_half(t->scalar_type()) ||
-          t->scalar_type() != keys.scalar_type())
+      if (t->dim() != 4 || !t->is_cpu() || t->scalar_type() != keys.scalar_type())
         throw InputError(fmt::format(
-            "attention_decode: {} must be a [B, H, T, D] CPU tensor of the cache's float32 or "
-            "float64",
-            name));
+            "attention_decode: {} must be a [B, H, T, D] CPU tensor of the cache's dtype ({})",
+            name, c10::toString(keys.scalar_type())));
     if (check_finite)
       for (auto [name, t] : {std::pair{"q", &q_in}, std::pair{"k", &k_in}, std::pair{"v", &v}})
         if (!all_finite(*t)) throw InputError(fmt::format("{} contains NaN or Inf", name));

@@ -572,6 +572,119 @@ TEST(AttentionKernel, KeysReadInPlaceFromCacheRows) {
                InputError);
 }
 
+// Half storage (attention_forward_half, attention_backward_half): on every random case (both
+// backward schemes), both half types, and keys read in place from cache rows (forward only),
+// the output and the gradients dq, dk, dv are the float kernels' on the widened operands rounded
+// once, bit for bit; lse and the per-token gradients are the float kernels' exactly (the lag
+// table and slope gradients to their summation order). A NaN in v reaches the same rows.
+TEST(AttentionKernel, HalfStorageIsTheFloatKernelRoundedOnce) {
+  std::mt19937_64 rng(9);
+  std::vector<Case> cases = random_cases();
+  for (Case c : {cases[1], cases[4], cases[19]}) {  // in place: k_rows past Tk
+    c.d.k_rows = c.d.Tk + 5;
+    cases.push_back(c);
+  }
+  for (const Case& c : cases)
+    for (const HalfType type : {HalfType::BFloat16, HalfType::Float16}) {
+      SCOPED_TRACE(c.name() + (c.d.k_rows ? " in place" : "") +
+                   (type == HalfType::BFloat16 ? " bf16" : " fp16"));
+      Data x = make_data(c, rng);
+      const AttentionDims& d = c.d;
+      // keys and values in their storage layout: d.key_rows() rows per head, NaN past Tk
+      const int64_t rows = d.key_rows(), D = d.D;
+      const auto to_half = [&](const std::vector<double>& src, int64_t heads, int64_t T,
+                               int64_t stride) {
+        std::vector<uint16_t> h(static_cast<size_t>(heads * stride * D),
+                                float_to_half(type, std::nanf("")));
+        for (int64_t hh = 0; hh < heads; ++hh)
+          for (int64_t t = 0; t < T * D; ++t)
+            h[hh * stride * D + t] = float_to_half(type, static_cast<float>(src[hh * T * D + t]));
+        return h;
+      };
+      const auto widened = [&](const std::vector<uint16_t>& h) {
+        std::vector<float> f(h.size());
+        for (size_t i = 0; i < h.size(); ++i) f[i] = half_to_float(type, h[i]);
+        return f;
+      };
+      if (c.d.B * c.d.Hk > 1) x.v[D + 3] = std::nan("");  // key 0's row of head 1 (or key 1)
+      const auto qh = to_half(x.q, d.B * d.Hq, d.Tq, d.Tq),
+                 kh = to_half(x.k, d.B * d.Hk, d.Tk, rows),
+                 vh = to_half(x.v, d.B * d.Hk, d.Tk, rows);
+      const auto qf = widened(qh), kf = widened(kh), vf = widened(vh);
+      const auto lag = cast<float>(x.lag), slopes = cast<float>(x.slopes);
+      AttentionBias<float> bias;
+      if (!lag.empty())
+        bias.lag_table = lag.data(), bias.lag_len = static_cast<int64_t>(lag.size()) / d.Hq;
+      if (!slopes.empty()) bias.slopes = slopes.data();
+      if (!x.cq.empty()) bias.cq = x.cq.data(), bias.ck = x.ck.data();
+      std::vector<float> out(x.nq()), lse(x.rows()), lse_h(x.rows(), 7.0f);
+      std::vector<uint16_t> out_h(x.nq(), 0x1234);
+      attention_forward<float>(d, qf.data(), kf.data(), vf.data(), x.positions(), bias, x.options(),
+                               out.data(), lse.data());
+      attention_forward_half(d, type, qh.data(), kh.data(), vh.data(), x.positions(), bias,
+                             x.options(), out_h.data(), lse_h.data());
+      const auto same = [&](const std::vector<float>& f, const std::vector<uint16_t>& h,
+                            const char* what) {
+        for (size_t i = 0; i < f.size(); ++i) {
+          if (std::isnan(f[i])) {
+            ASSERT_TRUE(std::isnan(half_to_float(type, h[i]))) << what << " " << i;
+            continue;
+          }
+          ASSERT_EQ(h[i], float_to_half(type, f[i])) << what << " " << i << " " << f[i];
+        }
+      };
+      const auto same_float = [](const auto& a, const auto& b, const char* what) {
+        ASSERT_EQ(a.size(), b.size());
+        for (size_t i = 0; i < a.size(); ++i)
+          ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) << what << " " << i;
+      };
+      same(out, out_h, "out");
+      same_float(lse, lse_h, "lse");
+      if (d.k_rows) continue;  // the backward reads contiguous keys only
+      // the backward reads the half output, as the op's autograd saves it
+      const auto douth = to_half(x.dout, d.B * d.Hq, d.Tq, d.Tq);
+      const auto doutf = widened(douth), outf = widened(out_h);
+      struct Grads {
+        std::vector<float> dlag, dslopes;
+        std::vector<double> dcq, dck;
+        AttentionBiasGrads<float> g;
+      };
+      const auto grads = [&] {
+        Grads r;
+        if (bias.lag_table) r.dlag.assign(lag.size(), 0.0f), r.g.lag_table = r.dlag.data();
+        if (bias.slopes) r.dslopes.assign(slopes.size(), 0.0f), r.g.slopes = r.dslopes.data();
+        if (bias.cq) {
+          r.dcq.assign(x.cq.size(), 0.0), r.g.cq = r.dcq.data();
+          r.dck.assign(x.ck.size(), 0.0), r.g.ck = r.dck.data();
+        }
+        return r;
+      };
+      Grads gf = grads(), gh = grads();
+      std::vector<float> dq(x.nq()), dk(x.nk()), dv(x.nk());
+      std::vector<uint16_t> dqh(x.nq(), 0x1234), dkh(x.nk(), 0x1234), dvh(x.nk(), 0x1234);
+      attention_backward<float>(d, qf.data(), kf.data(), vf.data(), x.positions(), bias,
+                                x.options(), doutf.data(), outf.data(), lse.data(), dq.data(),
+                                dk.data(), dv.data(), gf.g);
+      attention_backward_half(d, type, qh.data(), kh.data(), vh.data(), x.positions(), bias,
+                              x.options(), douth.data(), out_h.data(), lse_h.data(), dqh.data(),
+                              dkh.data(), dvh.data(), gh.g);
+      same(dq, dqh, "dq");
+      same(dk, dkh, "dk");
+      same(dv, dvh, "dv");
+      // the lag table and slope gradients are summed over threads in the order they finish
+      for (const auto& [a, b] : {std::pair{&gf.dlag, &gh.dlag}, {&gf.dslopes, &gh.dslopes}}) {
+        float top = 0;
+        for (float y : *a) top = std::isnan(y) ? top : std::max(top, std::abs(y));
+        for (size_t i = 0; i < a->size(); ++i) {
+          if (std::isnan((*a)[i]) && std::isnan((*b)[i])) continue;
+          ASSERT_NEAR((*a)[i], (*b)[i], 1e-5f * top) << i;
+        }
+      }
+      same_float(gf.dcq, gh.dcq, "cq");
+      same_float(gf.dck, gh.dck, "ck");
+    }
+}
+
 // One timing line of DISABLED_AttentionTiming.
 static void time_attention(bool biases) {
   std::mt19937_64 rng(7);

@@ -158,3 +158,37 @@ def test_float16_overflow_is_refused():
         kp = enc.kernel_params()
         torch.ops.relpos.transform(q.half(), q.half(), kp["gamma"], kp["eta"], kp["gates"],
                                    kp["alpha0"], pos, None, None, 0.0, enc.spec, 8, 1, 0, True)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("Hq,Hk,Tq,Tk,D", [(4, 4, 1, 200, 64), (4, 2, 3, 90, 32),
+                                           (2, 2, 70, 70, 48), (2, 1, 1, 130, 24)])
+def test_fused_attention_reads_half_storage_as_the_float_op_rounded_once(dtype, Hq, Hk, Tq, Tk,
+                                                                          D):
+    """The fused op on half q, k, v reads them as stored (no float32 copies): its output is the
+    float32 op on the widened operands rounded once, bit for bit, and its gradients the float32
+    backward's on the widened operands (the half output, as saved) rounded once; keys and values
+    as the used prefix of a half cache's storage (NaN past it) give the same bits."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, Hq, Tq, D, generator=g).to(dtype)
+    store = torch.full((2, 1, Hk, Tk + 9, D), float("nan"), dtype=dtype)
+    store[:, :, :, :Tk] = torch.randn(2, 1, Hk, Tk, D, generator=g).to(dtype)
+    k, v = store[0, :, :, :Tk], store[1, :, :, :Tk]
+    slopes = 0.1 * torch.rand(Hq, generator=g)
+    out, lse = relpos.fused_attention(q, k, v, slopes=slopes)
+    want, want_lse = relpos.fused_attention(q.float(), k.float(), v.float(), slopes=slopes)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out, want.to(dtype), atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    # the backward (contiguous operands: the backward copies a strided cache prefix)
+    qh, kh, vh = (t.contiguous().requires_grad_() for t in (q, k, v))
+    out = relpos.fused_attention(qh, kh, vh, slopes=slopes)[0]
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    got = torch.autograd.grad(out, (qh, kh, vh), dout)
+    f = [t.detach().float() for t in (qh, kh, vh)]
+    want = torch.ops.relpos.fused_attention_backward(
+        dout.float(), *f, out.detach().float(), lse, [None, slopes] + [None] * 7, None, None,
+        True, 0.0, None, 0.0, False, 1.0, None, None, None, [True] * 3 + [False] * 9, None)
+    for a, b in zip(got, want[:3]):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b.to(dtype), atol=0, rtol=0)

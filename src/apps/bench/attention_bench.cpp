@@ -15,7 +15,11 @@
 //               backward goes through the bias construction (autograd)
 //   sdpa_X      at::scaled_dot_product_attention fed that bias as a float mask (-inf above the
 //               diagonal, is_causal=false), built and differentiated likewise
-// They are checked against composed_X at the smallest T (outputs and every gradient).
+// They are checked against composed_X at the smallest T (outputs and every gradient). With
+// --dtype bf16 / fp16, three more (no bias): ours_<dtype> (relpos::nn::fused_attention and its
+// autograd on half copies of q, k, v, dout: the kernels read them as stored), sdpa_<dtype> (SDPA
+// on the same half tensors) and ours_op (the same op and autograd on the float32 inputs: the
+// like-for-like float32 baseline of ours_<dtype>).
 // Timing: every case of one T in one process, round-robin over the repeats (noise spreads over
 // all cases alike), after a warm-up; medians, every run listed. Inputs, outputs and the mask are
 // allocated outside the timed region except each call's own outputs and gradients; the mask is
@@ -77,14 +81,15 @@ enum class Impl {
   OursBf16,
   SdpaBf16,
   OursFp16,
-  SdpaFp16
+  SdpaFp16,
+  OursOp
 };
 enum class Mode { Fwd, FwdBwd };
 enum class Bias { None, Alibi, Fox, GrapeAp };
 constexpr Impl kImpls[] = {Impl::Ours,       Impl::Sdpa,        Impl::SdpaMask, Impl::OursLag,
                            Impl::OursFox,    Impl::ComposedFox, Impl::SdpaFox,  Impl::OursAp,
                            Impl::ComposedAp, Impl::SdpaAp,      Impl::OursBf16, Impl::SdpaBf16,
-                           Impl::OursFp16,   Impl::SdpaFp16};
+                           Impl::OursFp16,   Impl::SdpaFp16,    Impl::OursOp};
 constexpr Bias kBiases[] = {Bias::None, Bias::Alibi, Bias::Fox, Bias::GrapeAp};
 constexpr int64_t kPathDim = 8;         // GRAPE-AP probe dimension P
 constexpr double kPathScale = 1.0 / 8;  // GRAPE-AP path_scale
@@ -119,6 +124,8 @@ const char* name(Impl i) {
       return "ours_fp16";
     case Impl::SdpaFp16:
       return "sdpa_fp16";
+    case Impl::OursOp:
+      return "ours_op";
   }
   return "?";
 }
@@ -153,6 +160,7 @@ Bias bias_of(Impl i) {
     case Impl::SdpaBf16:
     case Impl::OursFp16:
     case Impl::SdpaFp16:
+    case Impl::OursOp:
       return Bias::None;
     case Impl::SdpaMask:
     case Impl::OursLag:
@@ -429,36 +437,41 @@ Outs run_materialised(const Inputs& in, Bias b, bool sdpa, Mode mode) {
   return r;
 }
 
-// A case on the half copies: attend(q, k, v) -> out in the half dtype (forward, and the
-// backward by autograd from douth); outputs returned in fp32 for the checks.
+// A case through autograd: attend(q, k, v) -> out on the half copies (half: forward, and the
+// backward by autograd from douth) or on the float32 inputs; outputs returned in fp32 for the
+// checks.
 template <class Attend>
-Outs run_half(const Inputs& in, Mode mode, Attend attend) {
+Outs run_autograd(const Inputs& in, bool half, Mode mode, Attend attend) {
   const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  const at::Tensor &q0 = half ? in.qh : in.q, &k0 = half ? in.kh : in.k, &v0 = half ? in.vh : in.v;
   if (mode == Mode::Fwd) {
     c10::InferenceMode guard;
-    return {f32(attend(in.qh, in.kh, in.vh)), {}, {}, {}, {}};
+    return {f32(attend(q0, k0, v0)), {}, {}, {}, {}};
   }
-  const at::Tensor q = in.qh.detach().requires_grad_(true), k = in.kh.detach().requires_grad_(true),
-                   v = in.vh.detach().requires_grad_(true);
+  const at::Tensor q = q0.detach().requires_grad_(true), k = k0.detach().requires_grad_(true),
+                   v = v0.detach().requires_grad_(true);
   const at::Tensor out = attend(q, k, v);
-  const auto g = torch::autograd::grad({out}, {q, k, v}, {in.douth});
+  const auto g = torch::autograd::grad({out}, {q, k, v}, {half ? in.douth : in.dout});
   return {f32(out.detach()), f32(g[0]), f32(g[1]), f32(g[2]), {}};
 }
 
-// Half storage through the op users call (relpos::nn::fused_attention and its autograd).
-Outs run_ours_half(const Inputs& in, Mode mode) {
+// The op users call (relpos::nn::fused_attention and its autograd), on the half copies or on
+// the float32 inputs (ours_op: the like-for-like float32 baseline of the half cases).
+Outs run_ours_op(const Inputs& in, bool half, Mode mode) {
   nn::AttentionArgs args;
   args.causal = true;
-  return run_half(in, mode, [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    return nn::fused_attention(q, k, v, args)[0];
-  });
+  return run_autograd(in, half, mode,
+                      [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+                        return nn::fused_attention(q, k, v, args)[0];
+                      });
 }
 
 // SDPA on the half copies (its own half kernels).
 Outs run_sdpa_half(const Inputs& in, Mode mode) {
-  return run_half(in, mode, [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
-  });
+  return run_autograd(in, true, mode,
+                      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+                        return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+                      });
 }
 
 Outs run_sdpa(const Inputs& in, bool mask, Mode mode) {
@@ -496,7 +509,9 @@ Outs run_case(const Inputs& in, Impl impl, Mode mode) {
       return run_materialised(in, bias_of(impl), true, mode);
     case Impl::OursBf16:
     case Impl::OursFp16:
-      return run_ours_half(in, mode);
+      return run_ours_op(in, true, mode);
+    case Impl::OursOp:
+      return run_ours_op(in, false, mode);
     case Impl::SdpaBf16:
     case Impl::SdpaFp16:
       return run_sdpa_half(in, mode);
@@ -784,6 +799,7 @@ void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
       std::vector<std::pair<Impl, Impl>> pairs = {{Impl::Ours, Impl::Sdpa},
                                                   {Impl::OursLag, Impl::SdpaMask},
                                                   {Impl::OursBf16, Impl::Sdpa},
+                                                  {Impl::OursOp, Impl::Sdpa},
                                                   {Impl::OursFp16, Impl::Sdpa}};
       if (!long_run && s.T == *std::min_element(a.T.begin(), a.T.end()))
         for (Bias b : {Bias::Fox, Bias::GrapeAp}) {
@@ -1160,19 +1176,21 @@ void write_md(std::ostream& os, const Report& rep) {
                sh = a.dtype == "bf16" ? Impl::SdpaBf16 : Impl::SdpaFp16;
     os << fmt::format(
         "\nHalf storage ({0}): ratios of the medians (in brackets: the median over the rounds of "
-        "the ratio within a round)\n\n| T | pass | ours_{0} / ours (fp32) | ours_{0} / sdpa_{0} | "
-        "ours_{0} / sdpa (fp32) |\n|---|---|---|---|---|\n",
+        "the ratio within a round); ours_op is the same op on float32\n\n| T | pass | ours_{0} / "
+        "ours_op (fp32) | ours_{0} / ours (fp32 kernel) | ours_{0} / sdpa_{0} | ours_{0} / sdpa "
+        "(fp32) |\n|---|---|---|---|---|---|\n",
         a.dtype);
     for (int64_t T : a.T)
       for (Mode m : {Mode::Fwd, Mode::FwdBwd}) {
-        const auto x = ratio(rep.results, T, m, oh, Impl::Ours);
-        const auto y = ratio(rep.results, T, m, oh, sh);
-        const auto z = ratio(rep.results, T, m, oh, Impl::Sdpa);
-        if (!x && !y && !z) continue;
-        os << fmt::format("| {} | {} | {} ({}) | {} ({}) | {} ({}) |\n", T, name(m), fmt_opt(x),
-                          fmt_opt(paired_ratio(rep.results, T, m, oh, Impl::Ours)), fmt_opt(y),
-                          fmt_opt(paired_ratio(rep.results, T, m, oh, sh)), fmt_opt(z),
-                          fmt_opt(paired_ratio(rep.results, T, m, oh, Impl::Sdpa)));
+        std::string line = fmt::format("| {} | {} |", T, name(m));
+        bool any = false;
+        for (Impl base : {Impl::OursOp, Impl::Ours, sh, Impl::Sdpa}) {
+          const auto x = ratio(rep.results, T, m, oh, base);
+          any |= x.has_value();
+          line += fmt::format(" {} ({}) |", fmt_opt(x),
+                              fmt_opt(paired_ratio(rep.results, T, m, oh, base)));
+        }
+        if (any) os << line << "\n";
       }
   }
   bool any_bias = false;
@@ -1249,7 +1267,9 @@ void run(const Args& in_args) {
   std::vector<Impl> impls;
   for (Impl i : kImpls)
     if (selected(a, bias_of(i)) &&
-        (storage_of(i) == at::kFloat || a.dtype == dtype_name(storage_of(i))) &&
+        // (ours_op: with the half cases only, as their like-for-like float32 baseline)
+        (i == Impl::OursOp ? a.dtype != "fp32"
+                           : storage_of(i) == at::kFloat || a.dtype == dtype_name(storage_of(i))) &&
         (a.cases.empty() || std::find(a.cases.begin(), a.cases.end(), name(i)) != a.cases.end()))
       impls.push_back(i);
   if (impls.empty())
@@ -1319,8 +1339,9 @@ void add_attention_command(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::IsMember(bias_names));
   cmd->add_option("--dtype", a->dtype,
-                  "fp32, or bf16 / fp16: adds ours_<dtype> (half storage through the op) and "
-                  "sdpa_<dtype> (SDPA on the half tensors) beside the fp32 cases, and their ratios")
+                  "fp32, or bf16 / fp16: adds ours_<dtype> (half storage through the op), "
+                  "sdpa_<dtype> (SDPA on the half tensors) and ours_op (the op on float32) beside "
+                  "the fp32 cases, and their ratios")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   cmd->add_option("--cases", a->cases,
                   "restrict to these cases (comma-separated) of the --bias list; default: all "

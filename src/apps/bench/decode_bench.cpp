@@ -1,4 +1,5 @@
-// relpos-bench decode: one decode step (one new token per sequence, batch 1, float32) of
+// relpos-bench decode: one decode step (one new token per sequence, batch 1, float32 or, with
+// --dtype, bfloat16 / float16 storage: the module, its cache and every baseline's tensors) of
 // nn::Attention with a DecodeCache holding ctx - 1 tokens, against LibTorch's SDPA on a cached
 // K/V, per mechanism, context length and head layout (MHA and GQA). Cases:
 //   ours       Attention::forward(q, k, v, {cache}) as a user decodes: the new token's transform,
@@ -47,8 +48,12 @@ struct Args {
   std::vector<std::string> specs = {"rope", "jordan(m=2)", "alibi", "t5_bias", "fox", "grape_ap"};
   int64_t D = 64;
   int rounds = 21, warmup = 3, threads = 2;
-  std::string format = "md", json_out;
+  std::string format = "md", json_out, dtype = "fp32";
 };
+
+at::ScalarType dtype_named(const std::string& s) {
+  return s == "bf16" ? at::kBFloat16 : s == "fp16" ? at::kHalf : at::kFloat;
+}
 
 std::pair<int64_t, int64_t> parse_heads(const std::string& s) {
   const auto colon = s.find(':');
@@ -99,16 +104,18 @@ std::vector<Row> bench_mechanism(const Args& a, const std::string& spec, int64_t
     return {r};
   }
   (*module)->eval();
+  const auto dtype = dtype_named(a.dtype);
+  (*module)->to(dtype);
   const torch::NoGradGuard no_grad;
-  const auto opts = torch::TensorOptions().dtype(torch::kFloat);
+  const auto opts = torch::TensorOptions().dtype(dtype);
   // the key-side tensors the module stores for this mechanism (content biases), by a short call
-  nn::DecodeCache scratch(1, Hk, D);
+  nn::DecodeCache scratch(1, Hk, D, dtype);
   (*module)->forward(torch::randn({1, Hq, 4, D}, opts), torch::randn({1, Hk, 4, D}, opts),
                      torch::randn({1, Hk, 4, D}, opts),
                      {.inputs = torch::randn({1, 4, model_dim}, opts), .cache = &scratch});
   const bool biased = !(*module)->mechanism().biases.empty();
   // the cache: cap - 1 random tokens at positions 0..cap-2 (and room for the step's token)
-  nn::DecodeCache cache(1, Hk, D, torch::kFloat, cap);
+  nn::DecodeCache cache(1, Hk, D, dtype, cap);
   const int64_t n = cap - 1;
   std::vector<torch::Tensor> content;
   for (const auto& c : scratch.content()) {
@@ -123,9 +130,12 @@ std::vector<Row> bench_mechanism(const Args& a, const std::string& spec, int64_t
              v = torch::randn({1, Hk, 1, D}, opts), x = torch::randn({1, 1, model_dim}, opts);
   // the user's static cache and RoPE table (sdpa_step)
   const auto Ks = torch::randn({1, Hk, cap, D}, opts), Vs = torch::randn({1, Hk, cap, D}, opts);
-  const auto inv = torch::pow(10000.0, -torch::arange(0, D, 2, opts) / static_cast<double>(D));
-  const auto ang = torch::outer(torch::arange(cap, opts), inv);
-  const auto cos_t = torch::cat({ang, ang}, -1).cos(), sin_t = torch::cat({ang, ang}, -1).sin();
+  // (computed in float32 and stored in the model's dtype, as HF's rotary embedding does)
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+  const auto inv = torch::pow(10000.0, -torch::arange(0, D, 2, f32) / static_cast<double>(D));
+  const auto ang = torch::outer(torch::arange(cap, f32), inv);
+  const auto cos_t = torch::cat({ang, ang}, -1).cos().to(dtype),
+             sin_t = torch::cat({ang, ang}, -1).sin().to(dtype);
   const bool gqa = Hq != Hk;
 
   std::vector<Row> rows;
@@ -186,9 +196,9 @@ void run(const Args& a) {
     for (const auto& [hq, hk] : layouts)
       for (auto& r : bench_mechanism(a, spec, hq, hk)) rows.push_back(std::move(r));
   const std::string head = fmt::format(
-      "relpos bench decode: torch {}, {} threads, B 1, D {}, float32, {} rounds (medians; "
+      "relpos bench decode: torch {}, {} threads, B 1, D {}, {}, {} rounds (medians; "
       "ratios: median over rounds of ours / case)",
-      torch_version(), used_omp_threads(), a.D, a.rounds);
+      torch_version(), used_omp_threads(), a.D, c10::toString(dtype_named(a.dtype)), a.rounds);
   json out = json::array();
   for (const auto& r : rows) {
     json j{{"spec", r.spec}, {"heads", r.heads}, {"ctx", r.ctx}};
@@ -247,6 +257,9 @@ void add_decode_command(CLI::App& app) {
   cmd->add_option("--warmup", a->warmup, "untimed rounds first")->check(CLI::Range(0, 100));
   cmd->add_option("--threads", a->threads, "threads (at::set_num_threads); 0: LibTorch's default")
       ->check(CLI::Range(0, 1024));
+  cmd->add_option("--dtype", a->dtype,
+                  "storage of the module, its cache and the baselines' tensors: fp32, bf16 or fp16")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   cmd->add_option("--format", a->format, "md or json")->check(CLI::IsMember({"md", "json"}));
   cmd->add_option("--json-out", a->json_out, "also write the JSON report to this file");
   cmd->callback([a] { run(*a); });

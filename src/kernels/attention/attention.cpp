@@ -14,17 +14,27 @@
 namespace relpos::kernels {
 
 // Declarations of the per-ISA builds (attention_isa.inc).
-#define RELPOS_DECLARE_ISA(NS)                                                               \
-  namespace NS {                                                                             \
-  template <class T>                                                                         \
-  void attention_forward(const AttentionDims&, const T*, const T*, const T*,                 \
-                         const AttentionPositions&, const AttentionBias<T>&,                 \
-                         const AttentionOptions&, T*, T*);                                   \
-  template <class T>                                                                         \
-  void attention_backward(const AttentionDims&, const T*, const T*, const T*,                \
-                          const AttentionPositions&, const AttentionBias<T>&,                \
-                          const AttentionOptions&, const T*, const T*, const T*, T*, T*, T*, \
-                          const AttentionBiasGrads<T>&, const T*);                           \
+#define RELPOS_DECLARE_ISA(NS)                                                                   \
+  namespace NS {                                                                                 \
+  template <class T>                                                                             \
+  void attention_forward(const AttentionDims&, const T*, const T*, const T*,                     \
+                         const AttentionPositions&, const AttentionBias<T>&,                     \
+                         const AttentionOptions&, T*, T*);                                       \
+  void attention_forward_half(const AttentionDims&, HalfType, const uint16_t*, const uint16_t*,  \
+                              const uint16_t*, const AttentionPositions&,                        \
+                              const AttentionBias<float>&, const AttentionOptions&, uint16_t*,   \
+                              float*);                                                           \
+  void attention_backward_half(const AttentionDims&, HalfType, const uint16_t*, const uint16_t*, \
+                               const uint16_t*, const AttentionPositions&,                       \
+                               const AttentionBias<float>&, const AttentionOptions&,             \
+                               const uint16_t*, const uint16_t*, const float*, uint16_t*,        \
+                               uint16_t*, uint16_t*, const AttentionBiasGrads<float>&,           \
+                               const float*);                                                    \
+  template <class T>                                                                             \
+  void attention_backward(const AttentionDims&, const T*, const T*, const T*,                    \
+                          const AttentionPositions&, const AttentionBias<T>&,                    \
+                          const AttentionOptions&, const T*, const T*, const T*, T*, T*, T*,     \
+                          const AttentionBiasGrads<T>&, const T*);                               \
   }
 RELPOS_ISA_FOR_EACH(RELPOS_DECLARE_ISA)
 #undef RELPOS_DECLARE_ISA
@@ -137,11 +147,18 @@ void attention_forward(const AttentionDims& dims, const T* q, const T* k, const 
   RELPOS_ISA_DISPATCH(attention_forward<T>, dims, q, k, v, pos, bias, options, out, lse);
 }
 
+void attention_forward_half(const AttentionDims& dims, HalfType type, const uint16_t* q,
+                            const uint16_t* k, const uint16_t* v, const AttentionPositions& pos,
+                            const AttentionBias<float>& bias, const AttentionOptions& options,
+                            uint16_t* out, float* lse) {
+  check(dims, bias, options);
+  RELPOS_ISA_DISPATCH(attention_forward_half, dims, type, q, k, v, pos, bias, options, out, lse);
+}
+
 template <class T>
-void attention_backward(const AttentionDims& dims, const T* q, const T* k, const T* v,
-                        const AttentionPositions& pos, const AttentionBias<T>& bias,
-                        const AttentionOptions& options, const T* dout, const T* out, const T* lse,
-                        T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads, const T* dlse) {
+void check_backward(const AttentionDims& dims, const AttentionBias<T>& bias,
+                    const AttentionOptions& options, const void* dout, const void* out,
+                    const void* lse, const AttentionBiasGrads<T>& grads) {
   check(dims, bias, options);
   if (!dout || !out || !lse) throw InputError("attention backward needs dout, out and lse");
   if (dims.key_rows() != dims.Tk)
@@ -155,8 +172,27 @@ void attention_backward(const AttentionDims& dims, const T* q, const T* k, const
     throw InputError("attention: a gate gradient needs its gates");
   if ((grads.path_q || grads.path_k || grads.path_beta) && !bias.path_q)
     throw InputError("attention: probe gradients need the path integral");
+}
+
+template <class T>
+void attention_backward(const AttentionDims& dims, const T* q, const T* k, const T* v,
+                        const AttentionPositions& pos, const AttentionBias<T>& bias,
+                        const AttentionOptions& options, const T* dout, const T* out, const T* lse,
+                        T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads, const T* dlse) {
+  check_backward(dims, bias, options, dout, out, lse, grads);
   RELPOS_ISA_DISPATCH(attention_backward<T>, dims, q, k, v, pos, bias, options, dout, out, lse, dq,
                       dk, dv, grads, dlse);
+}
+
+void attention_backward_half(const AttentionDims& dims, HalfType type, const uint16_t* q,
+                             const uint16_t* k, const uint16_t* v, const AttentionPositions& pos,
+                             const AttentionBias<float>& bias, const AttentionOptions& options,
+                             const uint16_t* dout, const uint16_t* out, const float* lse,
+                             uint16_t* dq, uint16_t* dk, uint16_t* dv,
+                             const AttentionBiasGrads<float>& grads, const float* dlse) {
+  check_backward(dims, bias, options, dout, out, lse, grads);
+  RELPOS_ISA_DISPATCH(attention_backward_half, dims, type, q, k, v, pos, bias, options, dout, out,
+                      lse, dq, dk, dv, grads, dlse);
 }
 
 #define RELPOS_INSTANTIATE(T)                                                                    \

@@ -28,6 +28,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/half.hpp"
+
 namespace relpos::kernels {
 
 struct AttentionDims {
@@ -166,6 +168,16 @@ void attention_forward(const AttentionDims& dims, const T* q, const T* k, const 
                        const AttentionPositions& pos, const AttentionBias<T>& bias,
                        const AttentionOptions& options, T* out, T* lse);
 
+// The same forward on half storage (float instantiation): q, k, v and out are bfloat16 or float16
+// words, and lse float32. The kernel widens each tile to float32 as it reads it (no float32
+// copies of the operands) and computes exactly as the float kernel does on the widened values;
+// the output is rounded to nearest-even once. So out equals the float forward on q, k, v
+// converted to float32, stored back in the half type, bit for bit. The biases stay float32.
+void attention_forward_half(const AttentionDims& dims, HalfType type, const uint16_t* q,
+                            const uint16_t* k, const uint16_t* v, const AttentionPositions& pos,
+                            const AttentionBias<float>& bias, const AttentionOptions& options,
+                            uint16_t* out, float* lse);
+
 // Gradients from dout = dL/dout (and dlse = dL/dlse [B, Hq, Tq] when lse is used too; null: 0),
 // given the forward's out and lse: dq, dk, dv are written (overwritten; any may be null), the bias
 // gradients accumulated (see AttentionBiasGrads).
@@ -175,6 +187,18 @@ void attention_backward(const AttentionDims& dims, const T* q, const T* k, const
                         const AttentionOptions& options, const T* dout, const T* out, const T* lse,
                         T* dq, T* dk, T* dv, const AttentionBiasGrads<T>& grads,
                         const T* dlse = nullptr);
+
+// The same backward on half storage (float instantiation): q, k, v, dout, out and the gradients
+// dq, dk, dv are bfloat16 or float16 words (any gradient may be null), lse, dlse and the bias
+// gradients float32. Tiles are widened as they are read and every product and accumulation is
+// the float kernel's; each gradient is rounded once at the end. So dq, dk, dv equal the float
+// backward on the widened operands, stored back in the half type, bit for bit.
+void attention_backward_half(const AttentionDims& dims, HalfType type, const uint16_t* q,
+                             const uint16_t* k, const uint16_t* v, const AttentionPositions& pos,
+                             const AttentionBias<float>& bias, const AttentionOptions& options,
+                             const uint16_t* dout, const uint16_t* out, const float* lse,
+                             uint16_t* dq, uint16_t* dk, uint16_t* dv,
+                             const AttentionBiasGrads<float>& grads, const float* dlse = nullptr);
 
 // Plain float64 references straight from the definition (materialised logits per row, one
 // thread): for the tests. Same arguments and conventions as the kernels; lse may be null.
