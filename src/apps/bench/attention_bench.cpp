@@ -438,21 +438,20 @@ Outs run_materialised(const Inputs& in, Bias b, bool sdpa, Mode mode) {
 }
 
 // A case through autograd: attend(q, k, v) -> out on the half copies (half: forward, and the
-// backward by autograd from douth) or on the float32 inputs; outputs returned in fp32 for the
-// checks.
+// backward by autograd from douth) or on the float32 inputs; outputs returned as computed (the
+// checks promote them; a conversion here would be timed).
 template <class Attend>
 Outs run_autograd(const Inputs& in, bool half, Mode mode, Attend attend) {
-  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
   const at::Tensor &q0 = half ? in.qh : in.q, &k0 = half ? in.kh : in.k, &v0 = half ? in.vh : in.v;
   if (mode == Mode::Fwd) {
     c10::InferenceMode guard;
-    return {f32(attend(q0, k0, v0)), {}, {}, {}, {}};
+    return {attend(q0, k0, v0), {}, {}, {}, {}};
   }
   const at::Tensor q = q0.detach().requires_grad_(true), k = k0.detach().requires_grad_(true),
                    v = v0.detach().requires_grad_(true);
   const at::Tensor out = attend(q, k, v);
   const auto g = torch::autograd::grad({out}, {q, k, v}, {half ? in.douth : in.dout});
-  return {f32(out.detach()), f32(g[0]), f32(g[1]), f32(g[2]), {}};
+  return {out.detach(), g[0], g[1], g[2], {}};
 }
 
 // The op users call (relpos::nn::fused_attention and its autograd), on the half copies or on
