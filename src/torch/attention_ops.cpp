@@ -414,7 +414,10 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
       throw InputError("attention backward: grad_out, out, lse or grad_lse does not match q");
     // every output is a tensor (the schema has no optional outputs): absent or unrequested ones
     // are empty; the bias gradients are accumulated by the kernel, so they start at zero
-    const auto empty = [&] { return torch::empty({0}, o.q.options()); };
+    // (in the compute dtype, as the bias gradients are computed)
+    const auto empty = [&] {
+      return torch::empty({0}, o.q.options().dtype(compute_type(q.scalar_type())));
+    };
     auto dq = mask[0] ? output_like(o.q) : empty(), dk = mask[1] ? output_like(o.k) : empty(),
          dv = mask[2] ? output_like(o.v) : empty();
     Biases db;
