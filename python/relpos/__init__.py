@@ -60,8 +60,17 @@ __all__ = [
     "rope_parameters_spec",
     "frequencies",
     "attention_factor",
+    "kernel_isa",
     "verify",
 ]
+
+
+def kernel_isa() -> str:
+    """The CPU kernels' instruction-set build in use: "baseline", "avx2+fma", "avx512" or
+    "avx512+amx" (bfloat16 attention products on AMX tiles, rounding the probabilities to
+    bfloat16 for P V). The best this CPU runs, capped by the environment variable
+    RELPOS_KERNEL_ISA (baseline | avx2 | avx512 | amx), read once per process."""
+    return torch.ops.relpos.kernel_isa()
 
 
 def mechanisms() -> list[dict]:

@@ -4,9 +4,39 @@
 #include <cstdlib>
 #include <string>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "core/types.hpp"
 
 namespace relpos::kernels {
+
+namespace {
+
+// AMX-TILE, AMX-BF16, AVX512-BW and AVX512-BF16 on the CPU, the tile state enabled by the OS (XCR0
+// bits 17 and 18), and this process granted it (Linux asks for arch_prctl(ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA) before a first tile instruction; the grant holds for every thread).
+bool amx_usable() {
+#if defined(__x86_64__) && defined(__linux__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u, bw = (b >> 30) & 1u;
+  if (!tile || !bf16 || !bw || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  if (!((a >> 5) & 1u)) return false;  // AVX512-BF16 (vcvtne2ps2bf16)
+  unsigned lo = 0, hi = 0;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
 
 Isa selected_isa() {
   static const Isa isa = [] {
@@ -16,17 +46,23 @@ Isa selected_isa() {
     if (best == Isa::Avx2 && __builtin_cpu_supports("avx512f") &&
         __builtin_cpu_supports("avx512vl"))
       best = Isa::Avx512;
-#endif
     const char* cap = std::getenv("RELPOS_KERNEL_ISA");
+    const bool capped = cap && *cap && std::string(cap) != "amx";
+    // (a cap below amx asks the kernel for no tile state at all)
+    if (best == Isa::Avx512 && !capped && amx_usable()) best = Isa::Amx;
+#else
+    const char* cap = std::getenv("RELPOS_KERNEL_ISA");
+#endif
     if (!cap || !*cap) return best;
     const std::string c = cap;
     const Isa want =
         c == "baseline" ? Isa::Baseline
         : c == "avx2"   ? Isa::Avx2
-        : c == "avx512"
-            ? Isa::Avx512
-            : throw InputError("RELPOS_KERNEL_ISA must be baseline, avx2 or avx512, got '" + c +
-                               "'");
+        : c == "avx512" ? Isa::Avx512
+        : c == "amx"
+            ? Isa::Amx
+            : throw InputError("RELPOS_KERNEL_ISA must be baseline, avx2, avx512 or amx, got '" +
+                               c + "'");
     return std::min(want, best);
   }();
   return isa;
@@ -34,6 +70,8 @@ Isa selected_isa() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::Amx:
+      return "avx512+amx";
     case Isa::Avx512:
       return "avx512";
     case Isa::Avx2:

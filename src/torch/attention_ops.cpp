@@ -17,6 +17,7 @@
 #include "core/registry.hpp"
 #include "kernels/attention/attention.hpp"
 #include "kernels/attention/mechanism_attention.hpp"
+#include "kernels/isa.hpp"
 #include "torch/attention.hpp"
 #include "torch/finite.hpp"
 #include "torch/journey.hpp"
@@ -830,6 +831,7 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "float window, Tensor? key_len, float scale, bool exclude_self, float path_scale, "
       "Tensor? key_start, Tensor? q_segments, Tensor? k_segments, bool[12] output_mask, Tensor? "
       "grad_lse=None) -> (Tensor, Tensor, Tensor, Tensor[])");
+  m.def("kernel_isa() -> str", [] { return std::string(relpos::kernels::kernel_isa()); });
   m.def("attention_bias_slots() -> str[]", [] {
     return std::vector<std::string>(relpos::nn::kSlotNames.begin(), relpos::nn::kSlotNames.end());
   });
