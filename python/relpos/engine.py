@@ -361,6 +361,10 @@ class Attention(nn.Module):
                                         self.encoding.layout)
         return qt, kt, phase_end, frames
 
+    def _trains_parameters(self) -> bool:
+        """Whether this call records gradients of the module's parameters."""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+
     def _content_params(self) -> list[torch.Tensor]:
         out = []
         for name in self._content["names"]:
@@ -393,9 +397,10 @@ class Attention(nn.Module):
                                  "whole row and would cross the packed documents' boundaries; "
                                  "run the documents as separate rows")
         stored_as = q.dtype
-        # half storage: computed in float32 and stored back (the cache keeps half); on a GPU the
-        # transforms and the kernel read half as stored (fp32 math) unless a runtime computes
-        # gates, probes or rotations from q and k, which keep float32 operands
+        # half storage: the mechanism computes in float32, the kernel's operands are rounded back
+        # to half (below) and the output stored back (the cache keeps half); on a GPU the
+        # transforms read half as stored (fp32 math) unless a runtime computes gates, probes or
+        # rotations from q and k, which compute in float32 as on the CPU
         if stored_as in _HALF and (q.device.type != "cuda" or self._content is not None
                                    or self._rotation is not None):
             q, k, v = q.float(), k.float(), v.float()
@@ -477,6 +482,13 @@ class Attention(nn.Module):
             # the learned table over every lag of the call (its gradient reaches the parameters)
             lag_table = _learned_lag_table(self.encoding, qpos, k_positions, self.num_heads,
                                            self.num_kv_heads, q.dtype)
+        if stored_as in _HALF and kv_q.dtype == torch.float32 and not self._trains_parameters():
+            # the kernel reads its operands rounded once to the caller's half dtype, as stored
+            # (bf16 tile products on AMX: relpos.kernel_isa()); its output comes back float32.
+            # Not while the mechanism's parameters train: their gradients sum the kernel's q and
+            # k gradients, which would be rounded to half too (a damping rate's came out 30% off
+            # in bfloat16 that way)
+            kv_q, kv_k, kv_v = kv_q.to(stored_as), kv_k.to(stored_as), kv_v.to(stored_as)
         out, lse = fused_attention(kv_q, kv_k, kv_v, q_positions=qpos, k_positions=k_positions,
                                    causal=self.causal, window=self.window, key_len=klen,
                                    scale=self.scale, slopes=slopes, lag_table=lag_table,

@@ -18,13 +18,13 @@ struct AttentionArgs {
   torch::Tensor q_positions;  // [Tq] or [B, Tq], any real dtype; default Tk - Tq + i
   torch::Tensor k_positions;  // [Tk] or [B, Tk]; default j
   bool causal = true;
-  double window = 0.0;    // > 0: key j visible to query i only when p_i - p_j < window
+  double window = 0.0;      // > 0: key j visible to query i only when p_i - p_j < window
   torch::Tensor key_len;    // int64 [B]: valid keys per batch row (key padding on the right)
   torch::Tensor key_start;  // int64 [B]: the first valid key per batch row (left padding)
   // packed sequences: segment (document) ids [B, Tq] and [B, Tk], both or neither; a key is
   // visible only to the queries of its segment
   torch::Tensor q_segments, k_segments;
-  double scale = 0.0;     // 0: 1 / sqrt(D)
+  double scale = 0.0;  // 0: 1 / sqrt(D)
   // Additive biases on top of the mechanism's own (kernels/attention/attention.hpp):
   torch::Tensor lag_table;  // [Hq, L], q's dtype: + lag_table[h][round(p_i - p_j)] (clamped)
   torch::Tensor slopes;     // [Hq]: - slopes[h] (p_i - p_j)
@@ -39,6 +39,11 @@ struct AttentionArgs {
   // [B, Hq, T, P] and path_beta [Hq] (kernels/attention/attention.hpp; default positions only).
   torch::Tensor gq, gk, path_q, path_k, path_beta;
   double path_scale = 1.0;
+  // A half storage dtype (bfloat16, float16) for the kernel's operands of a float32 call: q, k
+  // and v are rounded to it once, the kernel reads them as stored (on Isa::Amx, bfloat16 tile
+  // products), and the output comes back float32. The modules set it for half inputs, whose
+  // mechanism computes in float32; nullopt: the operands as they are.
+  std::optional<c10::ScalarType> kernel_storage;
 };
 
 // Fused softmax attention: q [B, Hq, Tq, D], k and v [B, Hk, Tk, D] (Hk divides Hq), float32 or

@@ -572,6 +572,11 @@ bool AttentionImpl::needs_grad(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v) const {
   if (!torch::GradMode::is_enabled()) return false;
   if (q.requires_grad() || k.requires_grad() || v.requires_grad()) return true;
+  return trains_parameters();
+}
+
+bool AttentionImpl::trains_parameters() const {
+  if (!torch::GradMode::is_enabled()) return false;
   for (const auto& p : parameters())
     if (p.requires_grad()) return true;
   return false;
@@ -582,21 +587,27 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor
   check(q, k, v, call);
   if (op_util::is_half(q.scalar_type())) {
     // half storage: the mechanism and the kernel compute in float32, the output is stored back
-    // (a cache keeps its half keys and values)
+    // (a cache keeps its half keys and values). The kernel reads its operands rounded to the
+    // half dtype, unless this call trains the mechanism's parameters: their gradients sum the
+    // kernel's q and k gradients, which would be rounded to half too (a damping rate's came out
+    // 30% off in bfloat16 that way)
     AttentionCall c = call;
     if (c.inputs.defined() && op_util::is_half(c.inputs.scalar_type()))
       c.inputs = c.inputs.to(torch::kFloat);
     const auto up = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
-    return computed(up(q), up(k), up(v), c).to(q.scalar_type());
+    const auto storage = trains_parameters() ? std::nullopt : std::optional(q.scalar_type());
+    return computed(up(q), up(k), up(v), c, storage).to(q.scalar_type());
   }
-  return computed(q, k, v, call);
+  return computed(q, k, v, call, std::nullopt);
 }
 
 torch::Tensor AttentionImpl::computed(const torch::Tensor& q, const torch::Tensor& k,
-                                      const torch::Tensor& v, const AttentionCall& call) {
+                                      const torch::Tensor& v, const AttentionCall& call,
+                                      std::optional<c10::ScalarType> storage) {
   if (call.cache || content_ || rotation_ || favor_projection_.defined())
-    return assembled(q, k, v, call);
+    return assembled(q, k, v, call, storage);
   AttentionArgs a;
+  a.kernel_storage = storage;
   // one positions tensor for queries and keys (the same object: one transform call)
   a.q_positions =
       call.positions.defined() ? call.positions : torch::arange(q.size(2), torch::kDouble);
@@ -611,7 +622,8 @@ torch::Tensor AttentionImpl::computed(const torch::Tensor& q, const torch::Tenso
 }
 
 torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tensor& k,
-                                       const torch::Tensor& v, const AttentionCall& call) {
+                                       const torch::Tensor& v, const AttentionCall& call,
+                                       std::optional<c10::ScalarType> storage) {
   DecodeCache* cache = call.cache;
   if (cache && one_call_decode_ && !call.key_start.defined() && q.is_cpu() &&
       !needs_grad(q, k, v)) {
@@ -678,6 +690,7 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
                            options_.scale > 0 ? std::sqrt(options_.scale) : 0.0);
   }
   AttentionArgs a;
+  a.kernel_storage = storage;
   std::vector<torch::Tensor> content;
   if (content_) {
     ContentCall c{call.inputs, qt, kt, pos, {}, {}};

@@ -158,15 +158,18 @@ class AttentionImpl : public torch::nn::Module {
  private:
   void check(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
              const AttentionCall& call) const;
-  // forward after check(), in the compute dtype
+  // forward after check(), in the compute dtype; storage: the half dtype of the caller's q, k, v,
+  // for the kernel's operands (AttentionArgs::kernel_storage)
   torch::Tensor computed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                         const AttentionCall& call);
+                         const AttentionCall& call, std::optional<c10::ScalarType> storage);
   // the transforms and biases assembled here (not in nn::attention): with a cache, or with a
   // content bias
   torch::Tensor assembled(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                          const AttentionCall& call);
+                          const AttentionCall& call, std::optional<c10::ScalarType> storage);
   // whether autograd records this call (decode_step has no backward)
   bool needs_grad(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
+  // whether it records gradients of the module's parameters
+  bool trains_parameters() const;
   int64_t num_heads_, num_kv_heads_;
   AttentionOptions options_;
   std::optional<std::string> cache_refusal_;

@@ -621,11 +621,14 @@ std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::
   b[kPathQ] = a.path_q;
   b[kPathK] = a.path_k;
   b[kPathBeta] = a.path_beta;
-  auto [out, lse] =
-      call_fused_attention(q, k, v, pack(b), opt(a.q_positions), opt(a.k_positions),
-                           {opt(a.key_len), opt(a.key_start), opt(a.q_segments), opt(a.k_segments)},
-                           {a.causal, a.window, a.scale, a.exclude_self, a.path_scale});
-  return {out, lse};
+  const auto st = a.kernel_storage;
+  const bool rounded = st && op_util::is_half(*st) && q.scalar_type() == torch::kFloat;
+  const auto operand = [&](const torch::Tensor& t) { return rounded ? t.to(*st) : t; };
+  auto [out, lse] = call_fused_attention(
+      operand(q), operand(k), operand(v), pack(b), opt(a.q_positions), opt(a.k_positions),
+      {opt(a.key_len), opt(a.key_start), opt(a.q_segments), opt(a.k_segments)},
+      {a.causal, a.window, a.scale, a.exclude_self, a.path_scale});
+  return {rounded ? out.to(torch::kFloat) : out, lse};
 }
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -67,6 +67,34 @@ def test_half_storage_matches_float64(spec, dtype):
 
 
 @pytest.mark.parametrize("spec", CATALOG_SPECS)
+def test_bf16_tiles_match_float64(spec):
+    """The same check at a tiled shape, T 80 and head dim 64, where the fused kernel runs its tile
+    products (on AMX under the avx512+amx kernels, the probabilities and dS rounded to bf16)."""
+    try:
+        relpos.mechanism(spec, 64, H)
+    except relpos.InputError as e:
+        pytest.skip(f"{spec} at head dim 64: {e}")
+    torch.manual_seed(3)
+    attn = jittered(relpos.Attention(spec, 64, H, H, model_dim=M), 0.2).double()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, H, 80, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    x = torch.randn(1, 80, M, generator=g, dtype=torch.float64)
+    dc = vector_dims(relpos.mechanism(spec, 64, H))
+    pos = None if dc is None else torch.randint(0, 6, (80, dc), generator=g).to(torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attn(*leaves, inputs=x, positions=pos)
+    w = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+    attn = attn.float()
+    half = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    out = attn(*half, inputs=x.bfloat16(), positions=pos)
+    grads = torch.autograd.grad((out.double() * w).sum(), half)
+    assert rel_err(out, ref) < TOL[torch.bfloat16], rel_err(out, ref)
+    for name, got, r in zip("qkv", grads, ref_grads):
+        assert rel_err(got, r) < TOL[torch.bfloat16], (name, rel_err(got, r))
+
+
+@pytest.mark.parametrize("spec", CATALOG_SPECS)
 def test_half_module_and_cache(spec):
     """A module cast to bf16 as a whole runs (its parameters bf16, its output and gradients bf16)
     and decoding through a bf16 cache equals its full forward to bf16 rounding."""
