@@ -595,7 +595,10 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor
     if (c.inputs.defined() && op_util::is_half(c.inputs.scalar_type()))
       c.inputs = c.inputs.to(torch::kFloat);
     const auto up = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
-    const auto storage = trains_parameters() ? std::nullopt : std::optional(q.scalar_type());
+    // (bfloat16 only: a transformed float16 q or k may leave its range where float32 holds it)
+    const auto storage = q.scalar_type() == torch::kBFloat16 && !trains_parameters()
+                             ? std::optional(q.scalar_type())
+                             : std::nullopt;
     return computed(up(q), up(k), up(v), c, storage).to(q.scalar_type());
   }
   return computed(q, k, v, call, std::nullopt);

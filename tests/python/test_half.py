@@ -94,6 +94,18 @@ def test_bf16_tiles_match_float64(spec):
         assert rel_err(got, r) < TOL[torch.bfloat16], (name, rel_err(got, r))
 
 
+def test_float16_module_keeps_the_float32_kernel_past_its_range():
+    """A float16 module call whose rotated q leaves float16's range (a pair at 6e4 turned by pi/4:
+    8.5e4) still attends in float32 (only bfloat16 operands are rounded back for the kernel)."""
+    attn = relpos.Attention("rope", 8, 1)
+    q = torch.zeros(1, 1, 2, 8)
+    q[..., :2] = 6e4
+    with torch.no_grad():
+        out = attn(q.half(), q.half(), torch.ones(1, 1, 2, 8).half(),
+                   positions=torch.tensor([0.0, torch.pi / 4], dtype=torch.float64))
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("spec", CATALOG_SPECS)
 def test_half_module_and_cache(spec):
     """A module cast to bf16 as a whole runs (its parameters bf16, its output and gradients bf16)
