@@ -76,6 +76,9 @@ struct Avx2Ops {
     }
     return m;
   }
+  static __m256i first(int n) {  // the mask of lanes < n
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
   static R load_masked(const float* p, __m256i m) { return _mm256_maskload_ps(p, m); }
   static void store_masked(float* p, __m256i m, R v) { _mm256_maskstore_ps(p, m, v); }
   static R to_lane_order(R v) {
@@ -127,6 +130,7 @@ struct Avx512Ops {
     }
     return m;
   }
+  static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1); }  // lanes < n
   static R load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
   static void store_masked(float* p, __mmask16 m, R v) { _mm512_mask_storeu_ps(p, m, v); }
   // lane l of a transposed register holds blocks l, l + 4, l + 8, l + 12: a 4x4 transpose of
