@@ -50,7 +50,7 @@ def package(build: pathlib.Path, where: pathlib.Path) -> pathlib.Path:
 def ops_run(pythonpath: pathlib.Path, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(pythonpath))
     cmd = [sys.executable, str(ROOT / "bench" / "bench_ops.py"), "--json", "--threads",
-           str(args.threads), "--repeats", str(args.ops_repeats)]
+           str(args.threads), "--rounds", str(args.ops_rounds)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd="/").stdout
     report = json.loads(out[out.index("{"):])
     return {f"transform {name} fwd+bwd relpos": r["relpos"]
@@ -65,7 +65,8 @@ def main():
     ap.add_argument("--T", default="1024,4096")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--ops-repeats", type=int, default=9)
+    ap.add_argument("--ops-rounds", type=int, default=9,
+                    help="bench_ops.py's rounds per run (each case's median over them)")
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--json-out", type=pathlib.Path)
     a = ap.parse_args()
