@@ -35,9 +35,9 @@ from .encoding import (  # noqa: E402
     rope_parameters_spec, rope_scaling_spec,
 )
 from .engine import Attention, KVCache  # noqa: E402
-from .journey import frame_angles, journey_attention, rotate_pairs  # noqa: E402
+from .frames import frame_angles, journey_attention, rotate_pairs  # noqa: E402
 from .linear import favor_attention, random_projection  # noqa: E402
-from .structured import cayley_basis, structured_attention, structured_rotate  # noqa: E402
+from .vector_rotation import cayley_basis, structured_attention, structured_rotate  # noqa: E402
 
 __all__ = [
     "Attention",

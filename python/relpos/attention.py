@@ -13,7 +13,7 @@ import functools
 import torch
 
 from .encoding import _HALF, InputError, PositionEncoding, _all_finite
-from .journey import _journey_info, journey_attention
+from .frames import _journey_info, journey_attention
 
 # the names of the kernel's bias slots, in the order of the op's ``biases`` list
 _BIAS_SLOTS = tuple(torch.ops.relpos.attention_bias_slots())

@@ -19,7 +19,7 @@ from torch import nn
 
 from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_attention
 from .encoding import _HALF, _STORABLE, InputError, PositionEncoding, _integer, _op
-from .journey import rotate_pairs
+from .frames import rotate_pairs
 
 
 class KVCache:

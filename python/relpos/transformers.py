@@ -346,7 +346,7 @@ def _neox_forward(self, hidden_states, attention_mask=None, layer_past=None,
     return self.dense(out), None
 
 
-def _bloom_forward(self, hidden_states, residual, alibi=None, attention_mask=None, layer_past=None,
+def _bloom_forward(self, hidden_states, residual, attention_mask=None, layer_past=None,
                    use_cache=False, output_attentions=False, **kwargs):
     from transformers.models.bloom.modeling_bloom import dropout_add
 
@@ -365,7 +365,7 @@ def _bloom_forward(self, hidden_states, residual, alibi=None, attention_mask=Non
     return dropout_add(output, residual, self.hidden_dropout, self.training), None
 
 
-def _falcon_forward(self, hidden_states, alibi=None, attention_mask=None, position_ids=None,
+def _falcon_forward(self, hidden_states, attention_mask=None, position_ids=None,
                     layer_past=None, use_cache=False, output_attentions=False,
                     position_embeddings=None, **kwargs):
     B, T, _ = hidden_states.shape
@@ -477,14 +477,14 @@ def spec_for(config) -> str:
     model_type = _refuse_unsupported(config)
     if model_type == "bloom" or (model_type == "falcon" and getattr(config, "alibi", False)):
         return "alibi"
-    rope = getattr(config, "rope_parameters", None)
-    if not isinstance(rope, dict) or not rope:
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
         raise InputError(f"{type(config).__name__} has no rope_parameters")
-    if any(isinstance(v, dict) for v in rope.values()):
+    if any(isinstance(v, dict) for v in params.values()):
         raise InputError(f"{type(config).__name__}: rope_parameters per layer type are not supported")
-    rope = dict(rope)
-    rope.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
-    return rope_parameters_spec("rope", rope, getattr(config, "max_position_embeddings", None))
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    return rope_parameters_spec("rope", params, getattr(config, "max_position_embeddings", None))
 
 
 def _neutralise(model, model_type: str) -> None:

@@ -53,7 +53,7 @@ const std::vector<JordanSegment>& Mechanism::segments() const {
   return t ? t->segments : none;
 }
 
-const BiasTerm* Mechanism::alibi() const {
+const BiasTerm* Mechanism::slope_bias() const {
   for (const auto& b : biases)
     if (b.shape == BiasShape::LagTable && !b.slopes.empty()) return &b;
   return nullptr;
@@ -96,8 +96,8 @@ std::string Mechanism::exactness() const {
     if (!has_transform()) return form;
     return fmt::format("{} + {}", tex ? "exact" : "approximate", form);
   }
-  if (!has_transform()) return alibi() ? "augmented exact" : "exact";
-  if (alibi()) return tex ? "exact + augmented bias" : "approximate + augmented bias";
+  if (!has_transform()) return slope_bias() ? "augmented exact" : "exact";
+  if (slope_bias()) return tex ? "exact + augmented bias" : "approximate + augmented bias";
   return tex ? "exact" : "approximate";
 }
 

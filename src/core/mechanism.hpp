@@ -196,7 +196,7 @@ struct Mechanism {
   const std::vector<JordanSegment>& segments() const;
   const TransformTerm* position_term() const;
   const TransformTerm* structured_term() const;  // the vector-position rotation, if any
-  const BiasTerm* alibi() const;             // the slope-form lag bias, if any
+  const BiasTerm* slope_bias() const;            // the slope-form lag bias, if any
   const BiasTerm* learned_lag_bias() const;  // the learned lag table (BiasTerm::learned), if any
   const BiasTerm* content_bias() const;      // a content-dependent (GRAPE) bias, if any
   int total_blocks() const;

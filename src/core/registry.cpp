@@ -58,6 +58,13 @@ const std::vector<MechanismInfo>& mechanism_catalog() {
   return cat;
 }
 
+std::vector<double> slopes_for_heads(const Mechanism& m, int64_t heads) {
+  const BiasTerm* sb = m.slope_bias();
+  if (!sb) return {};
+  if (heads == m.heads) return sb->slopes;
+  return build_mechanism(m.spec, m.head_dim, static_cast<int>(heads)).slope_bias()->slopes;
+}
+
 Mechanism build_mechanism(const std::string& spec_in, int head_dim, int heads) {
   if (head_dim <= 0 || head_dim > kMaxHeadDim)
     throw InputError(fmt::format("head dim must be in [1, {}], got {}", kMaxHeadDim, head_dim));

@@ -53,6 +53,11 @@ nlohmann::json mechanism_json(const Mechanism& m);
 // valid ones; bad value; head dim not divisible by 2m; L <= 0; ...).
 Mechanism build_mechanism(const std::string& spec, int head_dim, int heads);
 
+// The slope bias's slopes (Mechanism::slope_bias) for `heads` query heads: a slope sequence
+// depends on the head count, so a call with other heads than m's rebuilds m's spec for them.
+// Empty when m has no slope bias.
+std::vector<double> slopes_for_heads(const Mechanism& m, int64_t heads);
+
 // One spec per catalogued mechanism and notable configuration: what `relpos verify` checks when
 // no --enc is given.
 std::vector<std::string> verify_default_specs();

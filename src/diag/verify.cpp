@@ -386,9 +386,9 @@ VerifyRow run_one(const std::string& spec, const Mechanism& m, const ParamValues
       fail.push_back(fmt::format("shifted score q~.k~ = {:.3g} overflows {}", st.bad_shifted_score,
                                  dtype_name<T>()));
   }
-  if (m.alibi()) {
+  if (m.slope_bias()) {
     row.alibi_lift_residual = 0;
-    for (double slope : m.alibi()->slopes)
+    for (double slope : m.slope_bias()->slopes)
       for (size_t i = 0; i < pos.size(); ++i)
         for (size_t j = 0; j <= i; ++j) {
           const auto l = reference::alibi_lift(slope, pos[i], pos[j]);
@@ -411,7 +411,7 @@ VerifyRow run_one(const std::string& spec, const Mechanism& m, const ParamValues
     };
     above("relative residual", row.residual);
     above("shift residual", row.shift_residual);
-    if (m.alibi()) above("alibi lift residual", row.alibi_lift_residual);
+    if (m.slope_bias()) above("alibi lift residual", row.alibi_lift_residual);
   }
   std::vector<std::string> reasons;
   if (!fail.empty()) {

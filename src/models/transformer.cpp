@@ -150,6 +150,15 @@ torch::Tensor BlockImpl::norm(int which, const torch::Tensor& x) {
   return which == 1 ? ln1_(x) : ln2_(x);
 }
 
+std::vector<std::pair<std::string, double>> BlockImpl::attention_stats() {
+  std::vector<std::pair<std::string, double>> stats;
+  if (!grape_) return stats;
+  stats.emplace_back("gain_pair_gap", grape_->gain_pair_gap());
+  if (const auto f = grape_->frequencies(); f.defined())
+    stats.emplace_back("mean_log_frequency", f.detach().log().mean().item<double>());
+  return stats;
+}
+
 nn::PositionEncoding& BlockImpl::encoding() {
   return grape_ ? grape_->encoding() : enc_;
 }

@@ -83,7 +83,10 @@ class BlockImpl : public torch::nn::Module {
   // The grape preset's streaming path: the next tokens' hidden states x [B, T, d] given the
   // layer's cache (updated); equals forward() on the whole sequence.
   torch::Tensor step(const torch::Tensor& x, nn::GrapeDecodeState& state);
-  nn::GrapeAttention& grape() { return grape_; }
+  // The attention block's own diagnostics for the training log, by name (the grape preset's:
+  // the QK-norm gains' pair gap, which breaks a rotation's relative law once gain_m !=
+  // gain_{m+D/2}, and the mean log frequency of learned frequencies); empty for the others.
+  std::vector<std::pair<std::string, double>> attention_stats();
 
  private:
   torch::Tensor norm(int which, const torch::Tensor& x);

@@ -190,13 +190,9 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
   a.causal = step.causal;
   a.window = step.window;
   a.scale = step.scale;
-  if (const BiasTerm* alibi = m.alibi()) {
-    const std::vector<double> slopes =
-        step.num_heads == m.heads
-            ? alibi->slopes
-            : build_mechanism(m.spec, m.head_dim, static_cast<int>(step.num_heads)).alibi()->slopes;
-    a.slopes = torch::tensor(slopes, torch::kDouble).to(op_util::compute_type(st));
-  }
+  if (m.slope_bias())
+    a.slopes = torch::tensor(slopes_for_heads(m, step.num_heads), torch::kDouble)
+                   .to(op_util::compute_type(st));
   auto r = fused_attention(qt, cache.keys.narrow(2, 0, len), cache.values.narrow(2, 0, len), a);
   r[0] = r[0].to(dt);
   return r;
@@ -724,13 +720,9 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   a.causal = options_.causal;
   a.window = options_.window;
   a.scale = options_.scale;
-  if (const BiasTerm* alibi = m.alibi()) {
-    const std::vector<double> s =
-        num_heads_ == m.heads
-            ? alibi->slopes
-            : build_mechanism(m.spec, m.head_dim, static_cast<int>(num_heads_)).alibi()->slopes;
-    a.slopes = torch::tensor(s, torch::kDouble).to(op_util::compute_type(q.scalar_type()));
-  }
+  if (m.slope_bias())
+    a.slopes = torch::tensor(slopes_for_heads(m, num_heads_), torch::kDouble)
+                   .to(op_util::compute_type(q.scalar_type()));
   if (encoding->has_lag_table()) {  // (one row per head: no GQA, attention_refusal)
     const double span = (pos.max() - a.k_positions.min()).item<double>();
     a.lag_table = encoding->lag_table(kernels::lag_table_length(m, span))

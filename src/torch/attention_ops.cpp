@@ -659,15 +659,15 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                         : torch::arange(Tk, torch::kDouble);
   torch::Tensor qt = q, kt = k, vt = v;
   Frame q_frame;
-  const TransformTerm* journey = journey_term(m);
-  if (journey && q.numel() && k.numel()) {
+  const TransformTerm* frames = journey_term(m);
+  if (frames && q.numel() && k.numel()) {
     // frames per token: q and k (and v) rotated by their own frames, the output back below
     const auto dt = q.scalar_type();
-    const auto k_angles = frame_angles(*journey, kpos, args.k_frame, dt, "k_frame");
-    const bool same = !args.q_frame.defined() &&
-                      (journey->time == TimeSource::ContentPhase || qpos.is_same(kpos));
+    const auto k_angles = frame_angles(*frames, kpos, args.k_frame, dt, "k_frame");
+    const bool same =
+        !args.q_frame.defined() && (frames->time == TimeSource::ContentPhase || qpos.is_same(kpos));
     const auto q_angles =
-        same ? k_angles : frame_angles(*journey, qpos, args.q_frame, dt, "q_frame");
+        same ? k_angles : frame_angles(*frames, qpos, args.q_frame, dt, "q_frame");
     if (q_angles.size(-2) != Tq)
       throw InputError(fmt::format("attention: the query frame has {} positions, q has {}",
                                    q_angles.size(-2), Tq));
@@ -676,7 +676,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     const Layout layout = enc.plan().layout;
     qt = rotate_pairs(q, q_frame, false, layout);
     kt = rotate_pairs(k, k_frame, false, layout);
-    if (journey->roles.values) vt = rotate_pairs(v, k_frame, false, layout);
+    if (frames->roles.values) vt = rotate_pairs(v, k_frame, false, layout);
   } else if (m.has_transform() && q.numel() && k.numel()) {
     const int64_t g = Hq / Hk;
     // one call when queries and keys share heads and positions (decided from the arguments, as
@@ -710,12 +710,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   AttentionArgs a = args;
   a.q_positions = qpos;
   a.k_positions = kpos;
-  if (const BiasTerm* alibi = m.alibi()) {
-    // slopes per query head (ALiBi's geometric sequence depends on the head count)
-    const std::vector<double> s =
-        Hq == m.heads ? alibi->slopes
-                      : build_mechanism(m.spec, m.head_dim, static_cast<int>(Hq)).alibi()->slopes;
-    const auto t = torch::tensor(s, torch::kDouble).to(q.scalar_type());
+  if (m.slope_bias()) {  // slopes per query head
+    const auto t = torch::tensor(slopes_for_heads(m, Hq), torch::kDouble).to(q.scalar_type());
     a.slopes = a.slopes.defined() ? a.slopes + t : t;
   }
   if (enc.has_lag_table() && q.numel() && k.numel()) {
@@ -734,7 +730,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     a.lag_table = enc.lag_table(kernels::lag_table_length(m, span)).to(q.scalar_type());
   }
   auto out = fused_attention(qt, kt, vt, a)[0];
-  if (journey && journey->roles.outputs && q_frame.defined())
+  if (frames && frames->roles.outputs && q_frame.defined())
     out = rotate_pairs(out, q_frame, true, enc.plan().layout);
   return out;
 }

@@ -455,14 +455,14 @@ void check_exponent_range(const Mechanism& m, torch::ScalarType dt) {
 }
 
 torch::Tensor PositionEncodingImpl::alibi_slopes() const {
-  if (!mech_.alibi()) return {};
-  return torch::tensor(mech_.alibi()->slopes, torch::kDouble).to(torch::kFloat);
+  if (!mech_.slope_bias()) return {};
+  return torch::tensor(mech_.slope_bias()->slopes, torch::kDouble).to(torch::kFloat);
 }
 
 torch::Tensor PositionEncodingImpl::logit_bias(const torch::Tensor& qp,
                                                const torch::Tensor& kp) const {
   torch::Tensor out;
-  if (mech_.alibi()) {
+  if (mech_.slope_bias()) {
     const auto lag =
         (qp.to(torch::kFloat).unsqueeze(1) - kp.to(torch::kFloat).unsqueeze(0)).clamp_min(0);
     out = -alibi_slopes().view({-1, 1, 1}) * lag.unsqueeze(0);

@@ -274,12 +274,7 @@ std::string mechanism_stats_json(models::TransformerLMImpl& model) {
     j["gamma"] = mean_abs(kp.gamma);
     j["abs_eta"] = mean_abs(kp.eta);
     j["abs_gates"] = mean_abs(kp.gates);
-    if (auto& g = block->grape()) {
-      // the QK-norm gains break the relative law of a rotation once gain_m != gain_{m+D/2}
-      j["gain_pair_gap"] = g->gain_pair_gap();
-      if (const auto f = g->frequencies(); f.defined())
-        j["mean_log_frequency"] = f.detach().log().mean().item<double>();
-    }
+    for (const auto& [name, value] : block->attention_stats()) j[name] = value;
     layers.push_back(j);
   }
   return layers.dump();

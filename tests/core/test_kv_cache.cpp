@@ -308,7 +308,7 @@ TEST(AttentionMechanism, ForwardMatchesDenseReferenceMaps) {
           }
       }
       AttentionBias<double> bias;
-      if (const BiasTerm* a = pr.m.alibi()) bias.slopes = a->slopes.data();
+      if (const BiasTerm* a = pr.m.slope_bias()) bias.slopes = a->slopes.data();
       // a learned lag table (pj_bias; tested against its formula in test_pj_mechanisms.cpp),
       // longer than every lag of the call
       const auto table = attention_bias_of<double>(pr.m, Hq, 1000);

@@ -181,7 +181,7 @@ TEST(SpecAliases, JordanRopeIsStabilizedOrderTwo) {
   EXPECT_DOUBLE_EQ(s.eta_max, 0.1);
   EXPECT_TRUE(s.learn_eta);
   EXPECT_DOUBLE_EQ(s.max_exponent, 30.0);
-  EXPECT_FALSE(m.alibi() != nullptr);
+  EXPECT_FALSE(m.slope_bias() != nullptr);
   EXPECT_FALSE(m.transform_exact());
   EXPECT_EQ(m.center, CenterMode::None);  // approximate: no centring by default
   // spec 1.3 example: hd 32, m 2 uses omega_0..omega_7 = 10000^(-b/16)
@@ -246,7 +246,7 @@ TEST(SpecAliases, ScaledExact) {
     EXPECT_DOUBLE_EQ(s.eta_max, 0.1);
     EXPECT_TRUE(s.learn_eta);
     EXPECT_TRUE(m.transform_exact());
-    EXPECT_FALSE(m.alibi() != nullptr);
+    EXPECT_FALSE(m.slope_bias() != nullptr);
     expect_prefix_grid(s, 64);
   }
   {
@@ -272,8 +272,8 @@ TEST(SpecAliases, ScaledExact) {
     EXPECT_DOUBLE_EQ(s.gamma_init, 1.5 / 1024);
     EXPECT_DOUBLE_EQ(s.eta_init, 0.01);
     EXPECT_DOUBLE_EQ(s.eta_max, 0.1);
-    ASSERT_TRUE(m.alibi() != nullptr);
-    EXPECT_EQ(m.alibi()->slopes, alibi_slopes(6));
+    ASSERT_TRUE(m.slope_bias() != nullptr);
+    EXPECT_EQ(m.slope_bias()->slopes, alibi_slopes(6));
     EXPECT_EQ(m.name, "jordan");
   }
   {  // options of the spec form reach the segment (spec 5: L 20 gives gamma 0.5/20)
@@ -327,8 +327,8 @@ TEST(SpecAliases, JetGates) {
   }
   {
     const auto m = build_mechanism("jordan_jetmix_m3_c150_g010_g005_alibi", 48, 4);
-    ASSERT_TRUE(m.alibi() != nullptr);
-    EXPECT_EQ(m.alibi()->slopes, alibi_slopes(4));
+    ASSERT_TRUE(m.slope_bias() != nullptr);
+    EXPECT_EQ(m.slope_bias()->slopes, alibi_slopes(4));
   }
 }
 
@@ -357,15 +357,15 @@ TEST(SpecAliases, RopeAlibiAndDampedRope) {
     EXPECT_FALSE(s.damped);
     EXPECT_EQ(s.shear, ShearMode::None);
     expect_prefix_grid(s, 16, -1.0);  // all hd/2 frequencies, rotating by +omega p
-    ASSERT_TRUE(m.alibi() != nullptr);
-    EXPECT_EQ(m.alibi()->slopes, (std::vector<double>{0.25, 0.0625, 0.015625, 0.00390625}));
+    ASSERT_TRUE(m.slope_bias() != nullptr);
+    EXPECT_EQ(m.slope_bias()->slopes, (std::vector<double>{0.25, 0.0625, 0.015625, 0.00390625}));
     EXPECT_EQ(m.exactness(), "exact + augmented bias");
   }
   {
     const auto m = build_mechanism("alibi", 16, 8);
     EXPECT_FALSE(m.has_transform());
-    ASSERT_TRUE(m.alibi() != nullptr);
-    EXPECT_EQ(m.alibi()->slopes.size(), 8u);
+    ASSERT_TRUE(m.slope_bias() != nullptr);
+    EXPECT_EQ(m.slope_bias()->slopes.size(), 8u);
     EXPECT_EQ(m.exactness(), "augmented exact");
   }
   {  // spec 1.5: order 2, eta forced 0, hd/4 frequencies each on two pairs, gamma 1e-4 / 1e-4
@@ -580,9 +580,9 @@ TEST(SpecBuild, TransformsComposeWithOnePositionDrivenTerm) {
   EXPECT_EQ(d.params[1].reparam, Reparam::BoundedTanh);
   EXPECT_FALSE(m.params[0].any_learnable());
   expect_input_error("alibi + alibi", 64, 4, {"alibi twice"});
-  EXPECT_TRUE(build_mechanism("jordan(m=2, regime=scaled, c=0.1) + alibi", 64, 4).alibi() !=
+  EXPECT_TRUE(build_mechanism("jordan(m=2, regime=scaled, c=0.1) + alibi", 64, 4).slope_bias() !=
               nullptr);
-  EXPECT_TRUE(build_mechanism("alibi + rope", 64, 4).alibi() != nullptr);
+  EXPECT_TRUE(build_mechanism("alibi + rope", 64, 4).slope_bias() != nullptr);
 }
 
 // A reference method name used as one term of a composed spec expands in place (registry.cpp's own
@@ -593,7 +593,7 @@ TEST(SpecBuild, TransformsComposeWithOnePositionDrivenTerm) {
 TEST(SpecBuild, ReferenceNameComposesWithBiasTerms) {
   EXPECT_EQ(expand_reference_alias("jordan_exact_c010 + alibi"), "");
   const auto m = build_mechanism("jordan_exact_c010 + alibi", 64, 4);
-  EXPECT_TRUE(m.alibi() != nullptr);
+  EXPECT_TRUE(m.slope_bias() != nullptr);
   EXPECT_DOUBLE_EQ(only_segment(m).gamma_init, 0.1 / 1024);
   EXPECT_EQ(m.spec, build_mechanism("jordan_exact_c010_alibi", 64, 4).spec);
   EXPECT_NO_THROW(build_mechanism("jordan_jetmix_m3_c150_g010_g005 + alibi", 48, 4));

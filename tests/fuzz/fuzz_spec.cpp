@@ -89,7 +89,8 @@ void check_mechanism(const relpos::Mechanism& m, int head_dim, int heads) {
   }
   FUZZ_CHECK(2 * next_pair <= head_dim, w, m.spec);
   FUZZ_CHECK(m.total_blocks() == next_block, w, m.spec);
-  if (m.alibi()) FUZZ_CHECK(static_cast<int>(m.alibi()->slopes.size()) == heads, w, m.spec);
+  if (m.slope_bias())
+    FUZZ_CHECK(static_cast<int>(m.slope_bias()->slopes.size()) == heads, w, m.spec);
   FUZZ_CHECK(m.has_transform() || !m.biases.empty() || m.name == "nope", w, m.spec);
   int driven = 0;
   for (const auto& t : m.transforms) {
@@ -122,8 +123,8 @@ void check_mechanism(const relpos::Mechanism& m, int head_dim, int heads) {
     FUZZ_CHECK(again.spec == m.spec, "canonical spec round trip", again.spec + " != " + m.spec);
     FUZZ_CHECK(again.segments().size() == m.segments().size(), "canonical spec round trip", m.spec);
     FUZZ_CHECK(again.transforms.size() == m.transforms.size(), "canonical spec round trip", m.spec);
-    FUZZ_CHECK((again.alibi() != nullptr) == (m.alibi() != nullptr), "canonical spec round trip",
-               m.spec);
+    FUZZ_CHECK((again.slope_bias() != nullptr) == (m.slope_bias() != nullptr),
+               "canonical spec round trip", m.spec);
   } catch (const std::exception& e) {
     die("canonical spec round trip",
         std::string("canonical spec '") + m.spec + "' does not rebuild: " + e.what());

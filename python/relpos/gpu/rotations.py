@@ -1,6 +1,6 @@
 """GPU kernels of the rotation operators: ``relpos::rotate_pairs`` (journey frames,
 ``src/torch/journey_ops.cpp``, ``src/kernels/rotate.hpp``), ``relpos::structured_rotate``
-(``U R(theta(r)) U^T`` per token, ``src/torch/structured_ops.cpp``, ``src/kernels/structured.hpp``),
+(``U R(theta(r)) U^T`` per token, ``src/torch/mechanisms/structured.cpp``, ``src/kernels/structured.hpp``),
 ``relpos::causal_scan`` (``src/torch/scan_ops.cpp``) and ``relpos::favor_attention``
 (``src/torch/linear_attention_ops.cpp``), each with its backward operator.
 
