@@ -114,7 +114,7 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
   int nonfinite = 0;
 #pragma omp parallel reduction(| : nonfinite) if (dims.B * dims.H * dims.T * D >= kThreadWork)
   {
-    Scratch<T> sc(plan.total_blocks);
+    Scratch<T> sc(plan.total_blocks, tile_rows(dims));
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiling.count; ++tile) {
       const auto [bh, t0, h, b, n] = start_tile(tile, tiling, dims, pos, sc);
@@ -239,7 +239,7 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
   T* gx[2] = {gqo ? gq : nullptr, gko ? gk : nullptr};
 #pragma omp parallel if (dims.B * dims.H * dims.T * D >= kThreadWork)
   {
-    Scratch<T> sc(plan.total_blocks);
+    Scratch<T> sc(plan.total_blocks, tile_rows(dims));
     auto& mine = acc[static_cast<size_t>(omp_get_thread_num())];
     mine.assign(nacc, 0.0);
     double* a = nacc ? mine.data() : nullptr;

@@ -284,7 +284,7 @@ bool prepare(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H, int
         const double gb = static_cast<double>(g[b]), rk = std::exp(gb * sc.d),
                      rq = std::exp(-gb * sc.d);
         double ak = 1, aq = 1;
-        for (int tt = 0; tt < kTile; ++tt, ak *= rk, aq *= rq) {
+        for (int tt = 0; tt < sc.tr; ++tt, ak *= rk, aq *= rq) {
           pk[tt * ld + fb + b] = ak;
           pq[tt * ld + fb + b] = aq;
           sc.f_pk[tt * ld + fb + V::lane_slot(b)] = static_cast<float>(ak);

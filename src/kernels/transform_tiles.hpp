@@ -66,7 +66,9 @@ constexpr int kTileRun = 2;  // tiles between exact re-anchorings of the damping
 // Per-thread scratch, structure-of-arrays: series[k][tt][b], per-token scalars [tt][b].
 template <class T>
 struct Scratch {
-  int nb;
+  // blocks, and rows per tile: the tiles' token count, at most kTile (a one-token call, as a
+  // decode step's, allocates and clears one row's scratch, not kTile's)
+  int nb, tr;
   std::vector<T> ek, eq, x, ck, cq, dl, de, dser, part;
   bool tile_clamped = false;  // did the exponent clamp bind anywhere in this tile's segment
   std::vector<double> ekd, eqd, pos, u;
@@ -84,42 +86,43 @@ struct Scratch {
   std::vector<float> f_u, f_p, f_eta, f_e0k, f_e0q, f_ones, f_pk, f_pq, f_sk, f_sq, f_gm, f_acc;
   std::vector<double> pw_k, pw_q, pw_d;
   std::vector<int64_t> pw_h;
-  explicit Scratch(int blocks)
+  explicit Scratch(int blocks, int rows = kTile)
       : nb(std::max(1, blocks)),
-        ek(kTile * nb),
-        eq(kTile * nb),
-        x(kTile * nb),
-        ck(kMaxOrder * kTile * nb),
-        cq(kMaxOrder * kTile * nb),
-        dl(kTile * nb),
-        de(kTile * nb),
-        dser(kMaxOrder * kTile * nb),
+        tr(std::clamp(rows, 1, kTile)),
+        ek(tr * nb),
+        eq(tr * nb),
+        x(tr * nb),
+        ck(kMaxOrder * tr * nb),
+        cq(kMaxOrder * tr * nb),
+        dl(tr * nb),
+        de(tr * nb),
+        dser(kMaxOrder * tr * nb),
         part(nb),
-        ekd(kTile * nb),
-        eqd(kTile * nb),
-        pos(kTile),
-        u(kTile),
-        clamped(kTile * nb),
+        ekd(tr * nb),
+        eqd(tr * nb),
+        pos(tr),
+        u(tr),
+        clamped(tr * nb),
         ek_last(nb),
         eq_last(nb),
         rk(nb),
         rq(nb),
         rk_d(nb),
         rk_bh(nb, -1),
-        f_u(kTile),
-        f_p(kTile),
+        f_u(tr),
+        f_p(tr),
         f_eta(nb + 16),
         f_e0k(nb + 16),
         f_e0q(nb + 16),
-        f_ones(kTile * (nb + 16), 1.0f),
-        f_pk(kTile * (nb + 16)),
-        f_pq(kTile * (nb + 16)),
-        f_sk(kTile * (nb + 16)),
-        f_sq(kTile * (nb + 16)),
-        f_gm(kTile * (nb + 16)),
+        f_ones(tr * (nb + 16), 1.0f),
+        f_pk(tr * (nb + 16)),
+        f_pq(tr * (nb + 16)),
+        f_sk(tr * (nb + 16)),
+        f_sq(tr * (nb + 16)),
+        f_gm(tr * (nb + 16)),
         f_acc(2 * (nb + 16)),
-        pw_k(kTile * (nb + 16)),
-        pw_q(kTile * (nb + 16)),
+        pw_k(tr * (nb + 16)),
+        pw_q(tr * (nb + 16)),
         pw_d(nb, std::numeric_limits<double>::quiet_NaN()),
         pw_h(nb, -1) {}
 
@@ -269,6 +272,9 @@ void tile_series(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H,
     }
   }
 }
+
+// Rows of the largest tile of a call (its Scratch's size).
+inline int tile_rows(Dims d) { return static_cast<int>(std::min<int64_t>(kTile, d.T)); }
 
 // Work items: tiles of up to kTile consecutive tokens of one (batch, head).
 struct Tiling {
