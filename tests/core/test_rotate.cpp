@@ -129,3 +129,50 @@ TEST(RotatePairs, Float32MatchesFloat64AndRejectsBadShapes) {
                                             x.data(), c.data(), sn.data(), y.data()),
                InputError);
 }
+
+// float32 on the vector path (interleaved pairs: tiles of 64 rows, W pairs a step and a scalar
+// tail) against the float64 definition: forward, inverse, the backward without angle gradients
+// (R^T g: the definition with the inverse flag flipped), pairs past P untouched, in place; P
+// below, at and past a vector's pairs, T across tiles, shared and per-batch angles, both layouts.
+TEST(RotatePairs, Float32VectorPathMatchesFloat64) {
+  std::mt19937_64 rng(17);
+  for (Layout layout : {Layout::Interleaved, Layout::HalfSplit})
+    for (bool shared : {false, true})
+      for (bool inverse : {false, true})
+        for (auto [B, H, T, D, P] :
+             {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{2, 3, 70, 80, 37},
+              {1, 2, 130, 64, 32},
+              {1, 1, 3, 48, 8},
+              {2, 1, 65, 34, 17}}) {
+          const RotateDims d{B, H, T, D, P, !shared};
+          const auto x = test::normal_vec(static_cast<size_t>(B * H * T * D), rng);
+          const auto g = test::normal_vec(x.size(), rng);
+          auto phi = test::normal_vec(static_cast<size_t>((shared ? 1 : B) * T * P), rng);
+          for (auto& a : phi) a *= 3;
+          const auto want = rotate_by_definition(d, layout, inverse, x, phi);
+          const auto want_dx = rotate_by_definition(d, layout, !inverse, g, phi);
+          const auto f32 = [](const std::vector<double>& v) {
+            return std::vector<float>(v.begin(), v.end());
+          };
+          const auto xf = f32(x), gf = f32(g),
+                     cf = f32(map(phi, [](double v) { return std::cos(v); })),
+                     sf = f32(map(phi, [](double v) { return std::sin(v); }));
+          std::vector<float> y(xf.size()), dx(xf.size());
+          rotate_pairs_forward<float>(d, layout, inverse, xf.data(), cf.data(), sf.data(),
+                                      y.data());
+          rotate_pairs_backward<float>(d, layout, inverse, xf.data(), cf.data(), sf.data(),
+                                       gf.data(), dx.data(), nullptr, nullptr);
+          for (size_t i = 0; i < y.size(); ++i) {
+            ASSERT_NEAR(y[i], want[i], 2e-6 * (1 + std::abs(want[i]))) << "forward " << i;
+            ASSERT_NEAR(dx[i], want_dx[i], 2e-6 * (1 + std::abs(want_dx[i]))) << "backward " << i;
+          }
+          auto inplace = xf;
+          rotate_pairs_forward<float>(d, layout, inverse, inplace.data(), cf.data(), sf.data(),
+                                      inplace.data());
+          EXPECT_EQ(inplace, y);
+          auto g_inplace = gf;
+          rotate_pairs_backward<float>(d, layout, inverse, xf.data(), cf.data(), sf.data(),
+                                       g_inplace.data(), g_inplace.data(), nullptr, nullptr);
+          EXPECT_EQ(g_inplace, dx);
+        }
+}
