@@ -151,7 +151,7 @@ torch::Tensor BlockImpl::norm(int which, const torch::Tensor& x) {
 }
 
 std::vector<std::pair<std::string, double>> BlockImpl::attention_stats() {
-  std::vector<std::pair<std::string, double>> stats;
+  std::vector<std::pair<std::string, double>> stats = encoding()->lag_stats();
   if (!grape_) return stats;
   stats.emplace_back("gain_pair_gap", grape_->gain_pair_gap());
   if (const auto f = grape_->frequencies(); f.defined())

@@ -119,6 +119,12 @@ torch::Tensor PositionEncodingImpl::lag_table(int64_t len) const {
   return nn::lag_table(*b->learned, mech_.heads, lag_params_, len);
 }
 
+std::vector<std::pair<std::string, double>> PositionEncodingImpl::lag_stats() const {
+  const BiasTerm* b = mech_.learned_lag_bias();
+  return b ? nn::lag_stats(*b->learned, lag_params_)
+           : std::vector<std::pair<std::string, double>>{};
+}
+
 LagParamValues PositionEncodingImpl::lag_values() const {
   if (!mech_.learned_lag_bias())
     throw InputError(fmt::format("encoding: mechanism '{}' has no learned lag table", mech_.spec));

@@ -64,6 +64,9 @@ class PositionEncodingImpl : public torch::nn::Module {
   const std::vector<torch::Tensor>& lag_parameters() const { return lag_params_; }
   // Their float64 snapshot (InputError without a learned table).
   LagParamValues lag_values() const;
+  // The family runtime's summary of them (name, value), for training summaries (empty without a
+  // learned table or where the runtime has none).
+  std::vector<std::pair<std::string, double>> lag_stats() const;
   // Materialised additive bias [H, Tq, Tk]: -slope_h (i - j) and the lag table (reference
   // attention only).
   torch::Tensor logit_bias(const torch::Tensor& q_positions,

@@ -191,3 +191,77 @@ TEST(PjBiasTorch, ModelFusedEqualsComposed) {
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
     }
 }
+
+// The training summary's PJ stats (Fig. 4 bottom left, Table 4b): the sector gates (softmax over
+// the enabled sectors, mean over heads) and the order masses gate x alpha_r x |zeta_r| (mean over
+// heads) with their high-order sum over r >= 2, against plain loops over the parameters' values;
+// a disabled sector reports nothing; the model's block reports them as attention stats.
+TEST(PjBiasTorch, LagStatsAreGatesAndOrderMasses) {
+  torch::manual_seed(3);
+  for (const char* spec : {"pj_bias(sectors=fj/affine/lc, R=3, L=64, rho=lightcone)",
+                           "pj_bias(sectors=fj/affine, R=2, L=16)"}) {
+    nn::PositionEncoding enc(spec, 8, 3);
+    randomise(*enc);
+    const auto c = *pj_config(*enc->mechanism().learned_lag_bias());
+    std::map<std::string, double> got;
+    for (const auto& [name, value] : enc->lag_stats()) got[name] = value;
+    const auto named = enc->named_parameters();
+    const auto values = [&](const char* n) {
+      const auto t = named[n].detach().to(torch::kDouble).contiguous();
+      return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+    };
+    const int H = 3, O = c.orders();
+    const auto gl = values("pj_gate_logits");  // [H, 3]
+    const bool on[3] = {c.fj, c.affine, c.lc};
+    const char* sector[3] = {"fj", "affine", "lc"};
+    std::vector<double> gate(H * 3, 0.0);
+    for (int h = 0; h < H; ++h) {
+      double z = 0;
+      for (int s = 0; s < 3; ++s) z += on[s] ? std::exp(gl[h * 3 + s]) : 0.0;
+      for (int s = 0; s < 3; ++s) gate[h * 3 + s] = on[s] ? std::exp(gl[h * 3 + s]) / z : 0.0;
+    }
+    double high = 0;
+    for (int s = 0; s < 3; ++s) {
+      const std::string g = std::string("gate_") + sector[s];
+      if (!on[s]) {
+        EXPECT_EQ(got.count(g), 0u) << spec << " " << g;
+        continue;
+      }
+      double mean = 0;
+      for (int h = 0; h < H; ++h) mean += gate[h * 3 + s] / H;
+      EXPECT_NEAR(got.at(g), mean, 1e-12) << spec << " " << g;
+      if (s == 1) continue;  // the affine sector has no orders
+      const std::string br = sector[s];
+      const auto al = values(("pj_" + br + "_alpha_logits").c_str()),
+                 zr = values(("pj_" + br + "_zeta_re").c_str()),
+                 zi = values(("pj_" + br + "_zeta_im").c_str());
+      for (int r = 0; r < O; ++r) {
+        double m = 0;
+        for (int h = 0; h < H; ++h) {
+          double z = 0;
+          for (int o = 0; o < O; ++o) z += std::exp(al[h * O + o]);
+          m += gate[h * 3 + s] * std::exp(al[h * O + r]) / z *
+               std::hypot(zr[h * O + r], zi[h * O + r]) / H;
+        }
+        const std::string key = br + "_mass_r" + std::to_string(r);
+        EXPECT_NEAR(got.at(key), m, 1e-12) << spec << " " << key;
+        if (r >= 2) high += m;
+      }
+    }
+    EXPECT_NEAR(got.at("high_order_mass"), high, 1e-12) << spec;
+  }
+  models::ModelConfig mc;
+  mc.preset = models::Preset::PJ;
+  mc.vocab = 11;
+  mc.d_model = 24;
+  mc.heads = 2;
+  mc.layers = 2;
+  mc.mechanism = "pj_bias(sectors=fj/affine/lc, L=16)";
+  models::TransformerLM model(mc);
+  for (auto& block : model->blocks()) {
+    std::map<std::string, double> stats;
+    for (const auto& [name, value] : block->attention_stats()) stats[name] = value;
+    EXPECT_EQ(stats.count("gate_lc"), 1u);
+    EXPECT_EQ(stats.count("high_order_mass"), 1u);
+  }
+}

@@ -56,6 +56,14 @@ torch::Tensor lag_table(const LagKernel& k, int heads, const std::vector<torch::
   return lag_runtime(k).table(k, params, len);
 }
 
+std::vector<std::pair<std::string, double>> lag_stats(const LagKernel& k,
+                                                      const std::vector<torch::Tensor>& params) {
+  const LagRuntime& r = lag_runtime(k);
+  if (!r.stats) return {};
+  const torch::NoGradGuard no_grad;
+  return r.stats(k, params);
+}
+
 LagParamValues lag_values(const std::vector<torch::Tensor>& params) {
   LagParamValues out;
   for (const auto& t : params) {

@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/lag_kernel.hpp"
@@ -21,6 +23,10 @@ struct LagRuntime {
   // checked by the caller).
   torch::Tensor (*table)(const LagKernel& k, const std::vector<torch::Tensor>& params,
                          int64_t len) = nullptr;
+  // What training summaries record of the learned parameters (name, value; e.g. the PJ gates and
+  // order masses); null: nothing.
+  std::vector<std::pair<std::string, double>> (*stats)(
+      const LagKernel& k, const std::vector<torch::Tensor>& params) = nullptr;
 };
 
 // The runtime of the kernel's term (std::logic_error naming it when list.inc has none).
@@ -31,6 +37,9 @@ std::vector<torch::Tensor> initial_lag_tensors(const LagKernel& k, int heads);
 // k.params(heads) (InputError naming the parameter), len >= 1.
 torch::Tensor lag_table(const LagKernel& k, int heads, const std::vector<torch::Tensor>& params,
                         int64_t len);
+// The runtime's summary of its learned parameters (empty when it has none).
+std::vector<std::pair<std::string, double>> lag_stats(const LagKernel& k,
+                                                      const std::vector<torch::Tensor>& params);
 // Float64 snapshot of parameter tensors, for the core's reference table and diagnostics.
 LagParamValues lag_values(const std::vector<torch::Tensor>& params);
 

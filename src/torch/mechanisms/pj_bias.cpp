@@ -4,6 +4,8 @@
 // the damping and the slope. The core's float64 table is the reference it is tested against.
 #include "core/pj_bias.hpp"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <limits>
 
@@ -121,10 +123,44 @@ torch::Tensor pj_table(const LagKernel& kernel, const std::vector<torch::Tensor>
   return table;
 }
 
+// The learned sector gates (softmax over the enabled sectors, mean over heads) and the order
+// masses of the PJ reference's summaries: gate x alpha_r x |zeta_r| per order r of the FJ and LC
+// branches (raw, unnormalised, mean over heads), and their high-order mass, the sum over r >= 2
+// (spec pj-rope.md 3.5, Fig. 4 bottom left, Table 4b).
+std::vector<std::pair<std::string, double>> pj_stats(const LagKernel& kernel,
+                                                     const std::vector<torch::Tensor>& params) {
+  const PjBiasConfig& c = config_of(kernel);
+  const PjTensors p(params);
+  const auto f64 = [](const torch::Tensor& x) { return x.detach().to(torch::kDouble).cpu(); };
+  const auto on = torch::tensor({c.fj, c.affine, c.lc}, torch::kBool).view({1, 3});
+  const auto g = masked_softmax(f64(p.gate_logits), on);  // [H, 3]
+  std::vector<std::pair<std::string, double>> out;
+  const char* sectors[] = {"fj", "affine", "lc"};
+  for (int s = 0; s < 3; ++s)
+    if (c.enabled(s))
+      out.emplace_back(fmt::format("gate_{}", sectors[s]), g.select(1, s).mean().item<double>());
+  double high = 0;
+  const auto masses = [&](int s, const torch::Tensor& alpha_logits, const torch::Tensor& zre,
+                          const torch::Tensor& zim) {
+    const auto alpha = torch::softmax(f64(alpha_logits), -1);  // [H, O]
+    const auto mass = g.select(1, s).view({-1, 1}) * alpha * torch::hypot(f64(zre), f64(zim));
+    const auto per_order = mass.mean(0);  // [O]
+    for (int64_t r = 0; r < per_order.size(0); ++r) {
+      const double m = per_order[r].item<double>();
+      out.emplace_back(fmt::format("{}_mass_r{}", sectors[s], r), m);
+      if (r >= 2) high += m;
+    }
+  };
+  if (c.fj) masses(0, p.fj_alpha_logits, p.fj_zeta_re, p.fj_zeta_im);
+  if (c.lc) masses(2, p.lc_alpha_logits, p.lc_zeta_re, p.lc_zeta_im);
+  if (c.fj || c.lc) out.emplace_back("high_order_mass", high);
+  return out;
+}
+
 }  // namespace
 
 LagRuntime pj_bias_lag_runtime() {
-  return {pj_initial, pj_table};
+  return {pj_initial, pj_table, pj_stats};
 }
 
 }  // namespace relpos::nn
