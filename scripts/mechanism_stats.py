@@ -8,7 +8,8 @@ Reads every `<method>/s<seed>/summary.json` under the folder (as `relpos reprodu
 block's attention stats: for the PJ bias its sector gates `gate_fj`, `gate_affine`, `gate_lc`,
 the order masses `fj_mass_r<r>`, `lc_mass_r<r>` and `high_order_mass`). Per run the values are
 averaged over layers (as the PJ reference's summaries average over heads and layers); per method
-the table gives the mean and the sample standard deviation over seeds. `--keys` keeps the
+the table gives the mean and the sample standard deviation over seeds; a sweep's settings (the
+`-NAME` suffix of a method folder) are rows of their own. `--keys` keeps the
 statistics whose names start with one of the comma-separated prefixes (default: the gates, the
 order masses and the high-order mass). Standard library only.
 """
@@ -35,6 +36,20 @@ def run_means(summary: dict) -> dict[str, float]:
     return out
 
 
+def run_key(path: Path, summary: dict) -> str:
+    """The row of a `<method>[-<setting>]/s<seed>/summary.json`: its mechanism, and the setting
+    in parentheses (method folder names are safe stems, so '-' only precedes a setting)."""
+    folder = path.parent.parent.name
+    method = summary.get("mechanism", folder)
+    return f"{method} ({folder.rsplit('-', 1)[1]})" if "-" in folder else method
+
+
+def mean_std(vals: list[float]) -> str:
+    if len(vals) == 1:
+        return f"{vals[0]:.4f}"
+    return f"{statistics.mean(vals):.4f} ± {statistics.stdev(vals):.4f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
@@ -52,8 +67,7 @@ def main() -> int:
         except (OSError, json.JSONDecodeError) as e:
             print(f"mechanism_stats: {path}: {e}", file=sys.stderr)
             return 2
-        method = summary.get("mechanism", path.parent.parent.name)
-        per_method.setdefault(method, []).append(run_means(summary))
+        per_method.setdefault(run_key(path, summary), []).append(run_means(summary))
     if not per_method:
         print(f"mechanism_stats: no */s*/summary.json under {a.folder}", file=sys.stderr)
         return 2
@@ -69,12 +83,7 @@ def main() -> int:
         cells = []
         for k in keys:
             vals = [r[k] for r in runs if k in r]
-            if not vals:
-                cells.append("-")
-            elif len(vals) == 1:
-                cells.append(f"{vals[0]:.4f}")
-            else:
-                cells.append(f"{statistics.mean(vals):.4f} ± {statistics.stdev(vals):.4f}")
+            cells.append(mean_std(vals) if vals else "-")
         print(f"| {method} | {len(runs)} | " + " | ".join(cells) + " |")
     return 0
 

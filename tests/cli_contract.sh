@@ -135,6 +135,11 @@ check_bad "pj-t5 bad dtype" "$relpos" probe --suite pj-t5 --dtype f16
 check_bad "reproduce pj-t5 bad dtype" "$relpos" reproduce pj-t5 --dtype bf16
 check_bad "reproduce pj-t3 is float64 only" "$relpos" reproduce pj-t3 --dtype f32
 check_bad "unknown experiment" "$relpos" reproduce nothing
+mkdir -p "$tmp/midi-empty" && printf 'my notes\n' > "$tmp/notes.txt"
+check_bad "midi-text missing folder" "$relpos" midi-text "$tmp/no-such-folder" --out "$tmp/c.txt"
+check_bad "midi-text folder without MIDI" "$relpos" midi-text "$tmp/midi-empty" --out "$tmp/c.txt"
+check_bad "midi-text max-files 0" "$relpos" midi-text "$tmp/midi-empty" --out "$tmp/c.txt" --max-files 0
+check_bad "midi-text overwrites a foreign file" "$relpos" midi-text "$tmp/midi-empty" --out "$tmp/notes.txt"
 check_bad "enc huge m" "$relpos" kernel --enc jordan_m99999999999 --lags 0:2
 check_bad "enc empty" "$relpos" kernel --enc "" --lags 0:2
 check_bad "enc 3 KB" "$relpos" kernel --enc "$(printf 'j%.0s' $(seq 3000))" --lags 0:2

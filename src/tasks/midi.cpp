@@ -373,8 +373,6 @@ std::vector<int32_t> tokenize_midi(std::span<const uint8_t> bytes, const std::st
   return midi_events(parse_smf(bytes, name), name, opt);
 }
 
-namespace {
-
 std::vector<std::string> list_midi_files(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -397,8 +395,6 @@ std::vector<std::string> list_midi_files(const std::filesystem::path& dir) {
   if (names.empty()) throw InputError(fmt::format("{}: no .mid or .midi files", dir.string()));
   return names;
 }
-
-}  // namespace
 
 MidiCorpus load_midi_corpus(const std::filesystem::path& dir, const MidiCorpusOptions& opt,
                             const WarningSink& warn) {

@@ -107,6 +107,11 @@ std::vector<int32_t> midi_events(const SmfFile& f, const std::string& name,
 std::vector<int32_t> tokenize_midi(std::span<const uint8_t> bytes, const std::string& name,
                                    const MidiTokenizerOptions& opt = {});
 
+// Every *.mid / *.midi file under `dir` (recursively, case-insensitive extension), named by its
+// path relative to `dir` with '/' separators and sorted bytewise. InputError when `dir` is not a
+// readable directory or holds no MIDI file.
+std::vector<std::string> list_midi_files(const std::filesystem::path& dir);
+
 struct MidiCorpusOptions {
   double eval_fraction = 0.2;      // round(n f) files (at least 1 when n > 1) go to validation
   uint64_t split_seed = 20260506;  // Python random.Random(seed).shuffle of the file list
@@ -125,8 +130,7 @@ struct MidiCorpus {
   std::vector<std::string> warnings;                       // every warning also sent to the sink
 };
 
-// Every *.mid / *.midi file under `dir` (recursively, case-insensitive extension), named by its
-// path relative to `dir` with '/' separators and sorted bytewise. As the reference: the names
+// Every MIDI file under `dir` (list_midi_files). As the reference: the names
 // (first max_files of them) are shuffled with Python's random.Random(split_seed); the first
 // round(n * eval_fraction) go to validation (at least one when n > 1, none when n == 1), the rest
 // to training; each split is the concatenation of its files' event streams in that shuffled order.

@@ -22,7 +22,11 @@ TokenCorpus byte_corpus(const std::filesystem::path& train_file,
 }
 
 TokenCorpus byte_corpus_split(const std::filesystem::path& file, double validation_fraction) {
-  std::vector<int64_t> all = byte_tokens(read_file_bytes(file));
+  return byte_stream_split(read_file_bytes(file), validation_fraction);
+}
+
+TokenCorpus byte_stream_split(std::string_view bytes, double validation_fraction) {
+  std::vector<int64_t> all = byte_tokens(bytes);
   const auto cut =
       static_cast<size_t>(split_point(static_cast<int64_t>(all.size()), validation_fraction));
   TokenCorpus c;

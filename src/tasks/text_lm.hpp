@@ -28,6 +28,8 @@ std::vector<int64_t> byte_tokens(std::string_view bytes);  // byte + 1
 TokenCorpus byte_corpus(const std::filesystem::path& train_file,
                         const std::filesystem::path& validation_file);
 TokenCorpus byte_corpus_split(const std::filesystem::path& file, double validation_fraction);
+// The same on bytes in memory (a corpus built on the fly), split by split_point.
+TokenCorpus byte_stream_split(std::string_view bytes, double validation_fraction);
 
 // Strict UTF-8 decoding (RFC 3629). InputError "SOURCE: invalid UTF-8 at byte offset N: WHY".
 std::u32string decode_utf8(std::string_view bytes, const std::string& source);

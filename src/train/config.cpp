@@ -159,6 +159,10 @@ TrainConfig from_table(const toml::table& root, const std::string& source) {
     k.get("length_sampling", c.task.length_sampling);
     k.get("eval_offset", c.task.eval_offset);
     k.get("equivariance_shift", c.task.equivariance_shift);
+    k.get("midi_seed", c.task.midi_seed);
+    k.get("midi_max_files", c.task.midi_max_files);
+    k.get("midi_programs", c.task.midi_programs);
+    k.get("midi_controls", c.task.midi_controls);
     k.finish();
   }
   if (const auto* t = r.table("optim")) {
@@ -233,7 +237,11 @@ toml::table to_table(const TrainConfig& c) {
                            {"train_lengths", train_lengths},
                            {"length_sampling", c.task.length_sampling},
                            {"eval_offset", eval_offset},
-                           {"equivariance_shift", equivariance_shift}}},
+                           {"equivariance_shift", equivariance_shift},
+                           {"midi_seed", c.task.midi_seed},
+                           {"midi_max_files", c.task.midi_max_files},
+                           {"midi_programs", c.task.midi_programs},
+                           {"midi_controls", c.task.midi_controls}}},
       {"optim", toml::table{{"steps", c.optim.steps},
                             {"batch", c.optim.batch},
                             {"lr", c.optim.lr},
@@ -272,17 +280,20 @@ void TrainConfig::validate() const {
     throw InputError(fmt::format("config: device must be cpu or cuda, got '{}'", device));
   check_range(checkpoint_every, 0, int64_t{1} << 40, "checkpoint_every");
   check_range(log_every, 1, int64_t{1} << 40, "log_every");
-  static const std::set<std::string> kinds{"query_lm", "pj_query_lm", "bytes",
-                                           "chars",    "midi",        "grid2d"};
+  static const std::set<std::string> kinds{"query_lm", "pj_query_lm", "bytes", "chars",
+                                           "midi",     "midi_text",   "grid2d"};
   if (!kinds.count(task.kind))
     throw InputError(fmt::format(
-        "config: task.kind must be one of query_lm, pj_query_lm, bytes, chars, midi, grid2d, got "
+        "config: task.kind must be one of query_lm, pj_query_lm, bytes, chars, midi, midi_text, "
+        "grid2d, got "
         "'{}'",
         task.kind));
   check_range(task.train_length, 2, int64_t{1} << 20, "task.train_length");
   check_range(task.validation_fraction, 1e-6, 1 - 1e-6, "task.validation_fraction");
   check_range(task.train_sample_seed, 0, int64_t{1} << 62, "task.train_sample_seed");
   check_range(task.eval_sample_seed, 0, int64_t{1} << 62, "task.eval_sample_seed");
+  check_range(task.midi_seed, 0, int64_t{1} << 62, "task.midi_seed");
+  check_range(task.midi_max_files, 1, 100000, "task.midi_max_files");
   for (auto l : task.train_lengths) check_range(l, 2, int64_t{1} << 20, "task.train_lengths[]");
   if (!task.train_lengths.empty() && task.kind != "pj_query_lm")
     throw InputError(fmt::format(

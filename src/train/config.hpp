@@ -14,12 +14,14 @@
 namespace relpos::train {
 
 struct TaskConfig {
-  std::string kind = "query_lm";        // query_lm | pj_query_lm | bytes | chars | midi | grid2d
+  // query_lm | pj_query_lm | bytes | chars | midi | midi_text | grid2d
+  std::string kind = "query_lm";
   std::string benchmark = "mixed_raw";  // query_lm: the teacher; grid2d: the teacher (oblique)
   int64_t train_length = 1024;          // tokens per training sequence
-  std::string path;                     // bytes / chars: a text file; midi: a folder of .mid files
-  std::string validation_path;          // optional separate validation file
-  double validation_fraction = 0.1;     // else the tail of `path`
+  // bytes / chars: a text file; midi: a folder of .mid files; midi_text: the MusicNet MIDI folder
+  std::string path;
+  std::string validation_path;       // optional separate validation file
+  double validation_fraction = 0.1;  // else the tail of `path`
   int64_t train_sample_seed =
       1701;  // corpus LMs: training windows of run s from seed + s * 1000003
   int64_t eval_sample_seed = 20270505;  // corpus LMs: the evaluation windows (same for every run)
@@ -39,6 +41,12 @@ struct TaskConfig {
   // (both [row, col])
   std::vector<double> eval_offset{29.0, -41.0};
   std::vector<double> equivariance_shift{3.5, -7.0};
+  // midi_text (PJ-RoPE's MIDI-token text read as bytes, tasks/midi_text.hpp): the MusicNet
+  // selector's shuffle seed (A 29, B 37), its piece count, and which message tokens it writes
+  int64_t midi_seed = 29;
+  int64_t midi_max_files = 64;
+  bool midi_programs = true;
+  bool midi_controls = false;
 };
 
 struct OptimConfig {

@@ -251,7 +251,7 @@ void write_plots(const fs::path& root, const std::vector<Job>& jobs,
                        i + 2, quote_gp(label(i)));
     return s;
   };
-  const std::string common = "set datafile separator ','\nset key outside right top\nset grid\n";
+  const std::string common = "set datafile separator ','\nset key below\nset grid\n";
   gnuplot_png(
       root, "loss_curves",
       fmt::format("{}set xlabel 'step'\nset ylabel 'training loss (mean over seeds)'\nplot {}\n",

@@ -4,6 +4,7 @@
 #include "core/types.hpp"
 #include "tasks/corpus.hpp"
 #include "tasks/midi.hpp"
+#include "tasks/midi_text.hpp"
 #include "tasks/pj_query_lm.hpp"
 #include "tasks/query_lm.hpp"
 #include "tasks/text_lm.hpp"
@@ -184,6 +185,15 @@ tasks::TokenCorpus load_corpus(const TaskConfig& t) {
     return (split ? tasks::char_corpus_split(t.path, t.validation_fraction)
                   : tasks::char_corpus(t.path, t.validation_path))
         .tokens;
+  if (t.kind == "midi_text") {
+    tasks::MusicnetTextOptions o;
+    o.seed = static_cast<uint64_t>(t.midi_seed);
+    o.max_files = t.midi_max_files;
+    o.tokens.include_programs = t.midi_programs;
+    o.tokens.include_controls = t.midi_controls;
+    return tasks::byte_stream_split(tasks::musicnet_midi_text(t.path, o).text,
+                                    t.validation_fraction);
+  }
   tasks::MidiCorpusOptions o;
   o.eval_fraction = t.validation_fraction;
   return tasks::load_midi_corpus(t.path, o).tokens;

@@ -20,6 +20,7 @@
 #include "core/types.hpp"
 #include "tasks/corpus.hpp"
 #include "tasks/midi.hpp"
+#include "tasks/midi_text.hpp"
 #include "tasks/pj_query_lm.hpp"
 #include "tasks/query_lm.hpp"
 #include "tasks/rng.hpp"
@@ -847,4 +848,94 @@ TEST(TaskPjQueryLm, BadConfigsNameTheProblem) {
   c.lambda = 0;
   EXPECT_NE(pj_error_of(c).find("lambda"), std::string::npos);
   EXPECT_THROW(PjQueryLmTeacher(PjQueryLmConfig{}).coefficients(1), InputError);
+}
+
+// ---- PJ-RoPE's MIDI-token text (tasks/midi_text.hpp) ----
+
+namespace {
+
+// Tempo 0.25 s per beat in track 0; track 1 on channel 2: gaps of 96 ticks (2.5 grid steps, which
+// round half to even to 2), 48 ticks (1.25) and 200 beats (2500, clamped to 999).
+Bytes midi_text_file() {
+  return smf(1, 480,
+             {track({{0, raw({0xFF, 0x51, 0x03, 0x03, 0xD0, 0x90})}}),
+              track({{0, raw({0xC2, 5})},
+                     {0, raw({0x92, 60, 100})},
+                     {96, raw({0x92, 60, 0})},
+                     {192, raw({0x92, 62, 90})},
+                     {240, raw({0xB2, 64, 127})},
+                     {288, raw({0x82, 62, 0})},
+                     {288 + 480 * 200, raw({0x92, 64, 80})}})});
+}
+
+std::vector<std::string> midi_text_of(const Bytes& b, const MidiTextOptions& o) {
+  return midi_text_tokens(
+      parse_smf({reinterpret_cast<const uint8_t*>(b.data()), b.size()}, "t.mid"), "t.mid", o);
+}
+
+}  // namespace
+
+// The expected tokens are what mido 1.2.10 (`for msg in MidiFile`) and the spec's rules give for
+// the same bytes.
+TEST(MidiText, TokensFollowMidoTimingAndSpellings) {
+  const Bytes f = midi_text_file();
+  EXPECT_EQ(
+      midi_text_of(f, {.include_programs = true}),
+      (std::vector<std::string>{"d000.pg005.c2", "d000.on060.v100.c2", "d002.off060.c2",
+                                "d002.on062.v090.c2", "d002.off062.c2", "d999.on064.v080.c2"}));
+  // A skipped control's time stays pending; shown, it takes its own 1.
+  EXPECT_EQ(
+      midi_text_of(f, {.include_controls = true}),
+      (std::vector<std::string>{"d000.on060.v100.c2", "d002.off060.c2", "d002.on062.v090.c2",
+                                "d001.cc064.v127.c2", "d001.off062.c2", "d999.on064.v080.c2"}));
+  EXPECT_EQ(midi_text_of(f, {.max_events_per_piece = 2, .include_programs = true}),
+            (std::vector<std::string>{"d000.pg005.c2", "d000.on060.v100.c2"}));
+  // The tempo of track 0 governs track 1 (mido merges before converting): at 120 bpm the first
+  // gap would be 5 grid steps.
+  EXPECT_EQ(midi_text_of(f, {.grid_ms = 10})[1], "d005.off060.c2");
+  const Bytes async = smf(2, 480, {track({{0, raw({0x90, 60, 100})}})});
+  EXPECT_THROW(midi_text_of(async, {}), MidiError);
+}
+
+TEST(MidiText, CleanTextAsTheReference) {
+  EXPECT_EQ(midi_text_clean("Dvo\xc5\x99\xc3\xa1k  Quintet\tin A&B"), "Dvo__k_Quintet_in_A_B");
+  EXPECT_EQ(midi_text_clean(""), "NA");
+  EXPECT_EQ(midi_text_clean("  "), "_");
+  EXPECT_EQ(midi_text_clean(std::string(100, 'x')), std::string(80, 'x'));
+  EXPECT_EQ(midi_text_clean("1. Allegro (K.331), No:2/3+-"), "1._Allegro_(K.331),_No:2/3+-");
+  EXPECT_THROW(midi_text_clean("\xff"), InputError);
+}
+
+TEST(MidiText, MusicnetSelectionShufflesCandidatesAndSkipsUnreadable) {
+  TempDir dir;
+  dir.write("musicnet_metadata.csv",
+            "\"id\",\"composer\",\"composition\",\"movement\",\"ensemble\",\"seconds\"\n"
+            "1,\"Bach\",\"Suite, \"\"No 1\"\"\",\"1. Prelude\",\"Solo Cello\",61\n"
+            "2,\"Bach\",\"Broken\",\"2\",\"Solo Cello\",10\n"
+            "3,\"Bach\",\"No file\",\"3\",\"Solo Cello\",10\n"
+            "4,\"Haydn\",\"Quartet\",\"4. Finale\",\"String Quartet\",7.5\n");
+  dir.write("Bach/1_suite.mid", one_note(60));
+  dir.write("Bach/2_broken.mid", "MThd");
+  dir.write("Haydn/4_quartet.MID", one_note(62));
+  std::vector<std::string> warnings;
+  // Python: random.Random(29).shuffle(['1', '2', '4']) gives ['2', '1', '4'].
+  const MidiTextCorpus c = musicnet_midi_text(dir.path, {.seed = 29, .max_files = 2},
+                                              [&](const std::string& m) { warnings.push_back(m); });
+  EXPECT_EQ(c.pieces, (std::vector<std::string>{"Bach/1_suite.mid", "Haydn/4_quartet.MID"}));
+  ASSERT_EQ(c.skipped.size(), 1u);
+  EXPECT_NE(c.skipped[0].find("Bach/2_broken.mid"), std::string::npos);
+  EXPECT_EQ(c.text.substr(0, kMusicnetTextFirstLine.size()), kMusicnetTextFirstLine);
+  EXPECT_NE(c.text.find("\n\nPIECE=0000|ID=1|SEC=61.00|COMP=Bach|ENS=Solo_Cello|"
+                        "WORK=Suite,__No_1_|MOVE=1._Prelude| d000.on060.v100.c0 d025.off060.c0\n"
+                        "PIECE=0001|ID=4|SEC=7.50|COMP=Haydn|"),
+            std::string::npos)
+      << c.text;
+  // Fewer readable pieces than asked for: a warning, not silence.
+  warnings.clear();
+  EXPECT_EQ(musicnet_midi_text(dir.path, {.seed = 29, .max_files = 5},
+                               [&](const std::string& m) { warnings.push_back(m); })
+                .pieces.size(),
+            2u);
+  EXPECT_NE(warnings.back().find("fewer than the 5"), std::string::npos);
+  EXPECT_THROW(musicnet_midi_text(dir.path / "missing", {}), InputError);
 }

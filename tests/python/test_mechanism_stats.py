@@ -46,3 +46,12 @@ def test_errors_name_the_problem(tmp_path):
     _summary(tmp_path, "nope", 0, "nope", [{"gamma": 0.0}])
     r = _run(tmp_path)
     assert r.returncode == 2 and "none of those statistics" in r.stderr
+
+
+def test_settings_are_rows_of_their_own(tmp_path):
+    _summary(tmp_path, "pj-A", 0, "pj_bias(R=3)", [{"high_order_mass": 0.1}])
+    _summary(tmp_path, "pj-B", 0, "pj_bias(R=3)", [{"high_order_mass": 0.3}])
+    r = _run(tmp_path, "--keys", "high_order_mass")
+    assert r.returncode == 0, r.stderr
+    assert "| pj_bias(R=3) (A) | 1 | 0.1000 |" in r.stdout
+    assert "| pj_bias(R=3) (B) | 1 | 0.3000 |" in r.stdout

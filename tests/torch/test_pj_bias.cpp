@@ -161,10 +161,10 @@ TEST(PjBiasTorch, FusedForwardAndGradientsMatchReferenceComposition) {
     }
 }
 
-// The model with the PJ bias trains its parameters through the fused kernel, and the composed
-// attention path gives the same logits.
-TEST(PjBiasTorch, ModelFusedEqualsComposed) {
-  torch::manual_seed(2);
+namespace {
+
+// A small PJ preset model with every sector of the PJ bias.
+models::ModelConfig small_pj_model() {
   models::ModelConfig c;
   c.preset = models::Preset::PJ;
   c.vocab = 11;
@@ -172,6 +172,16 @@ TEST(PjBiasTorch, ModelFusedEqualsComposed) {
   c.heads = 2;
   c.layers = 2;
   c.mechanism = "pj_bias(sectors=fj/affine/lc, L=16)";
+  return c;
+}
+
+}  // namespace
+
+// The model with the PJ bias trains its parameters through the fused kernel, and the composed
+// attention path gives the same logits.
+TEST(PjBiasTorch, ModelFusedEqualsComposed) {
+  torch::manual_seed(2);
+  models::ModelConfig c = small_pj_model();
   c.include_self = false;
   c.freeze_qk = true;
   models::TransformerLM fused(c);
@@ -250,14 +260,7 @@ TEST(PjBiasTorch, LagStatsAreGatesAndOrderMasses) {
     }
     EXPECT_NEAR(got.at("high_order_mass"), high, 1e-12) << spec;
   }
-  models::ModelConfig mc;
-  mc.preset = models::Preset::PJ;
-  mc.vocab = 11;
-  mc.d_model = 24;
-  mc.heads = 2;
-  mc.layers = 2;
-  mc.mechanism = "pj_bias(sectors=fj/affine/lc, L=16)";
-  models::TransformerLM model(mc);
+  models::TransformerLM model(small_pj_model());
   for (auto& block : model->blocks()) {
     std::map<std::string, double> stats;
     for (const auto& [name, value] : block->attention_stats()) stats[name] = value;

@@ -203,6 +203,74 @@ TEST(TrainRun, TinyQueryLmWritesFilesAndIsReproducible) {
   EXPECT_EQ(profile.find("\n0,48,"), std::string::npos);
 }
 
+// task.kind = "midi_text": PJ-RoPE's MIDI-token text (tasks/midi_text.hpp) built from a
+// MusicNet-like folder and read as bytes; its keys round-trip through config.toml; the music
+// experiments (Table 4b, Table 10's music row) name it with the selectors' seeds.
+TEST(TrainRun, MidiTextTaskTrainsOnAMusicnetFolder) {
+  const auto dir = temp_dir("miditext");
+  const auto data = dir / "musicnet";
+  fs::create_directories(data / "Bach");
+  std::ofstream(data / "musicnet_metadata.csv")
+      << "\"id\",\"composer\",\"composition\",\"movement\",\"ensemble\",\"seconds\"\n"
+         "1,\"Bach\",\"Suite\",\"1. Prelude\",\"Solo Cello\",61\n"
+         "2,\"Bach\",\"Suite\",\"2. Allemande\",\"Solo Cello\",70\n";
+  // format 0, 96 ticks per beat: 40 notes of 0.25 s, each on then off
+  std::string events;
+  for (int i = 0; i < 40; ++i) {
+    const char pitch = static_cast<char>(48 + i % 24);
+    events += std::string("\x00\x90", 2) + pitch + '\x40' + std::string("\x30\x80", 2) + pitch +
+              std::string("\x00", 1);
+  }
+  events += std::string("\x00\xff\x2f\x00", 4);
+  const auto len = static_cast<uint32_t>(events.size());
+  const std::string smf = std::string("MThd\0\0\0\x06\0\0\0\x01\0\x60", 14) + "MTrk" +
+                          static_cast<char>(len >> 24) + static_cast<char>(len >> 16) +
+                          static_cast<char>(len >> 8) + static_cast<char>(len) + events;
+  std::ofstream(data / "Bach/1_prelude.mid", std::ios::binary) << smf;
+  std::ofstream(data / "Bach/2_allemande.mid", std::ios::binary) << smf;
+
+  auto c = tiny("pj_bias(sectors=lc/affine, gates=affine, slope0=2, L=24)");
+  c.model.preset = models::Preset::PJ;
+  c.task.kind = "midi_text";
+  c.task.path = data.string();
+  c.task.midi_seed = 37;
+  c.task.midi_max_files = 2;
+  c.optim.steps = 2;
+  c.eval.every = 0;
+  c.eval.lengths = {24};
+  c.eval.batches = 1;
+  const auto back = train::parse_config(c.to_toml(), "config.toml");
+  EXPECT_EQ(back.task.kind, "midi_text");
+  EXPECT_EQ(back.task.midi_seed, 37);
+  EXPECT_EQ(back.task.midi_max_files, 2);
+  EXPECT_TRUE(back.task.midi_programs);
+  EXPECT_FALSE(back.task.midi_controls);
+  train::RunOptions o;
+  o.out = dir / "run";
+  o.progress = false;
+  const auto r = train::run_training(c, o);
+  EXPECT_TRUE(std::isfinite(r.final_eval.at(0).loss));
+  c.task.midi_max_files = 0;
+  EXPECT_NE(error_of([&] { c.validate(); }).find("task.midi_max_files"), std::string::npos);
+
+  for (const std::string name : {"pj-t4b", "pj-t10-music"}) {
+    SCOPED_TRACE(name);
+    std::set<int64_t> seeds;
+    for (const auto& e : train::experiment_configs(name, "cpu", {})) {
+      EXPECT_EQ(e.task.kind, "midi_text");
+      EXPECT_EQ(e.task.train_length, 512);
+      EXPECT_TRUE(e.task.midi_programs);
+      EXPECT_EQ(e.task.midi_max_files, 64);
+      EXPECT_EQ(e.eval.lengths.front(), 512);
+      if (e.model.mechanism.find("pj_") != std::string::npos) {
+        EXPECT_NE(e.model.mechanism.find("L=512"), std::string::npos) << e.model.mechanism;
+      }
+      seeds.insert(e.task.midi_seed);
+    }
+    EXPECT_EQ(seeds, name == "pj-t4b" ? (std::set<int64_t>{29, 37}) : (std::set<int64_t>{29}));
+  }
+}
+
 TEST(TrainRun, PjBridgeSmokeRunThreeSteps) {
   // the bridge's setting in miniature: frozen q/k, strictly causal, a PJ bias, lengths cycled
   auto c = tiny("pj_bias(R=3, sectors=fj/affine/lc, L=24, gates=fj, orders=r1, slope0=0.4)");

@@ -37,6 +37,7 @@ void add_verify_command(CLI::App& app);
 void add_kernel_command(CLI::App& app);
 void add_probe_command(CLI::App&);
 void add_reproduce_command(CLI::App&);
+void add_midi_text_command(CLI::App&);  // PJ-RoPE's MusicNet MIDI-token text corpus
 // The reproductions this CLI runs itself (basis-level, no LibTorch); every other experiment name
 // is a trained one of experiments/ and goes to relpos-train.
 bool is_builtin_experiment(const std::string& name);

@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   relpos::app::add_kernel_command(app);
   relpos::app::add_probe_command(app);
   relpos::app::add_reproduce_command(app);
+  relpos::app::add_midi_text_command(app);
   relpos::app::add_linear_attention_command(app);
   relpos::app::add_torch_commands(app);
   // Exit codes (docs/errors.md): 0 ok, 1 a check failed, 2 bad input, anything else a bug.
