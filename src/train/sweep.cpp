@@ -188,7 +188,8 @@ double sample_std(const std::vector<double>& v) {
 }
 
 // Training-loss curves (mean over seeds at each logged step) and length curves (mean final loss
-// at each evaluation length), one series per method: CSV and gnuplot PNG in the sweep folder.
+// and accuracy at each evaluation length), one series per method: CSV and gnuplot PNG in the
+// sweep folder.
 void write_plots(const fs::path& root, const std::vector<Job>& jobs,
                  const std::vector<std::pair<std::string, std::string>>& order,
                  std::map<std::pair<std::string, std::string>,
@@ -222,6 +223,7 @@ void write_plots(const fs::path& root, const std::vector<Job>& jobs,
     loss_csv += fmt::format(",{}", safe_stem(label(i)));
     len_csv += fmt::format(",{}", safe_stem(label(i)));
   }
+  std::string acc_csv = len_csv + "\n";
   loss_csv += "\n";
   len_csv += "\n";
   for (const auto& [step, by_series] : curves) {
@@ -235,15 +237,22 @@ void write_plots(const fs::path& root, const std::vector<Job>& jobs,
   }
   for (const auto L : lengths) {
     len_csv += std::to_string(L);
+    acc_csv += std::to_string(L);
     for (size_t i = 0; i < order.size(); ++i) {
-      std::vector<double> v;
-      for (const auto& [loss, acc] : agg[order[i]][L]) v.push_back(loss);
-      len_csv += v.empty() ? std::string(",") : fmt::format(",{:.6g}", mean(v));
+      std::vector<double> loss, acc;
+      for (const auto& [l, a] : agg[order[i]][L]) {
+        loss.push_back(l);
+        acc.push_back(a);
+      }
+      len_csv += loss.empty() ? std::string(",") : fmt::format(",{:.6g}", mean(loss));
+      acc_csv += acc.empty() ? std::string(",") : fmt::format(",{:.6g}", mean(acc));
     }
     len_csv += "\n";
+    acc_csv += "\n";
   }
   write_file_atomic(root / "loss_curves.csv", loss_csv);
   write_file_atomic(root / "length_curves.csv", len_csv);
+  write_file_atomic(root / "length_accuracy.csv", acc_csv);
   const auto series = [&](const std::string& data) {
     std::string s;
     for (size_t i = 0; i < order.size(); ++i)
@@ -261,6 +270,12 @@ void write_plots(const fs::path& root, const std::vector<Job>& jobs,
       fmt::format("{}set logscale x 2\nset xlabel 'evaluation length'\nset ylabel 'final loss "
                   "(mean over seeds)'\nplot {}\n",
                   common, series("length_curves.csv")));
+  // accuracy: the query-LM's argmax accuracy (the bridge's Fig. 4), the LMs' token accuracy
+  gnuplot_png(
+      root, "length_accuracy",
+      fmt::format("{}set logscale x 2\nset xlabel 'evaluation length'\nset ylabel 'final accuracy "
+                  "(mean over seeds)'\nplot {}\n",
+                  common, series("length_accuracy.csv")));
 }
 
 // Runs the unfinished jobs `jobs` at a time, each in a child process of this program

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <set>
 #include <sstream>
 
@@ -345,6 +346,15 @@ TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
   EXPECT_TRUE(fs::exists(dir / "out" / "summary.md"));
   EXPECT_TRUE(fs::exists(dir / "out" / "loss_curves.csv"));
   EXPECT_TRUE(fs::exists(dir / "out" / "length_curves.gp"));
+  EXPECT_TRUE(fs::exists(dir / "out" / "length_accuracy.gp"));
+  // one accuracy per method (the mean over its two seeds) at the one length
+  std::ifstream acc_in(dir / "out" / "length_accuracy.csv");
+  std::string header, row;
+  std::getline(acc_in, header);
+  std::getline(acc_in, row);
+  EXPECT_EQ(std::count(header.begin(), header.end(), ','), 3) << header;
+  EXPECT_EQ(row.rfind("24,", 0), 0u) << row;
+  EXPECT_EQ(std::count(row.begin(), row.end(), ','), 3) << row;
   // results.csv is RFC 4180: a method spec with commas is one quoted field
   std::ifstream csv(dir / "out" / "results.csv");
   const std::string rows((std::istreambuf_iterator<char>(csv)), std::istreambuf_iterator<char>());
