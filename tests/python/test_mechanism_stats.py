@@ -55,3 +55,19 @@ def test_settings_are_rows_of_their_own(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "| pj_bias(R=3) (A) | 1 | 0.1000 |" in r.stdout
     assert "| pj_bias(R=3) (B) | 1 | 0.3000 |" in r.stdout
+
+
+def test_several_folders_match_and_plot(tmp_path):
+    a, b = tmp_path / "jet-a", tmp_path / "jet-b"
+    _summary(a, "full", 0, "pj_bias(sectors=fj/affine/lc)", [{"gate_fj": 0.9}])
+    _summary(a, "fj", 0, "pj_bias(sectors=fj)", [{"gate_fj": 1.0}])
+    _summary(b, "full", 0, "pj_bias(sectors=fj/affine/lc)", [{"gate_fj": 0.2}])
+    r = _run(a, b, "--keys", "gate_", "--match", "sectors=fj/affine/lc", "--plot",
+             tmp_path / "out" / "gates.png")
+    assert r.returncode == 0, r.stderr
+    assert "| jet-a: pj_bias(sectors=fj/affine/lc) | 1 | 0.9000 |" in r.stdout
+    assert "| jet-b: pj_bias(sectors=fj/affine/lc) | 1 | 0.2000 |" in r.stdout
+    assert "sectors=fj)" not in r.stdout
+    assert (tmp_path / "out" / "gates.gp").exists()
+    r = _run(a, "--match", "nothing")
+    assert r.returncode == 2 and "no run matches" in r.stderr
