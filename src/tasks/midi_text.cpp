@@ -98,7 +98,10 @@ std::vector<std::string> midi_text_tokens(const SmfFile& f, const std::string& n
     if (ticks > 0) {
       const double scale = tempo * 1e-6 / static_cast<double>(f.ticks_per_beat);
       const double seconds = static_cast<double>(ticks) * scale;
-      pending += static_cast<int64_t>(std::nearbyint(seconds * 1000.0 / opt.grid_ms));
+      // (a corrupt file's delta can exceed int64; anything above 10^15 clamps to max_delta anyway)
+      pending +=
+          static_cast<int64_t>(std::min(std::nearbyint(seconds * 1000.0 / opt.grid_ms), 1e15));
+      pending = std::min<int64_t>(pending, int64_t{1} << 60);
     }
     if (e.status == 0xFF && e.meta_type == 0x51) {
       if (e.data.size() < 3)
