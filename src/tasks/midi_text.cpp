@@ -135,18 +135,20 @@ std::vector<std::string> midi_text_tokens(const SmfFile& f, const std::string& n
 }
 
 std::string midi_text_clean(std::string_view s) {
-  // Per code point, as Python's re on a str: a non-ASCII character is one '_'.
+  // The reference's two re.sub calls in order, per code point as Python's re on a str: first
+  // every character outside the set becomes '_' (a non-ASCII character is one '_'; tabs and
+  // newlines too), then each run of the whitespace left, spaces, becomes one '_'.
   std::string out;
   bool in_space = false;
   for (const char32_t c : decode_utf8(s, "MIDI text metadata")) {
-    if (c < 0x80 && std::isspace(static_cast<int>(c))) {
+    if (c == U' ') {
       if (!in_space) out += '_';
       in_space = true;
       continue;
     }
     in_space = false;
     const bool keep = c < 0x80 && (std::isalnum(static_cast<int>(c)) ||
-                                   std::string_view("_ .,+:/()-").find(static_cast<char>(c)) !=
+                                   std::string_view("_.,+:/()-").find(static_cast<char>(c)) !=
                                        std::string_view::npos);
     out += keep ? static_cast<char>(c) : '_';
   }

@@ -37,9 +37,10 @@ struct MidiTextOptions {
 std::vector<std::string> midi_text_tokens(const SmfFile& f, const std::string& name,
                                           const MidiTextOptions& opt = {});
 
-// The reference's clean_text on UTF-8 text: each run of ASCII whitespace becomes one '_', then each
-// character (code point) outside [A-Za-z0-9_ .,+:/()-] becomes '_', the result is cut to 80
-// characters, and "NA" replaces an empty one. InputError on invalid UTF-8.
+// The reference's clean_text on UTF-8 text, in the spec's order: each character (code point)
+// outside [A-Za-z0-9_ .,+:/()-] becomes '_', then each run of whitespace (spaces by then) becomes
+// one '_'; the result is cut to 80 characters, and "NA" replaces an empty one. InputError on
+// invalid UTF-8.
 std::string midi_text_clean(std::string_view s);
 
 // The MusicNet reference-MIDI selectors: `dir` holds musicnet_metadata.csv and the .mid files

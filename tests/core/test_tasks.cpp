@@ -900,6 +900,8 @@ TEST(MidiText, TokensFollowMidoTimingAndSpellings) {
 TEST(MidiText, CleanTextAsTheReference) {
   EXPECT_EQ(midi_text_clean("Dvo\xc5\x99\xc3\xa1k  Quintet\tin A&B"), "Dvo__k_Quintet_in_A_B");
   EXPECT_EQ(midi_text_clean(""), "NA");
+  // the characters first, then the spaces: a tab is outside the set, not whitespace to collapse
+  EXPECT_EQ(midi_text_clean("a \t b"), "a___b");
   EXPECT_EQ(midi_text_clean("  "), "_");
   EXPECT_EQ(midi_text_clean(std::string(100, 'x')), std::string(80, 'x'));
   EXPECT_EQ(midi_text_clean("1. Allegro (K.331), No:2/3+-"), "1._Allegro_(K.331),_No:2/3+-");

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(not RELPOS.exists(), reason="build/relpos not bu
 
 
 def clean_text(s):
-    s = re.sub(r"\s+", "_", s)
     s = re.sub(r"[^A-Za-z0-9_ .,+:/()-]", "_", s)
+    s = re.sub(r"\s+", "_", s)
     return s[:80] or "NA"
 
 
