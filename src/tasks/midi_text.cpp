@@ -167,7 +167,11 @@ MidiTextCorpus musicnet_midi_text(const std::filesystem::path& dir, const Musicn
   for (const auto& rel : files) {
     const std::string name = rel.substr(rel.rfind('/') + 1);
     const size_t digits = name.find_first_not_of("0123456789");
-    if (digits > 0 && digits != std::string::npos) file_of_id.emplace(name.substr(0, digits), rel);
+    if (digits == 0 || digits == std::string::npos) continue;
+    const auto [it, added] = file_of_id.emplace(name.substr(0, digits), rel);
+    if (!added && warn)
+      warn(fmt::format("MusicNet MIDI text: {} and {} both carry id {}; using {}", it->second, rel,
+                       it->first, it->second));
   }
 
   const auto meta_path = dir / "musicnet_metadata.csv";

@@ -44,7 +44,8 @@ std::vector<std::string> midi_text_tokens(const SmfFile& f, const std::string& n
 std::string midi_text_clean(std::string_view s);
 
 // The MusicNet reference-MIDI selectors: `dir` holds musicnet_metadata.csv and the .mid files
-// (any folder layout; a file's MusicNet id is the number that starts its name, the regex
+// (any folder layout; a file's MusicNet id is the number that starts its name, the first file in
+// sorted order with a warning when two share one; the regex
 // /(\d+)[^/]*\.midi?$ of the reference). The candidates are the metadata rows, in CSV order, that
 // have a file; Python's random.Random(seed).shuffle orders them, and pieces are read in that order
 // until max_files of them parse (files that do not parse are skipped, as mido's refusals are).

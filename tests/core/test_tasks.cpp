@@ -939,5 +939,14 @@ TEST(MidiText, MusicnetSelectionShufflesCandidatesAndSkipsUnreadable) {
                 .pieces.size(),
             2u);
   EXPECT_NE(warnings.back().find("fewer than the 5"), std::string::npos);
+  // two files with one id: the first in sorted order, and a warning naming both
+  dir.write("Haydn/4_quartet_copy.mid", one_note(64));
+  warnings.clear();
+  EXPECT_EQ(musicnet_midi_text(dir.path, {.seed = 29, .max_files = 2},
+                               [&](const std::string& m) { warnings.push_back(m); })
+                .pieces.back(),
+            "Haydn/4_quartet.MID");
+  ASSERT_FALSE(warnings.empty());
+  EXPECT_NE(warnings.front().find("both carry id 4"), std::string::npos) << warnings.front();
   EXPECT_THROW(musicnet_midi_text(dir.path / "missing", {}), InputError);
 }
