@@ -135,6 +135,11 @@ check_bad "pj-t5 bad dtype" "$relpos" probe --suite pj-t5 --dtype f16
 check_bad "reproduce pj-t5 bad dtype" "$relpos" reproduce pj-t5 --dtype bf16
 check_bad "reproduce pj-t3 is float64 only" "$relpos" reproduce pj-t3 --dtype f32
 check_bad "unknown experiment" "$relpos" reproduce nothing
+mkdir -p "$tmp/not-records" && printf 'mine\n' > "$tmp/not-records/notes.txt"
+check_bad "export-runs missing folder" "$relpos" export-runs "$tmp/no-such-sweep" --out "$tmp/rec"
+check_bad "export-runs no --out" "$relpos" export-runs "$tmp"
+check_bad "export-runs into someone's folder" "$relpos" export-runs "$tmp/not-records" --out "$tmp/not-records"
+check_bad "export-runs onto a file" "$relpos" export-runs "$tmp/not-records" --out "$tmp/not-records/notes.txt"
 mkdir -p "$tmp/midi-empty" && printf 'my notes\n' > "$tmp/notes.txt"
 check_bad "midi-text missing folder" "$relpos" midi-text "$tmp/no-such-folder" --out "$tmp/c.txt"
 check_bad "midi-text folder without MIDI" "$relpos" midi-text "$tmp/midi-empty" --out "$tmp/c.txt"

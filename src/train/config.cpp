@@ -438,11 +438,20 @@ const std::vector<std::string>& resume_mutable_keys() {
   return keys;
 }
 
+const std::vector<std::string>& finished_run_free_keys() {
+  static const std::vector<std::string> keys{"name", "threads", "checkpoint_every", "log_every"};
+  return keys;
+}
+
 std::vector<std::string> resume_changes(const TrainConfig& saved, const TrainConfig& now) {
+  return config_changes(saved, now, resume_mutable_keys());
+}
+
+std::vector<std::string> config_changes(const TrainConfig& saved, const TrainConfig& now,
+                                        const std::vector<std::string>& free) {
   std::map<std::string, std::string> a, b;
   flatten(to_table(saved), "", a);
   flatten(to_table(now), "", b);
-  const auto& free = resume_mutable_keys();
   std::vector<std::string> changed;
   for (const auto& [k, v] : b) {
     if (std::find(free.begin(), free.end(), k) != free.end()) continue;

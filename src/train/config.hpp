@@ -97,6 +97,13 @@ TrainConfig load_config(const std::filesystem::path& path);
 // value differs between the run's saved configuration and the new one ("key (old -> new)").
 const std::vector<std::string>& resume_mutable_keys();
 std::vector<std::string> resume_changes(const TrainConfig& saved, const TrainConfig& now);
+// Every key of `now` but `free` whose value differs in `saved` ("key (old -> new)").
+std::vector<std::string> config_changes(const TrainConfig& saved, const TrainConfig& now,
+                                        const std::vector<std::string>& free);
+// What a finished run's saved configuration may differ in from a sweep's job and still stand
+// for it (a sweep reuses it, a record is imported): how it was run and saved (the name, the
+// threads, the checkpoint and log cadence), never what it computed.
+const std::vector<std::string>& finished_run_free_keys();
 
 // Applies "section.key=value" (or "key=value" for top-level keys), value in TOML syntax.
 void apply_override(TrainConfig& c, const std::string& assignment);

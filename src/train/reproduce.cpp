@@ -344,7 +344,8 @@ std::string experiment_list_markdown(const std::vector<ExperimentSummary>& list)
 std::string reproduce(const std::string& name, const std::string& scale_in,
                       const std::vector<std::string>& sets, const std::string& out, bool progress,
                       const std::vector<std::string>& only,
-                      const std::vector<std::string>& only_settings, int64_t parallel) {
+                      const std::vector<std::string>& only_settings, int64_t parallel,
+                      const std::filesystem::path& import_runs) {
   const std::string scale = resolve_scale(name, scale_in);
   const auto ex = load_experiment(name, scale, sets, only, only_settings);
   const auto& [source, sweep_text_str, report, methods, paper_columns, our_columns, labels,
@@ -356,7 +357,8 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
   // the folder is a sweep's (kind "sweep": continued by the next call) with the report beside it
   OutputDir dir(folder,
                 sweep_dir_options(fmt::format("relpos reproduce {} --scale {}", name, scale)));
-  const auto outcome = run_sweep_text(sweep_text_str, source, all_sets, dir, progress, parallel);
+  const auto outcome =
+      run_sweep_text(sweep_text_str, source, all_sets, dir, progress, parallel, import_runs);
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   const auto label_of = [&](size_t i) { return labels.empty() ? methods[i] : labels[i]; };

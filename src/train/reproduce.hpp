@@ -61,10 +61,12 @@ std::string experiment_list_markdown(const std::vector<ExperimentSummary>& list)
 // Runs experiment NAME at `scale` into `out` (default runs/reproduce/NAME-SCALE) and returns the
 // report (Markdown), also written to OUT/reproduce.md. Finished runs are reused (resumable).
 // `only` (optional) keeps the methods whose label or spec is listed, in the file's order;
-// `only_settings` the named sweep settings. parallel > 1 runs that many at a time (sweep.hpp).
+// `only_settings` the named sweep settings. parallel > 1 runs that many at a time, and
+// `import_runs` (a folder of run records) supplies finished runs first (sweep.hpp).
 std::string reproduce(const std::string& name, const std::string& scale,
                       const std::vector<std::string>& sets, const std::string& out, bool progress,
                       const std::vector<std::string>& only = {},
-                      const std::vector<std::string>& only_settings = {}, int64_t parallel = 1);
+                      const std::vector<std::string>& only_settings = {}, int64_t parallel = 1,
+                      const std::filesystem::path& import_runs = {});
 
 }  // namespace relpos::train

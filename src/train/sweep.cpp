@@ -1,10 +1,12 @@
 #include "train/sweep.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <toml++/toml.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -13,8 +15,10 @@
 #include <thread>
 
 #include "core/files.hpp"
+#include "core/parse.hpp"
 #include "core/plot.hpp"
 #include "core/types.hpp"
+#include "tasks/corpus.hpp"
 
 namespace relpos::train {
 
@@ -172,6 +176,76 @@ std::vector<Job> build_jobs(const Sweep& sw, const TrainConfig& base,
         jobs.push_back({method, setting, seed, c, root / folder / fmt::format("s{}", seed)});
       }
   return jobs;
+}
+
+// The files of a finished run that carry its result (a record): no checkpoint.
+constexpr std::array<const char*, 3> kRecordFiles{"config.toml", "metrics.csv", "summary.json"};
+constexpr const char* kRecordsMarker = "RUN-RECORDS";
+
+// A finished run stands for its job only when it was trained with the job's configuration (but
+// for finished_run_free_keys()): an edited experiment file must not be reported with the results
+// of the old one. `what` names the run (a folder of the sweep or a record).
+void check_finished_run(const Job& j, const fs::path& run, const std::string& what) {
+  std::error_code ec;
+  if (!fs::is_regular_file(run / "config.toml", ec))
+    throw InputError(fmt::format(
+        "sweep: {} '{}' has no config.toml, so it cannot be checked against the sweep's run {}",
+        what, brief(run.string(), 200), j.config.name));
+  const auto changed =
+      config_changes(load_config(run / "config.toml"), j.config, finished_run_free_keys());
+  if (!changed.empty())
+    throw InputError(fmt::format(
+        "sweep: {} '{}' was trained with another configuration than the sweep's run: {}; remove "
+        "it to train the run again, or use another --out",
+        what, brief(run.string(), 200), fmt::join(changed, ", ")));
+}
+
+nlohmann::json read_summary(const fs::path& file) {
+  std::ifstream in(file);
+  auto s = nlohmann::json::parse(in, nullptr, false);
+  if (s.is_discarded() || !s.is_object() || !s.contains("final_eval") ||
+      !s["final_eval"].is_array())
+    throw InputError(fmt::format("sweep: '{}' is corrupt", brief(file.string(), 200)));
+  return s;
+}
+
+void check_records_folder(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_regular_file(dir / kRecordsMarker, ec))
+    throw InputError(fmt::format(
+        "'{}' is not a folder of run records (it has no {} file; export-runs writes them)",
+        brief(dir.string(), 200), kRecordsMarker));
+}
+
+// Copies the records of `from` (export_runs' layout) into the folders of the jobs that hold no
+// finished run, each checked against its job first; a killed run's checkpoint there is replaced
+// by the finished record of the same configuration. Returns how many were imported.
+size_t import_records(const std::vector<Job>& jobs, const fs::path& root, const fs::path& from) {
+  check_records_folder(from);
+  size_t imported = 0;
+  std::error_code ec;
+  for (const auto& j : jobs) {
+    if (fs::exists(j.dir / "summary.json", ec)) continue;
+    const fs::path rec = from / fs::relative(j.dir, root);
+    if (!fs::exists(rec / "summary.json", ec)) continue;
+    for (const char* f : kRecordFiles)
+      if (!fs::is_regular_file(rec / f, ec))
+        throw InputError(
+            fmt::format("sweep: the record '{}' has no {}", brief(rec.string(), 200), f));
+    check_finished_run(j, rec, "the record");
+    read_summary(rec / "summary.json");
+    OutputDirOptions d;
+    d.kind = "run";
+    d.command = fmt::format("relpos sweep --import-runs {}", from.string());
+    d.existing = Existing::Continue;
+    OutputDir dir(j.dir, d);
+    fs::remove_all(j.dir / "checkpoints", ec);
+    for (const char* f : kRecordFiles)  // summary.json last: it marks the run finished
+      dir.write(f, tasks::read_file_bytes(rec / f));
+    dir.finish();
+    ++imported;
+  }
+  return imported;
 }
 
 double mean(const std::vector<double>& v) {
@@ -385,22 +459,30 @@ OutputDirOptions sweep_dir_options(const std::string& command) {
 
 SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
                             const std::vector<std::string>& sets, const std::string& out,
-                            bool progress, int64_t parallel) {
+                            bool progress, int64_t parallel, const fs::path& import_from) {
   OutputDir dir(sweep_folder(text, source, out),
                 sweep_dir_options(fmt::format("relpos sweep --config {}", source)));
-  auto outcome = run_sweep_text(text, source, sets, dir, progress, parallel);
+  auto outcome = run_sweep_text(text, source, sets, dir, progress, parallel, import_from);
   dir.finish();
   return outcome;
 }
 
 SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
                             const std::vector<std::string>& sets, const OutputDir& dir,
-                            bool progress, int64_t parallel) {
+                            bool progress, int64_t parallel, const fs::path& import_from) {
   const Sweep sw = parse_sweep(text, source);
   const TrainConfig base = parse_config(sw.base_toml, source);
   check_name(fmt::format("{}: name", source), base.name);
   const fs::path root = dir.path();
   const std::vector<Job> jobs = build_jobs(sw, base, sets, root);
+  if (!import_from.empty()) {
+    const size_t n = import_records(jobs, root, import_from);
+    if (progress)
+      fmt::print(stderr, "sweep: {} finished run(s) imported from '{}'\n", n, import_from.string());
+  }
+  std::error_code ec;
+  for (const auto& j : jobs)
+    if (fs::exists(j.dir / "summary.json", ec)) check_finished_run(j, j.dir, "the finished run");
   if (parallel > 1) {
     std::vector<const Job*> todo;
     for (const auto& j : jobs)
@@ -436,10 +518,7 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
   std::string csv = "method,setting,seed,length,loss,accuracy,perplexity,wall_s\n";
   std::vector<int64_t> lengths;
   for (const auto& j : jobs) {
-    std::ifstream in(j.dir / "summary.json");
-    const auto s = nlohmann::json::parse(in, nullptr, false);
-    if (s.is_discarded())
-      throw InputError(fmt::format("sweep: '{}' is corrupt", (j.dir / "summary.json").string()));
+    const auto s = read_summary(j.dir / "summary.json");
     const auto key = std::make_pair(j.method, j.setting);
     if (!agg.count(key)) order.push_back(key);
     auto& ex = extras[key];
@@ -506,14 +585,62 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
 }
 
 std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>& sets,
-                      const std::string& out, bool progress, int64_t parallel) {
+                      const std::string& out, bool progress, int64_t parallel,
+                      const fs::path& import_from) {
   std::ifstream in(sweep_file);
   if (!in)
     throw InputError(
         fmt::format("sweep file '{}' does not exist or is unreadable", sweep_file.string()));
   std::ostringstream text;
   text << in.rdbuf();
-  return run_sweep_text(text.str(), sweep_file.string(), sets, out, progress, parallel).markdown;
+  return run_sweep_text(text.str(), sweep_file.string(), sets, out, progress, parallel, import_from)
+      .markdown;
+}
+
+size_t export_runs(const fs::path& sweep_dir, const fs::path& out) {
+  std::error_code ec;
+  if (!fs::is_directory(sweep_dir, ec))
+    throw InputError(
+        fmt::format("export-runs: '{}' is not a folder", brief(sweep_dir.string(), 200)));
+  // the runs first: a bad one refuses the export before anything is written
+  std::vector<fs::path> runs;
+  for (auto it = fs::recursive_directory_iterator(sweep_dir, ec); !ec && it != fs::end(it);
+       it.increment(ec)) {
+    if (it->path().filename() != "summary.json" || !it->is_regular_file(ec)) continue;
+    const fs::path run = it->path().parent_path();
+    for (const char* f : kRecordFiles)
+      if (!fs::is_regular_file(run / f, ec))
+        throw InputError(fmt::format("export-runs: the finished run '{}' has no {}",
+                                     brief(run.string(), 200), f));
+    read_summary(run / "summary.json");
+    load_config(run / "config.toml");
+    runs.push_back(run);
+  }
+  if (ec)
+    throw InputError(fmt::format("export-runs: cannot read '{}': {}",
+                                 brief(sweep_dir.string(), 200), ec.message()));
+  std::sort(runs.begin(), runs.end());
+  if (fs::exists(out, ec) && !fs::is_directory(out, ec))
+    throw InputError(
+        fmt::format("export-runs: --out '{}' is not a folder", brief(out.string(), 200)));
+  if (fs::exists(out, ec) && !fs::is_empty(out, ec)) check_records_folder(out);
+  fs::create_directories(out, ec);
+  if (ec || !fs::is_directory(out))
+    throw InputError(
+        fmt::format("export-runs: cannot make the folder '{}'", brief(out.string(), 200)));
+  write_file_atomic(
+      out / kRecordsMarker,
+      "relpos run records: the config.toml, metrics.csv and summary.json of finished "
+      "runs of a sweep, at their paths in the sweep folder (relpos-train export-runs);\n"
+      "'relpos reproduce NAME --import-runs THIS_FOLDER' continues the sweep with them.\n");
+  for (const auto& run : runs) {
+    const fs::path dest = out / fs::relative(run, sweep_dir);
+    fs::create_directories(dest, ec);
+    if (ec)
+      throw InputError(fmt::format("export-runs: cannot make '{}'", brief(dest.string(), 200)));
+    for (const char* f : kRecordFiles) write_file_atomic(dest / f, tasks::read_file_bytes(run / f));
+  }
+  return runs.size();
 }
 
 }  // namespace relpos::train

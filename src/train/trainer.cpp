@@ -17,6 +17,7 @@
 #include "core/files.hpp"
 #include "core/parse.hpp"
 #include "core/types.hpp"
+#include "kernels/isa.hpp"
 #include "train/model.hpp"
 #include "train/task.hpp"
 
@@ -294,6 +295,16 @@ int configure_threads(const TrainConfig& c) {
 
 namespace {
 
+// The CPU's model name from /proc/cpuinfo ("unknown" elsewhere).
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("model name", 0) == 0)
+      if (const auto at = line.find_first_not_of(" \t:", line.find(':')); at != std::string::npos)
+        return line.substr(at);
+  return "unknown";
+}
+
 // --resume continues a run only with the configuration it was trained with (but for
 // resume_mutable_keys()): anything else would train the rest of it as another model.
 void check_resume(const TrainConfig& c, const fs::path& out) {
@@ -479,6 +490,9 @@ RunResult train(const TrainConfig& c, const RunOptions& o) {
     s["tokens_per_s"] = result.tokens_per_s;
     s["threads"] = threads;
     s["workers"] = world;
+    // where it ran: runs of one sweep may come from several machines (--import-runs)
+    s["cpu"] = cpu_model_name();
+    s["isa"] = kernels::kernel_isa();
     double train_len_loss = NAN;
     for (const auto& e : result.final_eval)
       if (e.length == c.task.train_length) train_len_loss = e.loss;

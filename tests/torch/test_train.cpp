@@ -2,11 +2,11 @@
 // tiny query-LM run end to end (files, resume after the end, reproducibility), sweeps.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <algorithm>
 #include <set>
 #include <sstream>
 
@@ -365,6 +365,70 @@ TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
   train::run_sweep(dir / "sweep.toml", {}, (dir / "out").string(), false);
   EXPECT_EQ(fs::last_write_time(dir / "out" / "nope" / "s0" / "summary.json"), t);
   EXPECT_EQ(train::method_folder("jordan(m=2, regime=raw)"), "jordan_m_2_regime_raw");
+}
+
+TEST(TrainSweep, RunRecordsCarryFinishedRunsToAnotherFolderAndStaleRunsAreRefused) {
+  const auto dir = temp_dir("records");
+  auto c = tiny();
+  c.optim.steps = 2;
+  c.eval.every = 0;
+  c.eval.lengths = {24};
+  const auto sweep_text = [&](const train::TrainConfig& base) {
+    return base.to_toml() + "\n[sweep]\nmethods = [\"nope\", \"rope\"]\nseeds = [0, 1]\n";
+  };
+  const std::string text = sweep_text(c);
+  const auto read_text = [](const fs::path& p) {
+    std::ifstream in(p);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  // a sweep that finished three of its four runs ("another machine")
+  train::run_sweep_text(text, "s.toml", {}, (dir / "a").string(), false);
+  fs::remove_all(dir / "a" / "rope" / "s1");
+  const std::string a_rope0 = read_text(dir / "a" / "rope" / "s0" / "summary.json");
+  EXPECT_NE(a_rope0.find("\"isa\""), std::string::npos);  // where it ran is recorded
+  EXPECT_NE(a_rope0.find("\"cpu\""), std::string::npos);
+  EXPECT_EQ(train::export_runs(dir / "a", dir / "records"), 3u);
+  EXPECT_TRUE(fs::exists(dir / "records" / "RUN-RECORDS"));
+  EXPECT_TRUE(fs::exists(dir / "records" / "rope" / "s0" / "metrics.csv"));
+  EXPECT_FALSE(fs::exists(dir / "records" / "rope" / "s0" / "checkpoints"));
+  // exporting again refreshes the records; a folder of something else is refused
+  EXPECT_EQ(train::export_runs(dir / "a", dir / "records"), 3u);
+  fs::create_directories(dir / "other");
+  std::ofstream(dir / "other" / "notes.txt") << "mine\n";
+  EXPECT_NE(error_of([&] { train::export_runs(dir / "a", dir / "other"); }).find("RUN-RECORDS"),
+            std::string::npos);
+  EXPECT_TRUE(fs::exists(dir / "other" / "notes.txt"));
+  // a fresh folder imports the three and trains only the fourth
+  const auto out =
+      train::run_sweep_text(text, "s.toml", {}, (dir / "b").string(), false, 1, dir / "records");
+  EXPECT_EQ(read_text(dir / "b" / "rope" / "s0" / "summary.json"), a_rope0);
+  EXPECT_TRUE(fs::exists(dir / "b" / "rope" / "s1" / "checkpoints"));   // trained here
+  EXPECT_FALSE(fs::exists(dir / "b" / "rope" / "s0" / "checkpoints"));  // imported
+  EXPECT_FALSE(fs::exists(dir / "b" / "rope" / "s0" / "INCOMPLETE"));
+  EXPECT_EQ(out.results.at("rope").at(24).size(), 2u);
+  // records of another configuration are refused, naming the key, and nothing is imported
+  auto longer = c;
+  longer.optim.steps = 3;
+  const std::string err = error_of([&] {
+    train::run_sweep_text(sweep_text(longer), "s.toml", {}, (dir / "c").string(), false, 1,
+                          dir / "records");
+  });
+  EXPECT_NE(err.find("optim.steps (2 -> 3)"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(dir / "c" / "nope" / "s0" / "summary.json"));
+  // so is a finished run of the sweep's own folder once the experiment file changed
+  const std::string stale = error_of([&] {
+    train::run_sweep_text(sweep_text(longer), "s.toml", {}, (dir / "b").string(), false);
+  });
+  EXPECT_NE(stale.find("optim.steps (2 -> 3)"), std::string::npos) << stale;
+  // the thread count is how a run ran, not what it computed: a record with another one is used
+  EXPECT_NO_THROW(
+      train::run_sweep_text(text, "s.toml", {"threads=1"}, (dir / "b").string(), false));
+  // a folder that is not records is refused by the import
+  EXPECT_NE(error_of([&] {
+              train::run_sweep_text(text, "s.toml", {}, (dir / "d").string(), false, 1,
+                                    dir / "other");
+            }).find("not a folder of run records"),
+            std::string::npos);
 }
 
 TEST(TrainExperiments, PaperScaleConfigsBuildThePapersModelsAndTrainAFewSteps) {

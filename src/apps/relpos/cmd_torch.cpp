@@ -50,6 +50,9 @@ void add_torch_commands(CLI::App& app) {
        "--out DIR)"},
       {"sweep", "relpos-train",
        "Methods x seeds x settings from one TOML (--config SWEEP.toml), resumable"},
+      {"export-runs", "relpos-train",
+       "A sweep's finished runs as records that --import-runs continues from elsewhere (FOLDER "
+       "--out DIR)"},
       {"bench", "relpos-bench",
        "Benchmarks against LibTorch: 'relpos bench attention|decode --help' lists the options"}};
   for (const auto& [name, program, help] : commands) {

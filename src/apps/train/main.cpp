@@ -196,8 +196,14 @@ int main(int argc, char** argv) {
       ->add_option("--jobs", jobs,
                    "Runs at a time, each in its own process (cores / jobs threads each)")
       ->check(CLI::Range(1, 256));
+  std::string import_runs;
+  const char* import_help =
+      "A folder of run records (export-runs): its finished runs of this sweep are used, each "
+      "checked against its run's configuration, before the rest are trained";
+  sweep_cmd->add_option("--import-runs", import_runs, import_help);
   sweep_cmd->callback([&] {
-    const auto md = train::run_sweep(sweep_config, ta.sets, ta.out, !sweep_quiet, jobs);
+    const auto md =
+        train::run_sweep(sweep_config, ta.sets, ta.out, !sweep_quiet, jobs, import_runs);
     fmt::print("{}", md);
   });
 
@@ -218,11 +224,17 @@ int main(int argc, char** argv) {
   std::vector<int64_t> layers;
   repro_cmd->add_option("--layers", layers, "Only the settings L<n> (e.g. 1,3,6: layer counts)")
       ->delimiter(',');
+  std::vector<std::string> only_settings;
+  repro_cmd
+      ->add_option("--settings", only_settings,
+                   "Only these sweep settings (names of the file's [sweep] settings, e.g. tiny)")
+      ->delimiter(',');
   repro_cmd->add_option("--jobs", jobs, "Runs at a time, each in its own process")
       ->check(CLI::Range(1, 256));
   repro_cmd->add_option("--set", ta.sets, "Override for every run: section.key=value");
   repro_cmd->add_option("--out", ta.out, "Folder (default runs/reproduce/NAME-SCALE)");
   repro_cmd->add_flag("--quiet", sweep_quiet, "No progress on stderr");
+  repro_cmd->add_option("--import-runs", import_runs, import_help);
   std::vector<std::string> only;
   repro_cmd->add_option("--methods", only, "Only these rows (labels or specs, repeatable)");
   repro_cmd->callback([&] {
@@ -235,10 +247,22 @@ int main(int argc, char** argv) {
     }
     if (experiment.empty())
       throw InputError("reproduce: name an experiment (reproduce --list lists them)");
-    std::vector<std::string> settings;
+    std::vector<std::string> settings = only_settings;
     for (auto n : layers) settings.push_back(fmt::format("L{}", n));
     fmt::print("{}", train::reproduce(experiment, scale, ta.sets, ta.out, !sweep_quiet, only,
-                                      settings, jobs));
+                                      settings, jobs, import_runs));
+  });
+
+  std::string export_from, export_to;
+  auto* export_cmd = app.add_subcommand(
+      "export-runs",
+      "Write the finished runs of a sweep folder (config.toml, metrics.csv, summary.json; no "
+      "checkpoints) to a records folder that --import-runs continues from on another machine");
+  export_cmd->add_option("folder", export_from, "A sweep's or reproduction's folder")->required();
+  export_cmd->add_option("--out", export_to, "The records folder")->required();
+  export_cmd->callback([&] {
+    const size_t n = train::export_runs(export_from, export_to);
+    fmt::print("{} finished run(s) of '{}' written to '{}'\n", n, export_from, export_to);
   });
 
   int64_t bench_T = 1024, bench_batch = 4;
