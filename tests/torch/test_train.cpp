@@ -330,12 +330,18 @@ TEST(TrainRun, ResumeFromAMidRunCheckpointEndsTheSame) {
     EXPECT_EQ(resumed.final_eval[i].loss, full.final_eval[i].loss);
 }
 
-TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
-  const auto dir = temp_dir("sweep");
+// A sweep's runs: two steps of tiny(), evaluated once at the end at 24.
+train::TrainConfig sweep_base() {
   auto c = tiny();
   c.optim.steps = 2;
   c.eval.every = 0;
   c.eval.lengths = {24};
+  return c;
+}
+
+TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
+  const auto dir = temp_dir("sweep");
+  const auto c = sweep_base();
   std::ofstream(dir / "sweep.toml")
       << c.to_toml()
       << "\n[sweep]\nmethods = [\"nope\", \"rope + alibi\", \"jordan(m=2, regime=raw)\"]\n"
@@ -369,10 +375,7 @@ TEST(TrainSweep, MethodsTimesSeedsWithSkipOfFinishedRuns) {
 
 TEST(TrainSweep, RunRecordsCarryFinishedRunsToAnotherFolderAndStaleRunsAreRefused) {
   const auto dir = temp_dir("records");
-  auto c = tiny();
-  c.optim.steps = 2;
-  c.eval.every = 0;
-  c.eval.lengths = {24};
+  const auto c = sweep_base();
   const auto sweep_text = [&](const train::TrainConfig& base) {
     return base.to_toml() + "\n[sweep]\nmethods = [\"nope\", \"rope\"]\nseeds = [0, 1]\n";
   };
