@@ -474,9 +474,9 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
     throw InputError(fmt::format("{}: reproduce.kind must be rows or best", source));
   }
   md += fmt::format(
-      "\nRuns: {} (per-seed rows in results.csv); this call took {:.0f} s (finished runs are "
-      "reused).\n",
-      folder.string(), wall);
+      "\nRuns: {} (per-seed rows in results.csv); {}; this call took {:.0f} s (finished runs "
+      "are reused).\n",
+      folder.string(), outcome.ran_on, wall);
   write_file_atomic(folder / "reproduce.md", md);
   for (const auto& part : strings(report.get("parts"), "reproduce.parts", source))
     md += fmt::format(

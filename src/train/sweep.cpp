@@ -515,12 +515,18 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
     for (char c : f) q += c == '"' ? std::string("\"\"") : std::string(1, c);
     return q + "\"";
   };
+  std::map<std::string, size_t> machines;  // CPU (kernel ISA) -> runs
   std::string csv = "method,setting,seed,length,loss,accuracy,perplexity,wall_s\n";
   std::vector<int64_t> lengths;
   for (const auto& j : jobs) {
     const auto s = read_summary(j.dir / "summary.json");
     const auto key = std::make_pair(j.method, j.setting);
     if (!agg.count(key)) order.push_back(key);
+    ++machines[s.contains("cpu") && s["cpu"].is_string() && s.contains("isa") &&
+                       s["isa"].is_string()
+                   ? fmt::format("{} ({})", s["cpu"].get<std::string>(),
+                                 s["isa"].get<std::string>())
+                   : std::string("not recorded")];
     auto& ex = extras[key];
     if (s.contains("wall_s") && s["wall_s"].is_number())
       ex["wall_s"].push_back(s["wall_s"].get<double>());
@@ -568,10 +574,18 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
     for (auto x : sw.seeds) s += fmt::format("{}{}", s.empty() ? "" : ", ", x);
     return s;
   }());
+  // runs of one sweep may come from several machines (records): say which ran how many
+  std::string ran_on;
+  for (const auto& [m, n] : machines)
+    ran_on += fmt::format("{}{} on {}", ran_on.empty() ? "" : "; ",
+                          n == jobs.size() ? std::string("all") : std::to_string(n), m);
+  ran_on = fmt::format("{} run(s), {}", jobs.size(), ran_on);
+  md += fmt::format("{}\n", ran_on);
   write_file_atomic(root / "summary.md", md);
   write_file_atomic(root / "results.csv", csv);
   write_plots(root, jobs, order, agg, lengths);
   SweepOutcome outcome;
+  outcome.ran_on = ran_on;
   outcome.markdown = md;
   outcome.folder = root;
   for (const auto& key : order) {

@@ -31,6 +31,8 @@ struct SweepOutcome {
   // per method, per name, one value per seed: wall_s and the numbers of a run's summary.json
   // "extra" object (grid2d runs: accuracy_shifted, equivariance_rel_f32, ...)
   std::map<std::string, std::map<std::string, std::vector<double>>> extras;
+  // "N run(s), all on CPU (ISA)" or "n on CPU (ISA); m on ...": where the runs were trained
+  std::string ran_on;
 };
 // parallel > 1: that many runs at a time, each in a child process (train --config ...).
 SweepOutcome run_sweep_text(const std::string& toml_text, const std::string& source,

@@ -409,6 +409,8 @@ TEST(TrainSweep, RunRecordsCarryFinishedRunsToAnotherFolderAndStaleRunsAreRefuse
   EXPECT_FALSE(fs::exists(dir / "b" / "rope" / "s0" / "checkpoints"));  // imported
   EXPECT_FALSE(fs::exists(dir / "b" / "rope" / "s0" / "INCOMPLETE"));
   EXPECT_EQ(out.results.at("rope").at(24).size(), 2u);
+  EXPECT_EQ(out.ran_on.rfind("4 run(s), all on ", 0), 0u) << out.ran_on;
+  EXPECT_NE(out.markdown.find(out.ran_on), std::string::npos);
   // records of another configuration are refused, naming the key, and nothing is imported
   auto longer = c;
   longer.optim.steps = 3;
