@@ -354,6 +354,14 @@ std::string reproduce(const std::string& name, const std::string& scale_in,
                               ? fs::path("runs") / "reproduce" / fmt::format("{}-{}", name, scale)
                               : fs::path(out);
   const auto t0 = std::chrono::steady_clock::now();
+  // a long sweep begun elsewhere keeps its finished runs in the repository: say so before hours
+  // of training repeat them
+  if (const fs::path records = experiments_dir() / "records" / fmt::format("{}-{}", name, scale);
+      progress && import_runs.empty() && is_run_records(records))
+    fmt::print(stderr,
+               "reproduce: '{}' holds finished runs of this experiment (run records); "
+               "--import-runs {} uses them and trains only the rest\n",
+               records.string(), records.string());
   // the folder is a sweep's (kind "sweep": continued by the next call) with the report beside it
   OutputDir dir(folder,
                 sweep_dir_options(fmt::format("relpos reproduce {} --scale {}", name, scale)));

@@ -210,19 +210,19 @@ nlohmann::json read_summary(const fs::path& file) {
 }
 
 void check_records_folder(const fs::path& dir) {
-  std::error_code ec;
-  if (!fs::is_regular_file(dir / kRecordsMarker, ec))
+  if (!is_run_records(dir))
     throw InputError(fmt::format(
         "'{}' is not a folder of run records (it has no {} file; export-runs writes them)",
         brief(dir.string(), 200), kRecordsMarker));
 }
 
 // Copies the records of `from` (export_runs' layout) into the folders of the jobs that hold no
-// finished run, each checked against its job first; a killed run's checkpoint there is replaced
-// by the finished record of the same configuration. Returns how many were imported.
+// finished run, every one checked against its job before the first is copied (a bad record
+// imports nothing); a killed run's checkpoint there is replaced by the finished record of the
+// same configuration. Returns how many were imported.
 size_t import_records(const std::vector<Job>& jobs, const fs::path& root, const fs::path& from) {
   check_records_folder(from);
-  size_t imported = 0;
+  std::vector<std::pair<const Job*, fs::path>> todo;
   std::error_code ec;
   for (const auto& j : jobs) {
     if (fs::exists(j.dir / "summary.json", ec)) continue;
@@ -234,6 +234,10 @@ size_t import_records(const std::vector<Job>& jobs, const fs::path& root, const 
             fmt::format("sweep: the record '{}' has no {}", brief(rec.string(), 200), f));
     check_finished_run(j, rec, "the record");
     read_summary(rec / "summary.json");
+    todo.emplace_back(&j, rec);
+  }
+  for (const auto& [job, rec] : todo) {
+    const Job& j = *job;
     OutputDirOptions d;
     d.kind = "run";
     d.command = fmt::format("relpos sweep --import-runs {}", from.string());
@@ -243,9 +247,8 @@ size_t import_records(const std::vector<Job>& jobs, const fs::path& root, const 
     for (const char* f : kRecordFiles)  // summary.json last: it marks the run finished
       dir.write(f, tasks::read_file_bytes(rec / f));
     dir.finish();
-    ++imported;
   }
-  return imported;
+  return todo.size();
 }
 
 double mean(const std::vector<double>& v) {
@@ -609,6 +612,11 @@ std::string run_sweep(const fs::path& sweep_file, const std::vector<std::string>
   text << in.rdbuf();
   return run_sweep_text(text.str(), sweep_file.string(), sets, out, progress, parallel, import_from)
       .markdown;
+}
+
+bool is_run_records(const fs::path& dir) {
+  std::error_code ec;
+  return fs::is_regular_file(dir / kRecordsMarker, ec);
 }
 
 size_t export_runs(const fs::path& sweep_dir, const fs::path& out) {

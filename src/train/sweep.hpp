@@ -67,6 +67,8 @@ std::string run_sweep(const std::filesystem::path& sweep_file, const std::vector
 // first copies in the records of its runs that are not finished in its own folder, each refused
 // unless it was trained with its run's configuration (finished_run_free_keys() aside).
 size_t export_runs(const std::filesystem::path& sweep_dir, const std::filesystem::path& out);
+// Whether `dir` is such a records folder (it holds the marker).
+bool is_run_records(const std::filesystem::path& dir);
 
 // A folder-safe name for a method spec: "jordan(m=2, regime=raw)" -> "jordan_m_2_regime_raw".
 std::string method_folder(const std::string& spec);

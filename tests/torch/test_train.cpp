@@ -428,6 +428,14 @@ TEST(TrainSweep, RunRecordsCarryFinishedRunsToAnotherFolderAndStaleRunsAreRefuse
   // the thread count is how a run ran, not what it computed: a record with another one is used
   EXPECT_NO_THROW(
       train::run_sweep_text(text, "s.toml", {"threads=1"}, (dir / "b").string(), false));
+  // one bad record imports nothing, not the good ones before it
+  fs::copy(dir / "records", dir / "records2", fs::copy_options::recursive);
+  std::ofstream(dir / "records2" / "rope" / "s0" / "summary.json") << "{\"final_eval\": 3";
+  const std::string corrupt = error_of([&] {
+    train::run_sweep_text(text, "s.toml", {}, (dir / "e").string(), false, 1, dir / "records2");
+  });
+  EXPECT_NE(corrupt.find("corrupt"), std::string::npos) << corrupt;
+  EXPECT_FALSE(fs::exists(dir / "e" / "nope" / "s0" / "summary.json"));
   // a folder that is not records is refused by the import
   EXPECT_NE(error_of([&] {
               train::run_sweep_text(text, "s.toml", {}, (dir / "d").string(), false, 1,
