@@ -149,9 +149,10 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
   if (kernel_params.size() != 4)
     throw InputError("decode_step: kernel_params must be gamma, eta, gates, alpha0");
   for (const auto& t : kernel_params)
-    if (t.scalar_type() != ct || !t.is_contiguous() || !t.is_cpu())
+    if (t.defined() && (t.scalar_type() != ct || !t.is_contiguous() || !t.is_cpu()))
       throw InputError(
-          "decode_step: kernel_params must be contiguous CPU tensors of q's compute dtype");
+          "decode_step: kernel_params must be contiguous CPU tensors of q's compute dtype (or "
+          "undefined: none)");
   const int64_t T = q.size(2);
   const auto s = cache_step(cache.lengths, cache.positions, positions, key_len, T);
   const auto& pos = s.positions;  // [B, T], contiguous
@@ -371,26 +372,30 @@ void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
   if (content.size() != content_store.size())
     throw InputError(fmt::format("the cache holds {} content tensors per key; this call gives {}",
                                  content_store.size(), content.size()));
-  const int64_t B = keys.size(0), H = keys.size(1), cap = keys.size(2), D = keys.size(3),
-                n = k.size(2);
+  const int64_t B = keys.size(0), cap = keys.size(2), n = k.size(2);
   auto L = lengths.accessor<int64_t, 1>();
   for (int64_t b = 0; b < B; ++b)
     if (L[b] < 0 || L[b] + n > cap)
       throw InputError(fmt::format("the cache row {} holds {} of {} slots: no room for {} more", b,
                                    L[b], cap, n));
   const torch::NoGradGuard no_grad;
-  // rows of one dtype and contiguous storage: one copy per (row, head); else through copy_
+  // [B, H, t, ...] rows of one dtype into contiguous storage: one copy per (row, head); else
+  // through copy_ (the content tensors have H heads and their own trailing sizes)
   const auto rows = [&](const torch::Tensor& store, const torch::Tensor& x) {
+    const int64_t heads = store.size(1);
     if (store.is_cpu() && x.is_cpu() && store.is_contiguous() &&
-        store.scalar_type() == x.scalar_type()) {
+        store.scalar_type() == x.scalar_type() && x.dim() == store.dim() && x.size(1) == heads &&
+        x.size(2) == n && store.size(2) == cap &&
+        x.numel() == B * heads * n * (store.numel() / std::max<int64_t>(1, B * heads * cap))) {
       const auto src = x.contiguous();
-      const auto bytes = static_cast<size_t>(n * D * src.element_size());
+      const int64_t inner = store.numel() / std::max<int64_t>(1, B * heads * cap);  // per token
+      const auto bytes = static_cast<size_t>(n * inner * src.element_size());
       auto* dst = static_cast<char*>(store.data_ptr());
       const auto* from = static_cast<const char*>(src.data_ptr());
       for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < H; ++h)
-          std::memcpy(dst + ((b * H + h) * cap + L[b]) * D * src.element_size(),
-                      from + (b * H + h) * bytes, bytes);
+        for (int64_t h = 0; h < heads; ++h)
+          std::memcpy(dst + ((b * heads + h) * cap + L[b]) * inner * src.element_size(),
+                      from + (b * heads + h) * bytes, bytes);
     } else {
       for (int64_t b = 0; b < B; ++b) store[b].narrow(1, L[b], n).copy_(x[b].detach());
     }
@@ -402,9 +407,7 @@ void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
   auto dst = positions.accessor<double, 2>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < n; ++i) dst[b][L[b] + i] = src[b][i];
-  for (size_t i = 0; i < content.size(); ++i)
-    for (int64_t b = 0; b < B; ++b)
-      content_store[i][b].narrow(1, L[b], n).copy_(content[i][b].detach());
+  for (size_t i = 0; i < content.size(); ++i) rows(content_store[i], content[i]);
   const auto c = counts.to(torch::kCPU, torch::kLong).contiguous();
   const auto* add = c.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) L[b] += add[b];
@@ -631,8 +634,7 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
     const KernelParams kp = encoding->kernel_params();
     std::vector<torch::Tensor> params;
     for (const auto* t : {&kp.gamma, &kp.eta, &kp.gates, &kp.alpha0})
-      params.push_back(t->defined() ? t->detach().to(dt).contiguous()
-                                    : torch::empty({0}, torch::TensorOptions().dtype(dt)));
+      params.push_back(t->defined() ? t->to(dt).contiguous() : torch::Tensor());
     return decode_step(
         mechanism(), params, q, k, v, cache->reserve(q.size(2)), call.positions, call.key_len,
         {options_.layout, num_heads_, options_.causal, options_.window, options_.scale},

@@ -567,6 +567,20 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_autograd(
     const OptTensor& q_pos, const OptTensor& k_pos, bool causal, double window,
     const OptTensor& key_len, double scale, bool exclude_self, double path_scale,
     const OptTensor& key_start, const OptTensor& q_segments, const OptTensor& k_segments) {
+  // without a gradient to record (inference, a decode step) the kernel is called directly: the
+  // autograd node's saved arguments cost a few microseconds a call
+  bool grad = false;
+  if (torch::GradMode::is_enabled()) {
+    grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
+    for (const OptTensor t : biases)
+      if (t && t->defined() && t->requires_grad()) grad = true;
+  }
+  if (!grad) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_fused_attention(q, k, v, biases, q_pos, k_pos,
+                                {key_len, key_start, q_segments, k_segments},
+                                {causal, window, scale, exclude_self, path_scale});
+  }
   const Biases b = value_errors([&] { return unpack(biases); });
   NonDifferentiable n{{},
                       get(q_pos),

@@ -209,7 +209,27 @@ KernelParams PositionEncodingImpl::kernel_params() const {
   std::vector<torch::Tensor> schema;
   for (const auto& st : schema_)
     for (const auto* t : {&st.raw, &st.fixed, &st.bound, &st.learn}) schema.push_back(*t);
-  return schema_kernel_params(mech_, schema);
+  if (torch::GradMode::is_enabled()) return schema_kernel_params(mech_, schema);
+  std::vector<uint8_t> key;
+  const auto put = [&](const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    key.insert(key.end(), b, b + n);
+  };
+  for (const auto& t : schema) {
+    if (!t.defined()) {
+      key.push_back(0xff);
+      continue;
+    }
+    if (!t.is_cpu() || !t.is_contiguous()) return schema_kernel_params(mech_, schema);
+    const auto dtype = static_cast<uint8_t>(t.scalar_type());
+    const auto dims = static_cast<int64_t>(t.dim());
+    put(&dtype, 1);
+    put(&dims, sizeof dims);
+    put(t.sizes().data(), t.dim() * sizeof(int64_t));
+    put(t.data_ptr(), t.nbytes());
+  }
+  if (key != params_memo_.key) params_memo_ = {std::move(key), schema_kernel_params(mech_, schema)};
+  return params_memo_.value;
 }
 
 ParamValues PositionEncodingImpl::param_values() const {

@@ -5,7 +5,9 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "core/mechanism.hpp"
 #include "kernels/transform.hpp"
@@ -102,6 +104,13 @@ class PositionEncodingImpl : public torch::nn::Module {
     torch::ScalarType dtype = torch::kFloat;
     std::vector<torch::Tensor> table;
   } trig_cache_;
+  // kernel_params() without autograd, kept while the schema tensors' bytes repeat (a decode step
+  // would otherwise reparametrise them, a dozen small ops, every token). Non-reentrant as above.
+  struct ParamsMemo {
+    std::vector<uint8_t> key;  // dtype, shape and bytes of every schema tensor
+    KernelParams value;
+  };
+  mutable ParamsMemo params_memo_;
   Warnings warned_;
   std::optional<double> last_center_;
   std::vector<torch::Tensor> lag_params_;  // the learned lag table's parameters (empty: none)

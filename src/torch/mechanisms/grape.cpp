@@ -16,13 +16,17 @@
 // seeded model draws the same numbers as before this runtime existed.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <type_traits>
 
 #include "core/types.hpp"
+#include "kernels/rotate.hpp"
 #include "torch/grape_generators.hpp"
 #include "torch/journey.hpp"
 #include "torch/mechanisms/content_runtime.hpp"
+#include "torch/op_util.hpp"
 #include "torch/scan.hpp"
 
 namespace relpos::nn {
@@ -66,6 +70,21 @@ torch::Tensor project(const BiasTerm& t, const torch::Tensor& x, const torch::Te
                                  t.name, x.size(2), w.size(1)));
   return torch::nn::functional::linear(x, w.to(x.scalar_type()),
                                        b.defined() ? b.to(x.scalar_type()) : b);
+}
+
+// A cached step on the host without autograd (a decode step): the side tensors are then computed
+// in one pass of plain loops, as the ATen forms below would compute them. A decode step's dozen
+// small ops cost more than its attention at a few thousand keys (docs/performance.md).
+bool host_step(const ContentCall& c, const std::vector<torch::Tensor>& p) {
+  if (!c.past_lengths.defined() || !c.inputs.is_cpu() || !c.q.is_cpu() ||
+      !c.inputs.is_floating_point() || op_util::is_half(c.inputs.scalar_type()) ||
+      c.inputs.scalar_type() != c.q.scalar_type())
+    return false;
+  if (!torch::GradMode::is_enabled()) return true;
+  if (c.inputs.requires_grad()) return false;
+  for (const auto& t : p)
+    if (t.requires_grad()) return false;
+  return true;
 }
 
 // -------- grape_a
@@ -130,8 +149,40 @@ std::vector<torch::Tensor> fox_create(const BiasTerm&, torch::nn::Module& owner,
   return linear(owner, "fox", model_dim, heads, true);
 }
 
+// c continued from each row's last cached key: c_t = c_last + sum_{s<=t} log sigmoid(z_s), the
+// log-sigmoids in z's dtype and the sums in float64 (as below)
+torch::Tensor fox_host_step(const BiasTerm& t, const std::vector<torch::Tensor>& p,
+                            const ContentCall& c) {
+  const auto z = project(t, c.inputs, p[0], p[1]).contiguous();  // [B, T, H]
+  const int64_t B = z.size(0), T = z.size(1), H = z.size(2);
+  auto cq = torch::empty({B, H, T}, z.options().dtype(torch::kDouble));
+  const auto L = c.past_lengths.to(torch::kLong).contiguous();
+  const int64_t* len = L.data_ptr<int64_t>();
+  const bool cached = !c.past.empty() && c.past[0].size(2) > 0;
+  const auto past = cached ? c.past[0].accessor<double, 3>() : cq.accessor<double, 3>();
+  auto out = cq.accessor<double, 3>();
+  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "relpos_fox_host_step", [&] {
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        const double c0 = cached && len[b] > 0 ? past[b][h][len[b] - 1] : 0.0;
+        double run = 0.0;
+        for (int64_t i = 0; i < T; ++i) {
+          const scalar_t x = zp[(b * T + i) * H + h];
+          run += static_cast<double>(std::min(x, scalar_t(0)) - std::log1p(std::exp(-std::abs(x))));
+          out[b][h][i] = c0 + run;
+        }
+      }
+  });
+  return cq;
+}
+
 std::vector<torch::Tensor> fox_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
                                        const ContentCall& c, AttentionArgs& a) {
+  if (host_step(c, p)) {
+    a.cq = fox_host_step(t, p, c);
+    return {a.cq};
+  }
   const auto logf =
       torch::log_sigmoid(project(t, c.inputs, p[0], p[1])).transpose(1, 2).to(torch::kDouble);
   const int64_t B = logf.size(0), H = logf.size(1);
@@ -166,8 +217,68 @@ std::vector<torch::Tensor> path_create(const BiasTerm& t, torch::nn::Module& own
   return p;
 }
 
+// The probes of a host step: path_k the key probes RMS-normalised (sums in float64) and turned by
+// their position in every plane (the rotation kernel), path_q the query probes (normalised in the
+// paper's form), beta per head; the same numbers as the ATen forms below to rounding.
+std::vector<torch::Tensor> path_host_step(const BiasTerm& t, const std::vector<torch::Tensor>& p,
+                                          const ContentCall& c, AttentionArgs& a) {
+  const int64_t B = c.q.size(0), H = c.q.size(1), T = c.q.size(2), P = t.probe_dim;
+  const auto probes = project(t, c.inputs, p[0]).contiguous();  // [B, T, H P]
+  const auto opts = probes.options();
+  auto path_k = torch::empty({B, H, T, P}, opts), path_q = torch::empty({B, H, T, P}, opts);
+  auto beta = torch::empty({H}, opts);
+  const auto pos = c.positions.to(torch::kDouble).contiguous();  // [T] or [B, T]
+  const auto rho = t.paper_form ? p[1].to(probes.scalar_type()).contiguous() : torch::Tensor();
+  const int64_t pos_rows = pos.dim() == 1 ? 1 : B;
+  AT_DISPATCH_FLOATING_TYPES(probes.scalar_type(), "relpos_path_host_step", [&] {
+    using S = scalar_t;
+    const double eps = std::is_same_v<S, double> ? DBL_EPSILON : FLT_EPSILON;
+    const S* x = probes.data_ptr<S>();
+    S *k = path_k.data_ptr<S>(), *q = path_q.data_ptr<S>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < T; ++i) {
+          const S* xi = x + (b * T + i) * H * P + h * P;
+          double ss = 0.0;
+          for (int64_t j = 0; j < P; ++j) ss += double(xi[j]) * double(xi[j]);
+          const S r = S(1.0 / std::sqrt(ss / double(P) + eps));
+          S* ki = k + ((b * H + h) * T + i) * P;
+          S* qi = q + ((b * H + h) * T + i) * P;
+          for (int64_t j = 0; j < P; ++j) {
+            ki[j] = xi[j] * r;
+            qi[j] = t.paper_form ? ki[j] : xi[j];
+          }
+        }
+    // every plane turns by the position (l rad at position l)
+    std::vector<S> cs(static_cast<size_t>(pos_rows * T * P / 2)), sn(cs.size());
+    const double* pp = pos.data_ptr<double>();
+    for (int64_t i = 0; i < pos_rows * T; ++i)
+      for (int64_t j = 0; j < P / 2; ++j) {
+        const S angle = static_cast<S>(pp[i]);
+        cs[static_cast<size_t>(i * (P / 2) + j)] = std::cos(angle);
+        sn[static_cast<size_t>(i * (P / 2) + j)] = std::sin(angle);
+      }
+    kernels::rotate_pairs_forward<S>({B, H, T, P, P / 2, pos_rows > 1}, Layout::HalfSplit, false, k,
+                                     cs.data(), sn.data(), k);
+    S* bp = beta.data_ptr<S>();
+    for (int64_t h = 0; h < H; ++h) {
+      if (t.paper_form) {
+        const S r = rho.data_ptr<S>()[h];  // softplus, threshold 20 as torch's
+        bp[h] = r > S(20) ? r : std::log1p(std::exp(r));
+      } else {
+        bp[h] = static_cast<S>(static_cast<float>(t.slopes.at(static_cast<size_t>(h))));
+      }
+    }
+  });
+  a.path_q = path_q;
+  a.path_beta = beta;
+  a.path_scale = 1.0 / static_cast<double>(P);
+  return {path_k};
+}
+
 std::vector<torch::Tensor> path_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
                                         const ContentCall& c, AttentionArgs& a) {
+  if (host_step(c, p)) return path_host_step(t, p, c, a);
   const auto dt = c.q.scalar_type();
   const int64_t B = c.q.size(0), H = c.q.size(1), T = c.q.size(2), P = t.probe_dim;
   const auto probes = project(t, c.inputs, p[0]).view({B, T, H, P}).transpose(1, 2).to(dt);
