@@ -193,6 +193,46 @@ TEST(Encoding, TrigCacheFollowsPositionChanges) {
   EXPECT_TRUE(torch::equal(o.q, fresh->forward(q.narrow(2, 0, 5), k.narrow(2, 0, 5)).q));
 }
 
+// Without autograd kernel_params() is memoised on the schema tensors' bytes: every in-place
+// change (an optimizer step, a load, a write through .data()) gives the freshly computed values.
+TEST(Encoding, KernelParamsFollowEveryParameterChangeWithoutAutograd) {
+  for (const auto& spec : kSpecs) {
+    SCOPED_TRACE(spec);
+    const int D = head_dim_for(spec);
+    nn::PositionEncoding enc(spec, D, 2);
+    enc->to(torch::kDouble);
+    const auto fresh = [&] {
+      const torch::AutoGradMode grad(true);
+      const auto kp = enc->kernel_params();
+      std::vector<torch::Tensor> out;
+      for (const auto* t : {&kp.gamma, &kp.eta, &kp.gates, &kp.alpha0})
+        out.push_back(t->defined() ? t->detach().clone() : torch::Tensor());
+      return out;
+    };
+    const auto same = [&](const nn::KernelParams& kp, const std::vector<torch::Tensor>& want) {
+      const std::array<const torch::Tensor*, 4> got = {&kp.gamma, &kp.eta, &kp.gates, &kp.alpha0};
+      for (size_t i = 0; i < 4; ++i) {
+        ASSERT_EQ(got[i]->defined(), want[i].defined()) << i;
+        if (want[i].defined()) {
+          EXPECT_TRUE(torch::equal(*got[i], want[i])) << i;
+        }
+      }
+    };
+    const torch::NoGradGuard no_grad;
+    same(enc->kernel_params(), fresh());
+    same(enc->kernel_params(), fresh());  // the memo
+    for (int round = 0; round < 2; ++round) {
+      for (auto& p : enc->parameters()) {
+        if (round == 0)
+          p.add_(0.1 * torch::randn_like(p));
+        else
+          p.data().mul_(0.5);  // (not seen by the version counter)
+      }
+      same(enc->kernel_params(), fresh());
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Regressions of issue 7 (hardening)
 
