@@ -112,11 +112,43 @@ PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head
   }
 }
 
+// The key of a memo of values computed from `tensors` without autograd: their dtypes, shapes and
+// bytes (every in-place change counts, also one the version counter misses), and `extra`; none
+// with autograd or when a tensor is not a contiguous host tensor (computed every call).
+std::optional<std::vector<uint8_t>> memo_key(const std::vector<torch::Tensor>& tensors,
+                                             int64_t extra) {
+  if (torch::GradMode::is_enabled()) return std::nullopt;
+  std::vector<uint8_t> key;
+  const auto put = [&](const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    key.insert(key.end(), b, b + n);
+  };
+  put(&extra, sizeof extra);
+  for (const auto& t : tensors) {
+    if (!t.defined()) {
+      key.push_back(0xff);
+      continue;
+    }
+    if (!t.is_cpu() || !t.is_contiguous()) return std::nullopt;
+    const auto dtype = static_cast<uint8_t>(t.scalar_type());
+    const auto dims = static_cast<int64_t>(t.dim());
+    put(&dtype, 1);
+    put(&dims, sizeof dims);
+    put(t.sizes().data(), t.dim() * sizeof(int64_t));
+    put(t.data_ptr(), t.nbytes());
+  }
+  return key;
+}
+
 torch::Tensor PositionEncodingImpl::lag_table(int64_t len) const {
   const BiasTerm* b = mech_.learned_lag_bias();
   if (!b) return {};
   if (len < 1) throw InputError("encoding: a lag table needs at least one lag");
-  return nn::lag_table(*b->learned, mech_.heads, lag_params_, len);
+  auto key = memo_key(lag_params_, len);
+  if (!key) return nn::lag_table(*b->learned, mech_.heads, lag_params_, len);
+  if (*key != lag_memo_.key)
+    lag_memo_ = {std::move(*key), nn::lag_table(*b->learned, mech_.heads, lag_params_, len)};
+  return lag_memo_.value;
 }
 
 std::vector<std::pair<std::string, double>> PositionEncodingImpl::lag_stats() const {
@@ -209,26 +241,10 @@ KernelParams PositionEncodingImpl::kernel_params() const {
   std::vector<torch::Tensor> schema;
   for (const auto& st : schema_)
     for (const auto* t : {&st.raw, &st.fixed, &st.bound, &st.learn}) schema.push_back(*t);
-  if (torch::GradMode::is_enabled()) return schema_kernel_params(mech_, schema);
-  std::vector<uint8_t> key;
-  const auto put = [&](const void* p, size_t n) {
-    const auto* b = static_cast<const uint8_t*>(p);
-    key.insert(key.end(), b, b + n);
-  };
-  for (const auto& t : schema) {
-    if (!t.defined()) {
-      key.push_back(0xff);
-      continue;
-    }
-    if (!t.is_cpu() || !t.is_contiguous()) return schema_kernel_params(mech_, schema);
-    const auto dtype = static_cast<uint8_t>(t.scalar_type());
-    const auto dims = static_cast<int64_t>(t.dim());
-    put(&dtype, 1);
-    put(&dims, sizeof dims);
-    put(t.sizes().data(), t.dim() * sizeof(int64_t));
-    put(t.data_ptr(), t.nbytes());
-  }
-  if (key != params_memo_.key) params_memo_ = {std::move(key), schema_kernel_params(mech_, schema)};
+  auto key = memo_key(schema);
+  if (!key) return schema_kernel_params(mech_, schema);
+  if (*key != params_memo_.key)
+    params_memo_ = {std::move(*key), schema_kernel_params(mech_, schema)};
   return params_memo_.value;
 }
 

@@ -39,6 +39,10 @@ using KernelParams = BlockParamSet<torch::Tensor>;
 // and alpha0 [H, 0].
 KernelParams schema_kernel_params(const Mechanism& m, const std::vector<torch::Tensor>& schema);
 
+// The key of a memo of values computed from `tensors` without autograd (encoding.cpp).
+std::optional<std::vector<uint8_t>> memo_key(const std::vector<torch::Tensor>& tensors,
+                                             int64_t extra = 0);
+
 class PositionEncodingImpl : public torch::nn::Module {
  public:
   PositionEncodingImpl(const std::string& spec, int64_t head_dim, int64_t heads,
@@ -106,11 +110,13 @@ class PositionEncodingImpl : public torch::nn::Module {
   } trig_cache_;
   // kernel_params() without autograd, kept while the schema tensors' bytes repeat (a decode step
   // would otherwise reparametrise them, a dozen small ops, every token). Non-reentrant as above.
-  struct ParamsMemo {
-    std::vector<uint8_t> key;  // dtype, shape and bytes of every schema tensor
-    KernelParams value;
+  template <class V>
+  struct Memo {
+    std::vector<uint8_t> key;  // memo_key(): dtype, shape and bytes of every input tensor
+    V value;
   };
-  mutable ParamsMemo params_memo_;
+  mutable Memo<KernelParams> params_memo_;
+  mutable Memo<torch::Tensor> lag_memo_;  // lag_table() without autograd, by length
   Warnings warned_;
   std::optional<double> last_center_;
   std::vector<torch::Tensor> lag_params_;  // the learned lag table's parameters (empty: none)

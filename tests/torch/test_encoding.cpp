@@ -233,6 +233,31 @@ TEST(Encoding, KernelParamsFollowEveryParameterChangeWithoutAutograd) {
   }
 }
 
+// The learned lag table without autograd is memoised the same way, by length too.
+TEST(Encoding, LagTableFollowsEveryParameterChangeWithoutAutograd) {
+  for (const char* spec : {"t5_bias", "kerple"}) {
+    SCOPED_TRACE(spec);
+    nn::PositionEncoding enc(spec, 16, 2);
+    enc->to(torch::kDouble);
+    ASSERT_TRUE(enc->has_lag_table());
+    const auto fresh = [&](int64_t len) {
+      const torch::AutoGradMode grad(true);
+      return enc->lag_table(len).detach().clone();
+    };
+    const torch::NoGradGuard no_grad;
+    for (int64_t len : {5, 5, 9, 5}) EXPECT_TRUE(torch::equal(enc->lag_table(len), fresh(len)));
+    for (int round = 0; round < 2; ++round) {
+      for (auto& p : enc->parameters()) {
+        if (round == 0)
+          p.add_(0.1 * torch::randn_like(p));
+        else
+          p.data().mul_(0.5);
+      }
+      EXPECT_TRUE(torch::equal(enc->lag_table(9), fresh(9)));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Regressions of issue 7 (hardening)
 
