@@ -383,12 +383,11 @@ void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
   // through copy_ (the content tensors have H heads and their own trailing sizes)
   const auto rows = [&](const torch::Tensor& store, const torch::Tensor& x) {
     const int64_t heads = store.size(1);
+    const int64_t inner = store.numel() / std::max<int64_t>(1, B * heads * cap);  // per token
     if (store.is_cpu() && x.is_cpu() && store.is_contiguous() &&
         store.scalar_type() == x.scalar_type() && x.dim() == store.dim() && x.size(1) == heads &&
-        x.size(2) == n && store.size(2) == cap &&
-        x.numel() == B * heads * n * (store.numel() / std::max<int64_t>(1, B * heads * cap))) {
+        x.size(2) == n && store.size(2) == cap && x.numel() == B * heads * n * inner) {
       const auto src = x.contiguous();
-      const int64_t inner = store.numel() / std::max<int64_t>(1, B * heads * cap);  // per token
       const auto bytes = static_cast<size_t>(n * inner * src.element_size());
       auto* dst = static_cast<char*>(store.data_ptr());
       const auto* from = static_cast<const char*>(src.data_ptr());

@@ -57,13 +57,15 @@ class PositionEncodingImpl : public torch::nn::Module {
   Output forward(const torch::Tensor& q, const torch::Tensor& k,
                  const torch::Tensor& positions = {});
 
-  KernelParams kernel_params() const;  // schema_kernel_params over this module's tensors
-  ParamValues param_values() const;    // float64 snapshot of kernel_params()
+  // schema_kernel_params over this module's tensors; without autograd the same tensors while
+  // the schema's values repeat (a memo): read them, never modify them in place
+  KernelParams kernel_params() const;
+  ParamValues param_values() const;  // float64 snapshot of kernel_params()
   // ALiBi slopes [H] (undefined tensor when the mechanism has no ALiBi term).
   torch::Tensor alibi_slopes() const;
   // The learned lag table b_h(d), d = 0..len-1, float64 [H, len], differentiable in its
   // parameters (undefined tensor when the mechanism has none). Built by the family's runtime
-  // (torch/mechanisms/lag_runtime.hpp).
+  // (torch/mechanisms/lag_runtime.hpp); without autograd memoised as kernel_params() (read only).
   torch::Tensor lag_table(int64_t len) const;
   bool has_lag_table() const { return mech_.learned_lag_bias() != nullptr; }
   // The learned table's parameters, in the kernel's params() order (state-dict names from it).

@@ -252,12 +252,12 @@ std::vector<torch::Tensor> path_host_step(const BiasTerm& t, const std::vector<t
     // every plane turns by the position (l rad at position l)
     std::vector<S> cs(static_cast<size_t>(pos_rows * T * P / 2)), sn(cs.size());
     const double* pp = pos.data_ptr<double>();
-    for (int64_t i = 0; i < pos_rows * T; ++i)
-      for (int64_t j = 0; j < P / 2; ++j) {
-        const S angle = static_cast<S>(pp[i]);
-        cs[static_cast<size_t>(i * (P / 2) + j)] = std::cos(angle);
-        sn[static_cast<size_t>(i * (P / 2) + j)] = std::sin(angle);
-      }
+    for (int64_t i = 0; i < pos_rows * T; ++i) {
+      const S angle = static_cast<S>(pp[i]);
+      const auto at = cs.begin() + i * (P / 2);
+      std::fill(at, at + P / 2, std::cos(angle));
+      std::fill(sn.begin() + i * (P / 2), sn.begin() + (i + 1) * (P / 2), std::sin(angle));
+    }
     kernels::rotate_pairs_forward<S>({B, H, T, P, P / 2, pos_rows > 1}, Layout::HalfSplit, false, k,
                                      cs.data(), sn.data(), k);
     S* bp = beta.data_ptr<S>();
