@@ -51,7 +51,8 @@ def rotate_pairs(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False
         raise InputError(f"pair_layout must be interleaved or half_split, got {pair_layout!r}")
     a = angles.to(x.dtype)
     try:
-        return torch.ops.relpos.rotate_pairs(x, torch.cos(a), torch.sin(a), inverse, layout)
+        cos, sin = torch.ops.relpos.cos_sin(a)
+        return torch.ops.relpos.rotate_pairs(x, cos, sin, inverse, layout)
     except ValueError as e:
         raise InputError(str(e)) from None
 

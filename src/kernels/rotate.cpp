@@ -27,6 +27,8 @@ void check(const RotateDims& d) {
   template <class T>                                                                            \
   void rotate_backward(const RotateDims&, Layout, bool, const T*, const T*, const T*, const T*, \
                        T*, T*, T*);                                                             \
+  template <class T>                                                                            \
+  void cos_sin(const T*, int64_t, T*, T*);                                                      \
   }
 RELPOS_ISA_FOR_EACH(RELPOS_DECLARE_ROTATE)
 #undef RELPOS_DECLARE_ROTATE
@@ -45,11 +47,18 @@ void rotate_pairs_backward(const RotateDims& d, Layout layout, bool inverse, con
   RELPOS_ISA_DISPATCH(rotate_backward<T>, d, layout, inverse, x, cos, sin, dy, dx, dcos, dsin);
 }
 
+template <class T>
+void cos_sin(const T* angles, int64_t n, T* cos, T* sin) {
+  if (n < 0) throw InputError(fmt::format("cos_sin: {} angles", n));
+  RELPOS_ISA_DISPATCH(cos_sin<T>, angles, n, cos, sin);
+}
+
 #define RELPOS_ROTATE_INSTANTIATE(T)                                                          \
   template void rotate_pairs_forward<T>(const RotateDims&, Layout, bool, const T*, const T*,  \
                                         const T*, T*);                                        \
   template void rotate_pairs_backward<T>(const RotateDims&, Layout, bool, const T*, const T*, \
-                                         const T*, const T*, T*, T*, T*);
+                                         const T*, const T*, T*, T*, T*);                     \
+  template void cos_sin<T>(const T*, int64_t, T*, T*);
 RELPOS_ROTATE_INSTANTIATE(float)
 RELPOS_ROTATE_INSTANTIATE(double)
 #undef RELPOS_ROTATE_INSTANTIATE

@@ -10,11 +10,12 @@
 
 namespace relpos::nn {
 
-// A frame: the cosines and sines of its angles [B, T, P] or [T, P] (computed once, vectorised,
-// and shared by every tensor and layer it rotates; differentiable back to the angles).
+// A frame: the cosines and sines of its angles [B, T, P] or [T, P] (computed once, in one pass of
+// the `relpos::cos_sin` op, and shared by every tensor and layer it rotates; differentiable back
+// to the angles).
 struct Frame {
   torch::Tensor cos, sin;
-  static Frame of(const torch::Tensor& angles) { return {torch::cos(angles), torch::sin(angles)}; }
+  static Frame of(const torch::Tensor& angles);
   bool defined() const { return cos.defined(); }
 };
 

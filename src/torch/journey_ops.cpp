@@ -155,7 +155,69 @@ torch::Tensor rotate_autograd(const torch::Tensor& x, const torch::Tensor& cos,
   return RotatePairsFunction::apply(x, cos, sin, inverse, layout);
 }
 
+// relpos::cos_sin: a frame's table in one pass of kernels::cos_sin (float32 and float64 on the
+// CPU; other dtypes and devices take at::cos and at::sin).
+std::tuple<torch::Tensor, torch::Tensor> cos_sin_cpu(const torch::Tensor& angles) {
+  const auto st = angles.scalar_type();
+  if (st != torch::kFloat && st != torch::kDouble) return {torch::cos(angles), torch::sin(angles)};
+  const auto a = angles.contiguous();
+  auto c = torch::empty_like(a), s = torch::empty_like(a);
+  AT_DISPATCH_FLOATING_TYPES(st, "relpos_cos_sin", [&] {
+    kernels::cos_sin<scalar_t>(a.data_ptr<scalar_t>(), a.numel(), c.data_ptr<scalar_t>(),
+                               s.data_ptr<scalar_t>());
+  });
+  return {c, s};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> cos_sin_meta(const torch::Tensor& angles) {
+  const auto like = [&] {
+    return angles.is_floating_point()
+               ? torch::empty_like(angles)
+               : torch::empty_like(angles, angles.options().dtype(torch::kFloat));
+  };
+  return {like(), like()};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> call_cos_sin(const torch::Tensor& angles) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("relpos::cos_sin", "")
+          .typed<std::tuple<torch::Tensor, torch::Tensor>(const torch::Tensor&)>();
+  return op.call(angles);
+}
+
+// d angle = -sin dcos + cos dsin
+class CosSinFunction : public torch::autograd::Function<CosSinFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& angles) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [c, s] = call_cos_sin(angles);
+    ctx->save_for_backward({c, s});
+    return {c, s};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const auto saved = ctx->get_saved_variables();
+    torch::Tensor d;
+    if (grad[0].defined()) d = -saved[1] * grad[0];
+    if (grad[1].defined()) d = d.defined() ? d + saved[0] * grad[1] : saved[0] * grad[1];
+    return {d};
+  }
+};
+
+std::tuple<torch::Tensor, torch::Tensor> cos_sin_autograd(const torch::Tensor& angles) {
+  // the kernel covers CPU tensors only; elsewhere ATen's own (differentiable) ops
+  if (!angles.device().is_cpu() && !angles.is_meta())
+    return {torch::cos(angles), torch::sin(angles)};
+  auto out = CosSinFunction::apply(angles);
+  return {out[0], out[1]};
+}
+
 }  // namespace
+
+Frame Frame::of(const torch::Tensor& angles) {
+  auto [c, s] = call_cos_sin(angles);
+  return {c, s};
+}
 
 torch::Tensor rotate_pairs(const torch::Tensor& x, const Frame& f, bool inverse, Layout layout) {
   return call_rotate(x, f.cos, f.sin, inverse, layout == Layout::HalfSplit ? 1 : 0);
@@ -230,18 +292,22 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
   m.def(
       "rotate_pairs_backward(Tensor grad, Tensor x, Tensor cos, Tensor sin, bool inverse, "
       "int layout, bool angle_grads=True) -> (Tensor, Tensor, Tensor)");
+  m.def("cos_sin(Tensor angles) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(relpos, CPU, m) {
   m.impl("rotate_pairs", relpos::nn::rotate_cpu);
   m.impl("rotate_pairs_backward", relpos::nn::rotate_backward_cpu);
+  m.impl("cos_sin", relpos::nn::cos_sin_cpu);
 }
 
 TORCH_LIBRARY_IMPL(relpos, Meta, m) {
   m.impl("rotate_pairs", relpos::nn::rotate_meta);
   m.impl("rotate_pairs_backward", relpos::nn::rotate_backward_meta);
+  m.impl("cos_sin", relpos::nn::cos_sin_meta);
 }
 
 TORCH_LIBRARY_IMPL(relpos, Autograd, m) {
   m.impl("rotate_pairs", relpos::nn::rotate_autograd);
+  m.impl("cos_sin", relpos::nn::cos_sin_autograd);
 }

@@ -2,10 +2,11 @@
 // written out in float64, the inverse flag as the exact inverse, the backward as the adjoint
 // (<g, R x> = <R^T g, x>), the angle gradient (through the cos/sin gradients) against central
 // differences in float64, shared angles (summed over the batch), both layouts, untouched pairs
-// past P, in-place calls, float32.
+// past P, in-place calls, float32; the frame table kernel (cos_sin) within 2 ulp of float64.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <numbers>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -175,4 +176,76 @@ TEST(RotatePairs, Float32VectorPathMatchesFloat64) {
                                        g_inplace.data(), g_inplace.data(), nullptr, nullptr);
           EXPECT_EQ(g_inplace, dx);
         }
+}
+
+namespace {
+
+// |got - want| in units of the float spacing at want (float64 want)
+double float_ulps(float got, double want) {
+  const float w = std::abs(static_cast<float>(want));
+  const double spacing = static_cast<double>(std::nextafter(w, INFINITY)) - w;
+  return std::abs(static_cast<double>(got) - want) / spacing;
+}
+
+// Angles where a sin/cos goes wrong: each quadrant's edges (k pi/4 and next to them), tiny and
+// subnormal ones, the long positions of a 1M-token context, the top of the float64 reduction's
+// range (2^29) and past it (libm), the float limits.
+std::vector<double> trig_angles(std::mt19937_64& rng) {
+  std::vector<double> a;
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (double scale : {3.2, 100.0, 3e4, 1e6, 5.3e8, 1e12})
+    for (int i = 0; i < 4001; ++i) a.push_back(scale * u(rng));
+  for (int k = -400; k <= 400; ++k) {
+    const float e = static_cast<float>(k * std::numbers::pi / 4);
+    a.push_back(e);
+    a.push_back(std::nextafter(e, INFINITY));
+    a.push_back(std::nextafter(e, -INFINITY));
+  }
+  for (double x : {0.0, -0.0, 1e-40, -1e-30, 1e-4, 536870912.0, -536870976.0, 3.4e38, -3.4e38})
+    a.push_back(x);
+  return a;
+}
+
+}  // namespace
+
+TEST(RotatePairs, CosSinFloat32WithinTwoUlpAndFloat64Exact) {
+  std::mt19937_64 rng(23);
+  const auto a = trig_angles(rng);
+  const std::vector<float> af(a.begin(), a.end());
+  // every length's tail, and an unaligned start
+  for (const int64_t off : {0, 1, 5})
+    for (const int64_t n : {static_cast<int64_t>(af.size()) - off, int64_t{13}, int64_t{0}}) {
+      std::vector<float> c(static_cast<size_t>(n)), s(c.size());
+      cos_sin<float>(af.data() + off, n, c.data(), s.data());
+      for (int64_t i = 0; i < n; ++i) {
+        const double x = af[off + i];
+        ASSERT_LE(float_ulps(c[i], std::cos(x)), 2.0) << "cos " << x;
+        ASSERT_LE(float_ulps(s[i], std::sin(x)), 2.0) << "sin " << x;
+      }
+    }
+  std::vector<double> c(a.size()), s(a.size());
+  cos_sin<double>(a.data(), static_cast<int64_t>(a.size()), c.data(), s.data());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(c[i], std::cos(a[i])) << a[i];
+    ASSERT_EQ(s[i], std::sin(a[i])) << a[i];
+  }
+}
+
+TEST(RotatePairs, CosSinOfNonFiniteAnglesIsNaNAndTouchesNothingElse) {
+  std::vector<float> a(37);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = 0.3f * static_cast<float>(i) - 5;
+  a[3] = NAN;
+  a[11] = INFINITY;
+  a[20] = -INFINITY;
+  std::vector<float> c(a.size()), s(a.size());
+  cos_sin<float>(a.data(), static_cast<int64_t>(a.size()), c.data(), s.data());
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) {
+      EXPECT_TRUE(std::isnan(c[i]) && std::isnan(s[i])) << i;
+      continue;
+    }
+    EXPECT_LE(float_ulps(c[i], std::cos(static_cast<double>(a[i]))), 2.0) << i;
+    EXPECT_LE(float_ulps(s[i], std::sin(static_cast<double>(a[i]))), 2.0) << i;
+  }
+  EXPECT_THROW(cos_sin<float>(a.data(), -1, c.data(), s.data()), InputError);
 }
