@@ -179,6 +179,10 @@ def main():
             r[f"{base}_over_relpos"] = r[base] / r["relpos"]
             r[f"{base}_over_relpos_per_round"] = statistics.median(
                 x / y for x, y in zip(times[(name, base)], times[(name, "relpos")]))
+        if "relpos_unchecked" in cases:  # what the default finiteness check costs
+            r["checked_over_unchecked"] = r["relpos"] / r["relpos_unchecked"]
+            r["checked_over_unchecked_per_round"] = statistics.median(
+                x / y for x, y in zip(times[(name, "relpos")], times[(name, "relpos_unchecked")]))
         results[name] = r
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "shape": [B, H, T, D], "rounds": a.rounds}
@@ -188,12 +192,17 @@ def main():
     print(f"torch {meta['torch']}, {meta['threads']} threads, B={B} H={H} T={T} D={D} float32, "
           f"fwd+bwd, {a.rounds} rounds round robin (medians; per-round ratio in brackets)")
     print()
-    print("| transform | relpos ms (checked) | unchecked ms | eager ms | torch.compile ms | "
-          "eager / relpos | compile / relpos |")
-    print("|---|---|---|---|---|---|---|")
+    print("| transform | relpos ms (checked) | unchecked ms | checked / unchecked | eager ms | "
+          "torch.compile ms | eager / relpos | compile / relpos |")
+    print("|---|---|---|---|---|---|---|---|")
     for n, r in results.items():
-        unchecked = f"{r['relpos_unchecked']:.2f}" if "relpos_unchecked" in r else "-"
-        print(f"| {n} | {r['relpos']:.2f} | {unchecked} | {r['eager']:.2f} | {r['compiled']:.2f} | "
+        unchecked, cost = "-", "-"
+        if "relpos_unchecked" in r:
+            unchecked = f"{r['relpos_unchecked']:.2f}"
+            cost = (f"{r['checked_over_unchecked']:.2f} "
+                    f"({r['checked_over_unchecked_per_round']:.2f})")
+        print(f"| {n} | {r['relpos']:.2f} | {unchecked} | {cost} | {r['eager']:.2f} | "
+              f"{r['compiled']:.2f} | "
               f"{r['eager_over_relpos']:.2f} ({r['eager_over_relpos_per_round']:.2f}) | "
               f"{r['compiled_over_relpos']:.2f} ({r['compiled_over_relpos_per_round']:.2f}) |")
 
