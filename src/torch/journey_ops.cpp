@@ -157,7 +157,14 @@ torch::Tensor rotate_autograd(const torch::Tensor& x, const torch::Tensor& cos,
 
 // relpos::cos_sin: a frame's table in one pass of kernels::cos_sin (float32 and float64 on the
 // CPU; other dtypes and devices take at::cos and at::sin).
+// Complex angles are refused: a frame turns real planes.
+void check_real(const torch::Tensor& angles) {
+  if (!angles.defined() || angles.is_complex())
+    throw InputError("cos_sin: angles must be a real tensor");
+}
+
 std::tuple<torch::Tensor, torch::Tensor> cos_sin_cpu(const torch::Tensor& angles) {
+  value_errors([&] { check_real(angles); });
   const auto st = angles.scalar_type();
   if (st != torch::kFloat && st != torch::kDouble) return {torch::cos(angles), torch::sin(angles)};
   const auto a = angles.contiguous();
@@ -170,6 +177,7 @@ std::tuple<torch::Tensor, torch::Tensor> cos_sin_cpu(const torch::Tensor& angles
 }
 
 std::tuple<torch::Tensor, torch::Tensor> cos_sin_meta(const torch::Tensor& angles) {
+  value_errors([&] { check_real(angles); });
   const auto like = [&] {
     return angles.is_floating_point()
                ? torch::empty_like(angles)
@@ -205,6 +213,7 @@ class CosSinFunction : public torch::autograd::Function<CosSinFunction> {
 };
 
 std::tuple<torch::Tensor, torch::Tensor> cos_sin_autograd(const torch::Tensor& angles) {
+  value_errors([&] { check_real(angles); });
   // the kernel covers CPU tensors only; elsewhere ATen's own (differentiable) ops
   if (!angles.device().is_cpu() && !angles.is_meta())
     return {torch::cos(angles), torch::sin(angles)};

@@ -66,6 +66,8 @@ def test_cos_sin_op_matches_float64_and_differentiates(dtype):
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: torch.ops.relpos.cos_sin(x), (x,))
     assert torch.autograd.gradcheck(lambda x: torch.ops.relpos.cos_sin(x)[1], (x,))
+    with pytest.raises(ValueError, match="angles must be a real tensor"):
+        torch.ops.relpos.cos_sin(torch.zeros(3, dtype=torch.complex64))
 
 
 def test_rotate_pairs_compiles_fullgraph():
