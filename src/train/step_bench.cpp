@@ -41,8 +41,11 @@ std::string step_benchmark(const models::ModelConfig& base, int64_t T, int64_t b
     e.opt->step();
   };
   for (auto& e : entries) step(e);  // warm-up: allocations, trig tables, thread pools
+  // round robin, the order reversed every other round: no case always runs right after the same
+  // other one (whose freed memory and cache state it inherits)
   for (int r = 0; r < rounds; ++r)
-    for (auto& e : entries) {
+    for (size_t n = 0; n < entries.size(); ++n) {
+      auto& e = entries[r % 2 ? entries.size() - 1 - n : n];
       const auto t0 = std::chrono::steady_clock::now();
       step(e);
       e.ms.push_back(
@@ -54,7 +57,7 @@ std::string step_benchmark(const models::ModelConfig& base, int64_t T, int64_t b
   };
   std::string md = fmt::format(
       "model d {} / {} heads / {} layers / ratio {}, T {}, batch {}, {} threads, {} rounds "
-      "(medians, round robin)\n\n| mechanism | attention | ms / step | tokens/s | step vs first | "
+      "(medians, round robin, order reversed every other round)\n\n| mechanism | attention | ms / step | tokens/s | step vs first | "
       "vs sdpa (per round) | every round (ms) |\n|---|---|---:|---:|---:|---:|---|\n",
       base.d_model, base.heads, base.layers, base.mlp_ratio, T, batch, threads, rounds);
   const double first = median(entries.front().ms);
