@@ -17,6 +17,14 @@
 
 namespace relpos::kernels::RELPOS_ISA_NAMESPACE {
 
+// Asks for every cache line of bytes from p (a whole block, e.g. a tile of keys needed soon).
+// volatile asm: GCC deletes loops whose only effect is __builtin_prefetch.
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const auto base = reinterpret_cast<uintptr_t>(p);
+  for (int64_t b = 0; b < bytes; b += 64)
+    asm volatile("prefetcht0 (%0)" : : "r"(base + static_cast<uintptr_t>(b)));
+}
+
 // Asks for every cache line of the rows kAhead tokens ahead in the given tensors: on the
 // development VM the hardware prefetchers alone leave the kernels far from memory speed (figures
 // in docs/performance.md; every line has to be asked for, every second one is not enough).
