@@ -58,8 +58,8 @@ struct AttentionPositions {
 // How attention_backward walks the tile pairs; every scheme gives the same gradients up to
 // rounding (a choice for tests and benchmarks; Auto is right otherwise).
 enum class AttentionBackwardScheme {
-  Auto,     // PerHead when there are at least 4 (batch, key/value head) pairs per thread, else
-            // TwoPass
+  Auto,     // PerHead unless its whole (batch, key/value head) tasks leave threads idle for
+            // more than its 5 products against TwoPass's 7 save (e.g. 1 task on 2 threads)
   PerHead,  // one task per (batch, key/value head): every key tile against every query tile of
             // its query heads, dq accumulated in place: 5 tile products and one exp per pair
   TwoPass,  // a pass over query tiles (dq) and one over key tiles (dk, dv), parallel over
