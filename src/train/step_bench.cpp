@@ -57,7 +57,8 @@ std::string step_benchmark(const models::ModelConfig& base, int64_t T, int64_t b
   };
   std::string md = fmt::format(
       "model d {} / {} heads / {} layers / ratio {}, T {}, batch {}, {} threads, {} rounds "
-      "(medians, round robin, order reversed every other round)\n\n| mechanism | attention | ms / step | tokens/s | step vs first | "
+      "(medians, round robin, order reversed every other round)\n\n"
+      "| mechanism | attention | ms / step | tokens/s | step vs first | "
       "vs sdpa (per round) | every round (ms) |\n|---|---|---:|---:|---:|---:|---|\n",
       base.d_model, base.heads, base.layers, base.mlp_ratio, T, batch, threads, rounds);
   const double first = median(entries.front().ms);
