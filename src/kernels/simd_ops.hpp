@@ -66,6 +66,7 @@ struct Avx2Ops {
   static R zero() { return _mm256_setzero_ps(); }
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static void stream(float* p, R v) { _mm256_stream_ps(p, v); }  // p 32-byte aligned
   static R add(R a, R b) { return _mm256_add_ps(a, b); }
   static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }    // a b + c
   static R fmsub(R a, R b, R c) { return _mm256_fmsub_ps(a, b, c); }    // a b - c
@@ -120,6 +121,7 @@ struct Avx512Ops {
   static R zero() { return _mm512_setzero_ps(); }
   static R load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+  static void stream(float* p, R v) { _mm512_stream_ps(p, v); }  // p 64-byte aligned
   static R add(R a, R b) { return _mm512_add_ps(a, b); }
   static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static R fmsub(R a, R b, R c) { return _mm512_fmsub_ps(a, b, c); }

@@ -111,6 +111,17 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
   const int64_t D = plan.head_dim, NB = plan.total_blocks;
   const int covered = covered_pairs(plan), span = pair_span<LY>(covered, static_cast<int>(D));
   const Tiling tiling(dims);
+  // one plain rotation over whole rows (RoPE) whose outputs outgrow the cache streams them
+  // (rot::stream_rows); their finiteness then comes from the registers, not from a re-read
+  [[maybe_unused]] bool stream = false;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float> && LY == Layout::Interleaved) {
+    const SegmentDesc& s0 = plan.segments.front();
+    if (plan.segments.size() == 1 && plain_rotation(s0) && s0.first_pair == 0 && njobs > 0)
+      stream = rot::stream_rows(njobs * dims.B * dims.H * dims.T * D * int64_t{sizeof(float)},
+                                s0.blocks, D, {jobs[0].y, njobs > 1 ? jobs[1].y : nullptr});
+  }
+#endif
   int nonfinite = 0;
 #pragma omp parallel reduction(| : nonfinite) if (dims.B * dims.H * dims.T * D >= kThreadWork)
   {
@@ -118,6 +129,7 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiling.count; ++tile) {
       const auto [bh, t0, h, b, n] = start_tile(tile, tiling, dims, pos, sc);
+      int streamed_bad = -1;  // the streamed outputs' non-finite bits, by job
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -125,20 +137,21 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
             // the fast paths take the roles by slot: [A^{-T} | A] forward, [A^{-1} | A^T] back
             const float *fx[2] = {}, *bx[2] = {};
             float *fy[2] = {}, *by[2] = {};
+            int fjob[2] = {}, bjob[2] = {};  // the job of each slot
             for (int i = 0; i < njobs; ++i) {
               const MapJob<T>& jb = jobs[i];
               switch (jb.role) {
                 case MapRole::Contragredient:
-                  fx[0] = jb.x, fy[0] = jb.y;
+                  fx[0] = jb.x, fy[0] = jb.y, fjob[0] = i;
                   break;
                 case MapRole::Primal:
-                  fx[1] = jb.x, fy[1] = jb.y;
+                  fx[1] = jb.x, fy[1] = jb.y, fjob[1] = i;
                   break;
                 case MapRole::Inverse:
-                  bx[0] = jb.x, by[0] = jb.y;
+                  bx[0] = jb.x, by[0] = jb.y, bjob[0] = i;
                   break;
                 case MapRole::PrimalTranspose:
-                  bx[1] = jb.x, by[1] = jb.y;
+                  bx[1] = jb.x, by[1] = jb.y, bjob[1] = i;
                   break;
               }
             }
@@ -146,12 +159,26 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
             if constexpr (M == 1) {
               if (plain_rotation(s)) {
                 const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
+                const auto by_job = [](int bits, const int* job) {
+                  return (bits & 1 ? 1 << job[0] : 0) | (bits & 2 ? 1 << job[1] : 0);
+                };
+                if (stream) streamed_bad = 0;
                 if (fwd)
-                  rot::rotate_tile<false>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after,
-                                          ft.at(fx[0]), ft.at(fx[1]), ft.at(fy[0]), ft.at(fy[1]));
+                  streamed_bad |=
+                      by_job((stream ? rot::rotate_tile<false, true>
+                                     : rot::rotate_tile<false, false>)(n, s.blocks, ft.cos, ft.sin,
+                                                                       NB, D, ft.rows_after,
+                                                                       ft.at(fx[0]), ft.at(fx[1]),
+                                                                       ft.at(fy[0]), ft.at(fy[1])),
+                             fjob);
                 if (bwd)
-                  rot::rotate_tile<true>(n, s.blocks, ft.cos, ft.sin, NB, D, ft.rows_after,
-                                         ft.at(bx[0]), ft.at(bx[1]), ft.at(by[0]), ft.at(by[1]));
+                  streamed_bad |=
+                      by_job((stream ? rot::rotate_tile<true, true>
+                                     : rot::rotate_tile<true, false>)(n, s.blocks, ft.cos, ft.sin,
+                                                                      NB, D, ft.rows_after,
+                                                                      ft.at(bx[0]), ft.at(bx[1]),
+                                                                      ft.at(by[0]), ft.at(by[1])),
+                             bjob);
                 return;
               }
             } else {
@@ -193,7 +220,9 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
           copy_uncovered<T, LY>(covered, span, static_cast<int>(D), jobs[i].x + row * D,
                                 jobs[i].y + row * D);
       }
-      if (check_outputs)
+      if (check_outputs && streamed_bad >= 0)
+        nonfinite |= streamed_bad;
+      else if (check_outputs)
         for (int i = 0; i < njobs; ++i)
           if (!all_finite(jobs[i].y + (bh * dims.T + t0) * D, n * D)) nonfinite |= 1 << i;
     }

@@ -327,6 +327,54 @@ TEST(KernelForward, ReportsNonFiniteOutputsFloat32) {
   check_finiteness_report<float>(32);
 }
 
+// Rotations whose inputs and outputs fill rot::kStreamFootprint (32 MB) write 64-byte aligned
+// outputs with streaming stores and check them in registers: the same values as the cached
+// stores of a misaligned copy, forward and backward, and the same finiteness report for a bad
+// value anywhere in q or k.
+TEST(KernelForward, StreamedRotationMatchesCachedStoresAndReportsNonFinite) {
+  std::mt19937_64 rng(41);
+  const Problem pr = make_problem("rope", 64, 1, 4, 8192, Layout::Interleaved, false, rng);
+  const auto plan = pr.plan();
+  const auto P = pr.positions();
+  const test::TypedParams<float> tp(pr.params);
+  const auto trig = kernels::build_trig_table<float>(plan, pr.dims, P);
+  const size_t n = pr.size();  // 2 x 8 MB read, as much written: streamed
+  const auto q = test::cast_vec<float>(test::normal_vec(n, rng));
+  const auto k = test::cast_vec<float>(test::normal_vec(n, rng));
+  // [0]: 64-byte aligned (streamed), [1]: 4 bytes past it (stored through the cache)
+  std::vector<float> buf(4 * n + 64);
+  float* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) / sizeof(float);
+  float* qo[2] = {base, base + 2 * n + 1};
+  float* ko[2] = {base + n, base + 3 * n + 1};
+  for (int i = 0; i < 2; ++i)
+    EXPECT_EQ(kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(), q.data(),
+                                                k.data(), qo[i], ko[i], true),
+              0);
+  EXPECT_TRUE(std::equal(qo[0], qo[0] + n, qo[1]));
+  EXPECT_TRUE(std::equal(ko[0], ko[0] + n, ko[1]));
+  const kernels::ParamGrads<float> none{};
+  for (int i = 0; i < 2; ++i)  // the gradients into the same buffers
+    kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), nullptr, nullptr,
+                                       q.data(), k.data(), qo[i], ko[i], none);
+  EXPECT_TRUE(std::equal(qo[0], qo[0] + n, qo[1]));
+  EXPECT_TRUE(std::equal(ko[0], ko[0] + n, ko[1]));
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(),
+                       std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity()};
+  for (int trial = 0; trial < 6; ++trial) {
+    auto qb = q, kb = k;
+    const bool on_q = trial % 2 == 0;
+    auto& x = on_q ? qb : kb;
+    const auto at = std::uniform_int_distribution<size_t>(0, n - 1)(rng);
+    x[at] = bad[trial % 3];
+    for (int i = 0; i < 2; ++i)
+      EXPECT_EQ(kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(),
+                                                  qb.data(), kb.data(), qo[i], ko[i], true),
+                on_q ? 1 : 2)
+          << "element " << at << (i ? " cached" : " streamed");
+  }
+}
+
 TEST(KernelForward, RejectsUnsupportedPlans) {
   const Mechanism m = build_mechanism("jordan(m=2, regime=raw)", 8, 1);
   const ParamValues pv = default_params(m);
