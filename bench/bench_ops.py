@@ -7,7 +7,8 @@ strongest thing a user can write without relpos).
     .venv/bin/python bench/bench_ops.py [--rounds 15] [--threads N] [--json]
 
 Shape B=1, H=8, T=8192, D=64, float32, positions 0..T-1, interleaved pairs; gradients for q, k and
-(Jordan) gamma and eta. Cases: rope; jordan_m2 (raw chart, its damping and shear recomputed per
+(Jordan) gamma and eta. Cases: rope; rope_half_split (Hugging Face's layout: pairs (j, j + D/2),
+against its apply_rotary_pos_emb with rotate_half); jordan_m2 (raw chart, its damping and shear recomputed per
 call from the trained parameters, as they change every step; the rotation's table once);
 rotate_pairs (per-token angles [T, D/2], e.g. JoFormer's journey frames: relpos takes the
 angles, the baseline a cos/sin table computed once). Each case is checked against the relpos op
@@ -43,6 +44,16 @@ def rope_eager(q, k, cos, sin):
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
 
     return rot(q), rot(k)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_hf(q, k, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb: half-split pairs, cos/sin [T, D] (each angle twice)."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def rotate_eager(x, cos, sin):
@@ -107,8 +118,11 @@ def main():
     paper = ", direction=paper" if "direction" in jordan_options else ""
     transforms = {}  # name -> {label: fn returning the tensors to differentiate}
     params = []
-    for name, spec in [("rope", "rope"), ("jordan_m2", f"jordan(m=2, regime=raw, eta0=0.05{paper})")]:
-        encs = {c: relpos.PositionEncoding(spec, D, H, check_finite=c) for c in (True, False)}
+    for name, spec in [("rope", "rope"), ("rope_half_split", "rope"),
+                       ("jordan_m2", f"jordan(m=2, regime=raw, eta0=0.05{paper})")]:
+        layout = "half_split" if name.endswith("half_split") else "interleaved"
+        encs = {c: relpos.PositionEncoding(spec, D, H, check_finite=c, pair_layout=layout)
+                for c in (True, False)}
         torch.manual_seed(1)
         with torch.no_grad():  # varied parameters, as after training (the same in both)
             for p in encs[True].parameters():
@@ -121,6 +135,11 @@ def main():
             compiled_fn = torch.compile(rope_eager)
             base = {"eager": lambda: rope_eager(q, k, cos, sin),
                     "compiled": lambda c=compiled_fn: c(q, k, cos, sin)}
+        elif name == "rope_half_split":
+            cos2, sin2 = (torch.cat((t, t), -1) for t in rope_table(pos))  # HF's [T, D] table
+            compiled_fn = torch.compile(rope_hf)
+            base = {"eager": lambda: rope_hf(q, k, cos2, sin2),
+                    "compiled": lambda c=compiled_fn: c(q, k, cos2, sin2)}
         else:
             center = enc.center_for(pos)
             cs, sn = jordan_table(pos, center)

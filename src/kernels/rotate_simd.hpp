@@ -10,6 +10,7 @@
 #error "internal kernel header: include it from a per-ISA .inc (RELPOS_ISA_NAMESPACE set)"
 #endif
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 
@@ -59,14 +60,33 @@ inline void rotate_pairs(const float* x, float* y, typename V::R c, typename V::
   }
 }
 
+// Half-split pairs (x[j], x[j + half]) (GPT-NeoX's rotate_half): W pairs, no shuffles.
+template <class V, bool INVERSE, bool STREAM = false>
+inline void rotate_halves(const float* x, float* y, int64_t half, typename V::R c, typename V::R s,
+                          typename V::R* bad) {
+  const auto re = V::load(x), im = V::load(x + half);
+  const auto yr = INVERSE ? V::fmadd(c, re, s * im) : V::fmsub(c, re, s * im);
+  const auto yi = INVERSE ? V::fnmadd(s, re, c * im) : V::fmadd(s, re, c * im);
+  if constexpr (STREAM) {
+    *bad = V::fmadd(yr, V::zero(), V::fmadd(yi, V::zero(), *bad));
+    V::stream(y, yr);
+    V::stream(y + half, yi);
+  } else {
+    V::store(y, yr);
+    V::store(y + half, yi);
+  }
+}
+
 // Rows tt < n of a tile: a -> ya and b -> yb (either may be null), `pairs` pairs from the row
 // start; cos/sin: the tile's first trig row at the segment's first block, rows trig_ld apart.
+// Pairs interleaved, or with `half` > 0 half-split: (j, j + half).
 // STREAM (where stream_rows allows it): the outputs bypass the cache, fenced before returning;
 // returns bit 0 if ya got a NaN or an infinity, bit 1 for yb (0 without STREAM: the caller
 // checks the outputs it finds in the cache).
 template <bool INVERSE, bool STREAM = false, class V = SimdOps>
 int rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t trig_ld, int64_t D,
-                int64_t rows_after, const float* a, const float* b, float* ya, float* yb) {
+                int64_t rows_after, const float* a, const float* b, float* ya, float* yb,
+                int64_t half = 0) {
   const RowPrefetcher ahead(D, rows_after, {a, b}, {STREAM ? nullptr : ya, STREAM ? nullptr : yb});
   const int full = pairs / V::W * V::W;
   typename V::R bad_a = V::zero(), bad_b = V::zero();
@@ -75,21 +95,29 @@ int rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t tr
     const float* cr = cos + tt * trig_ld;
     const float* sr = sin + tt * trig_ld;
     const int64_t o = tt * D;
-    for (int j = 0; j < full; j += V::W) {
-      const auto c = V::to_pair_order(V::load(cr + j)), s = V::to_pair_order(V::load(sr + j));
-      if (a) rotate_pairs<V, INVERSE, STREAM>(a + o + 2 * j, ya + o + 2 * j, c, s, &bad_a);
-      if (b) rotate_pairs<V, INVERSE, STREAM>(b + o + 2 * j, yb + o + 2 * j, c, s, &bad_b);
-    }
+    if (half)
+      for (int j = 0; j < full; j += V::W) {
+        const auto c = V::load(cr + j), s = V::load(sr + j);
+        if (a) rotate_halves<V, INVERSE, STREAM>(a + o + j, ya + o + j, half, c, s, &bad_a);
+        if (b) rotate_halves<V, INVERSE, STREAM>(b + o + j, yb + o + j, half, c, s, &bad_b);
+      }
+    else
+      for (int j = 0; j < full; j += V::W) {
+        const auto c = V::to_pair_order(V::load(cr + j)), s = V::to_pair_order(V::load(sr + j));
+        if (a) rotate_pairs<V, INVERSE, STREAM>(a + o + 2 * j, ya + o + 2 * j, c, s, &bad_a);
+        if (b) rotate_pairs<V, INVERSE, STREAM>(b + o + 2 * j, yb + o + 2 * j, c, s, &bad_b);
+      }
     if constexpr (!STREAM)  // stream_rows leaves no pairs past the whole registers
       for (int j = full; j < pairs; ++j)
         for (int io = 0; io < 2; ++io) {
           const float* x = io ? b : a;
           float* y = io ? yb : ya;
           if (!x) continue;
-          const float xr = x[o + 2 * j], xi = x[o + 2 * j + 1], c = cr[j],
-                      s = INVERSE ? -sr[j] : sr[j];
-          y[o + 2 * j] = xr * c - xi * s;
-          y[o + 2 * j + 1] = xr * s + xi * c;
+          const int64_t re = half ? o + j : o + 2 * j, im = half ? re + half : re + 1;
+          const float xr = x[re], xi = x[im], c = cr[j], s = INVERSE ? -sr[j] : sr[j];
+          // explicit fmas: the same bits wherever the compiler inlines this
+          y[re] = std::fma(xr, c, -(xi * s));
+          y[im] = std::fma(xr, s, xi * c);
         }
   }
   if constexpr (!STREAM) return 0;

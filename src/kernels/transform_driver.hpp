@@ -64,8 +64,8 @@ struct FastTile {
   int64_t D, NB;
   template <class T>
   FastTile(const SegmentDesc& s, Dims dims, const Positions& pos, TrigView<T> trig, int64_t bh,
-           int64_t b, int64_t t0, int64_t D_, int64_t NB_)
-      : x0((bh * dims.T + t0) * D_ + 2 * s.first_pair),
+           int64_t b, int64_t t0, int64_t D_, int64_t NB_, Layout layout = Layout::Interleaved)
+      : x0((bh * dims.T + t0) * D_ + (layout == Layout::Interleaved ? 2 : 1) * s.first_pair),
         rows_after(dims.B * dims.H * dims.T - (bh * dims.T + t0)),
         D(D_),
         NB(NB_) {
@@ -115,7 +115,7 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
   // (rot::stream_rows); their finiteness then comes from the registers, not from a re-read
   [[maybe_unused]] bool stream = false;
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, float> && LY == Layout::Interleaved) {
+  if constexpr (std::is_same_v<T, float>) {
     const SegmentDesc& s0 = plan.segments.front();
     if (plan.segments.size() == 1 && plain_rotation(s0) && s0.first_pair == 0 && njobs > 0)
       stream = rot::stream_rows(njobs * dims.B * dims.H * dims.T * D * int64_t{sizeof(float)},
@@ -133,7 +133,9 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
 #if defined(__AVX2__) && defined(__FMA__)
-          if constexpr (std::is_same_v<T, float> && LY == Layout::Interleaved && M <= 2) {
+          // plain rotations in either layout, order 2 on interleaved pairs
+          if constexpr (std::is_same_v<T, float> && (M == 1 || LY == Layout::Interleaved) &&
+                        M <= 2) {
             // the fast paths take the roles by slot: [A^{-T} | A] forward, [A^{-1} | A^T] back
             const float *fx[2] = {}, *bx[2] = {};
             float *fy[2] = {}, *by[2] = {};
@@ -158,27 +160,22 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
             const bool fwd = fx[0] || fx[1], bwd = bx[0] || bx[1];
             if constexpr (M == 1) {
               if (plain_rotation(s)) {
-                const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB);
-                const auto by_job = [](int bits, const int* job) {
+                const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB, LY);
+                const int64_t half = LY == Layout::HalfSplit ? span / 2 : 0;
+                // one direction's slots; the non-finite bits of streamed outputs, by job
+                const auto rotate = [&]<bool INVERSE>(const float* const* x, float* const* y,
+                                                      const int* job) {
+                  const int bits =
+                      (stream ? rot::rotate_tile<INVERSE, true>
+                              : rot::rotate_tile<INVERSE, false>)(n, s.blocks, ft.cos, ft.sin, NB,
+                                                                  D, ft.rows_after, ft.at(x[0]),
+                                                                  ft.at(x[1]), ft.at(y[0]),
+                                                                  ft.at(y[1]), half);
                   return (bits & 1 ? 1 << job[0] : 0) | (bits & 2 ? 1 << job[1] : 0);
                 };
                 if (stream) streamed_bad = 0;
-                if (fwd)
-                  streamed_bad |=
-                      by_job((stream ? rot::rotate_tile<false, true>
-                                     : rot::rotate_tile<false, false>)(n, s.blocks, ft.cos, ft.sin,
-                                                                       NB, D, ft.rows_after,
-                                                                       ft.at(fx[0]), ft.at(fx[1]),
-                                                                       ft.at(fy[0]), ft.at(fy[1])),
-                             fjob);
-                if (bwd)
-                  streamed_bad |=
-                      by_job((stream ? rot::rotate_tile<true, true>
-                                     : rot::rotate_tile<true, false>)(n, s.blocks, ft.cos, ft.sin,
-                                                                      NB, D, ft.rows_after,
-                                                                      ft.at(bx[0]), ft.at(bx[1]),
-                                                                      ft.at(by[0]), ft.at(by[1])),
-                             bjob);
+                if (fwd) streamed_bad |= rotate.template operator()<false>(fx, fy, fjob);
+                if (bwd) streamed_bad |= rotate.template operator()<true>(bx, by, bjob);
                 return;
               }
             } else {

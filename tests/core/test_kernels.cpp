@@ -333,45 +333,48 @@ TEST(KernelForward, ReportsNonFiniteOutputsFloat32) {
 // value anywhere in q or k.
 TEST(KernelForward, StreamedRotationMatchesCachedStoresAndReportsNonFinite) {
   std::mt19937_64 rng(41);
-  const Problem pr = make_problem("rope", 64, 1, 4, 8192, Layout::Interleaved, false, rng);
-  const auto plan = pr.plan();
-  const auto P = pr.positions();
-  const test::TypedParams<float> tp(pr.params);
-  const auto trig = kernels::build_trig_table<float>(plan, pr.dims, P);
-  const size_t n = pr.size();  // 2 x 8 MB read, as much written: streamed
-  const auto q = test::cast_vec<float>(test::normal_vec(n, rng));
-  const auto k = test::cast_vec<float>(test::normal_vec(n, rng));
-  // [0]: 64-byte aligned (streamed), [1]: 4 bytes past it (stored through the cache)
-  std::vector<float> buf(4 * n + 64);
-  float* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) / sizeof(float);
-  float* qo[2] = {base, base + 2 * n + 1};
-  float* ko[2] = {base + n, base + 3 * n + 1};
-  for (int i = 0; i < 2; ++i)
-    EXPECT_EQ(kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(), q.data(),
-                                                k.data(), qo[i], ko[i], true),
-              0);
-  EXPECT_TRUE(std::equal(qo[0], qo[0] + n, qo[1]));
-  EXPECT_TRUE(std::equal(ko[0], ko[0] + n, ko[1]));
-  const kernels::ParamGrads<float> none{};
-  for (int i = 0; i < 2; ++i)  // the gradients into the same buffers
-    kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), nullptr, nullptr,
-                                       q.data(), k.data(), qo[i], ko[i], none);
-  EXPECT_TRUE(std::equal(qo[0], qo[0] + n, qo[1]));
-  EXPECT_TRUE(std::equal(ko[0], ko[0] + n, ko[1]));
-  const float bad[] = {std::numeric_limits<float>::quiet_NaN(),
-                       std::numeric_limits<float>::infinity(),
-                       -std::numeric_limits<float>::infinity()};
-  for (int trial = 0; trial < 6; ++trial) {
-    auto qb = q, kb = k;
-    const bool on_q = trial % 2 == 0;
-    auto& x = on_q ? qb : kb;
-    const auto at = std::uniform_int_distribution<size_t>(0, n - 1)(rng);
-    x[at] = bad[trial % 3];
+  for (const Layout layout : {Layout::Interleaved, Layout::HalfSplit}) {
+    SCOPED_TRACE(test::layout_name(layout));
+    const Problem pr = make_problem("rope", 64, 1, 4, 8192, layout, false, rng);
+    const auto plan = pr.plan();
+    const auto P = pr.positions();
+    const test::TypedParams<float> tp(pr.params);
+    const auto trig = kernels::build_trig_table<float>(plan, pr.dims, P);
+    const size_t n = pr.size();  // 2 x 8 MB read, as much written: streamed
+    const auto q = test::cast_vec<float>(test::normal_vec(n, rng));
+    const auto k = test::cast_vec<float>(test::normal_vec(n, rng));
+    // [0]: 64-byte aligned (streamed), [1]: 4 bytes past it (stored through the cache)
+    std::vector<float> buf(4 * n + 64);
+    float* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) / sizeof(float);
+    float* qo[2] = {base, base + 2 * n + 1};
+    float* ko[2] = {base + n, base + 3 * n + 1};
     for (int i = 0; i < 2; ++i)
       EXPECT_EQ(kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(),
-                                                  qb.data(), kb.data(), qo[i], ko[i], true),
-                on_q ? 1 : 2)
-          << "element " << at << (i ? " cached" : " streamed");
+                                                  q.data(), k.data(), qo[i], ko[i], true),
+                0);
+    EXPECT_TRUE(std::equal(qo[0], qo[0] + n, qo[1]));
+    EXPECT_TRUE(std::equal(ko[0], ko[0] + n, ko[1]));
+    const kernels::ParamGrads<float> none{};
+    for (int i = 0; i < 2; ++i)  // the gradients into the same buffers
+      kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), nullptr, nullptr,
+                                         q.data(), k.data(), qo[i], ko[i], none);
+    EXPECT_TRUE(std::equal(qo[0], qo[0] + n, qo[1]));
+    EXPECT_TRUE(std::equal(ko[0], ko[0] + n, ko[1]));
+    const float bad[] = {std::numeric_limits<float>::quiet_NaN(),
+                         std::numeric_limits<float>::infinity(),
+                         -std::numeric_limits<float>::infinity()};
+    for (int trial = 0; trial < 6; ++trial) {
+      auto qb = q, kb = k;
+      const bool on_q = trial % 2 == 0;
+      auto& x = on_q ? qb : kb;
+      const auto at = std::uniform_int_distribution<size_t>(0, n - 1)(rng);
+      x[at] = bad[trial % 3];
+      for (int i = 0; i < 2; ++i)
+        EXPECT_EQ(kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(),
+                                                    qb.data(), kb.data(), qo[i], ko[i], true),
+                  on_q ? 1 : 2)
+            << "element " << at << (i ? " cached" : " streamed");
+    }
   }
 }
 
@@ -607,10 +610,10 @@ TEST(KernelBackward, Float32AgreesWithFloat64) {
 }
 
 TEST(KernelFastPaths, Float32MatchesFloat64AcrossShapesAndPositions) {
-  // The float kernels for RoPE and order-2 blocks in the interleaved layout take hand-vectorised
-  // paths (8 pairs / 8 blocks per step, damping from per-head power tables at evenly spaced
-  // positions, exact per-token values otherwise, a clamp that binds in some tiles). Head dims
-  // give full and partial groups; T = 150 gives full and partial 64-token tiles.
+  // The float kernels for RoPE (both layouts) and order-2 blocks in the interleaved layout take
+  // hand-vectorised paths (8 pairs / 8 blocks per step, damping from per-head power tables at
+  // evenly spaced positions, exact per-token values otherwise, a clamp that binds in some tiles).
+  // Head dims give full and partial groups; T = 150 gives full and partial 64-token tiles.
   std::mt19937_64 rng(31);
   const std::vector<std::string> specs = {
       "rope", "jordan(m=2, regime=raw)", "jordan(m=2, regime=scaled, L=64, eta0=0.5, eta_max=1)",
@@ -618,70 +621,72 @@ TEST(KernelFastPaths, Float32MatchesFloat64AcrossShapesAndPositions) {
   for (const auto& spec : specs)
     for (const int D : {64, 44, 12})
       for (const bool even : {true, false})
-        for (const bool per_batch : {false, true}) {
-          SCOPED_TRACE(spec + " D=" + std::to_string(D) + (even ? " even" : " irregular") +
-                       (per_batch ? " per-batch" : " shared"));
-          const int64_t B = 2, H = 2, T = 150;
-          Problem pr = make_problem(spec, D, B, H, T, Layout::Interleaved, per_batch, rng);
-          if (even) {
-            pr.pos.clear();
-            for (int64_t b = 0; b < (per_batch ? B : 1); ++b)
-              for (int64_t t = 0; t < T; ++t)
-                pr.pos.push_back(-40.0 + 7.0 * b + 1.0 * static_cast<double>(t));
-          }
-          // damping strong enough to matter over the window (|gamma p| up to ~3.5), so that
-          // max_exp=2 binds at the window's ends and not near its centre
-          if (pr.mech.segments().at(0).damped)
-            for (auto& g : pr.params.gamma) g = test::uniform(rng, 0.005, 0.03);
-          pr.params = rounded_to_float(pr.params);
-          const auto qf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
-          const auto kf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
-          // forward against the float64 kernel (itself checked against the references and the
-          // clamp semantics above), row by row
-          const auto out = test::run_forward<float>(pr, pr.params, qf, kf);
-          const std::vector<double> qd(qf.begin(), qf.end()), kd(kf.begin(), kf.end());
-          const auto outd = test::run_forward<double>(pr, pr.params, qd, kd);
-          for (int64_t row = 0; row < pr.rows(); ++row) {
-            double eq = 0, nq = 0, ek = 0, nk = 0;
-            for (int i = 0; i < D; ++i) {
-              const size_t j = static_cast<size_t>(row * D + i);
-              eq += std::pow(out.q[j] - outd.q[j], 2), nq += outd.q[j] * outd.q[j];
-              ek += std::pow(out.k[j] - outd.k[j], 2), nk += outd.k[j] * outd.k[j];
+        for (const bool per_batch : {false, true})
+          for (const Layout layout : {Layout::Interleaved, Layout::HalfSplit}) {
+            if (layout == Layout::HalfSplit && spec != "rope") continue;  // rotations only
+            SCOPED_TRACE(spec + " D=" + std::to_string(D) + (even ? " even" : " irregular") +
+                         (per_batch ? " per-batch " : " shared ") + test::layout_name(layout));
+            const int64_t B = 2, H = 2, T = 150;
+            Problem pr = make_problem(spec, D, B, H, T, layout, per_batch, rng);
+            if (even) {
+              pr.pos.clear();
+              for (int64_t b = 0; b < (per_batch ? B : 1); ++b)
+                for (int64_t t = 0; t < T; ++t)
+                  pr.pos.push_back(-40.0 + 7.0 * b + 1.0 * static_cast<double>(t));
             }
-            ASSERT_LT(std::sqrt(eq / nq), 1e-5) << "q row " << row;
-            ASSERT_LT(std::sqrt(ek / nk), 1e-5) << "k row " << row;
-          }
+            // damping strong enough to matter over the window (|gamma p| up to ~3.5), so that
+            // max_exp=2 binds at the window's ends and not near its centre
+            if (pr.mech.segments().at(0).damped)
+              for (auto& g : pr.params.gamma) g = test::uniform(rng, 0.005, 0.03);
+            pr.params = rounded_to_float(pr.params);
+            const auto qf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
+            const auto kf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
+            // forward against the float64 kernel (itself checked against the references and the
+            // clamp semantics above), row by row
+            const auto out = test::run_forward<float>(pr, pr.params, qf, kf);
+            const std::vector<double> qd(qf.begin(), qf.end()), kd(kf.begin(), kf.end());
+            const auto outd = test::run_forward<double>(pr, pr.params, qd, kd);
+            for (int64_t row = 0; row < pr.rows(); ++row) {
+              double eq = 0, nq = 0, ek = 0, nk = 0;
+              for (int i = 0; i < D; ++i) {
+                const size_t j = static_cast<size_t>(row * D + i);
+                eq += std::pow(out.q[j] - outd.q[j], 2), nq += outd.q[j] * outd.q[j];
+                ek += std::pow(out.k[j] - outd.k[j], 2), nk += outd.k[j] * outd.k[j];
+              }
+              ASSERT_LT(std::sqrt(eq / nq), 1e-5) << "q row " << row;
+              ASSERT_LT(std::sqrt(ek / nk), 1e-5) << "k row " << row;
+            }
 
-          const auto wqf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
-          const auto wkf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
-          const Loss Ld{std::vector<double>(wqf.begin(), wqf.end()),
-                        std::vector<double>(wkf.begin(), wkf.end())};
-          const Analytic ref = analytic_grads(pr, qd, kd, Ld);
-          const auto plan = pr.plan();
-          const auto P = pr.positions();
-          const test::TypedParams<float> tp(pr.params);
-          const auto trig = kernels::build_trig_table<float>(plan, pr.dims, P);
-          std::vector<float> gq(qf.size()), gk(kf.size()), gg(pr.params.gamma.size(), 0.f),
-              ge(pr.params.eta.size(), 0.f);
-          kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), qf.data(),
-                                             kf.data(), wqf.data(), wkf.data(), gq.data(),
-                                             gk.data(), {gg.data(), ge.data(), nullptr, nullptr});
-          expect_close_to_float64(gq, ref.gq, 2e-5, "gq");
-          expect_close_to_float64(gk, ref.gk, 2e-5, "gk");
-          expect_close_to_float64(gg, ref.g.gamma, 2e-5, "gamma");
-          expect_close_to_float64(ge, ref.g.eta, 2e-5, "eta");
-          // in place, and q-only / k-only calls, give the same bits as the two-tensor call
-          std::vector<float> qi = qf, ki = kf;
-          kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(), qi.data(),
-                                            ki.data(), qi.data(), ki.data());
-          EXPECT_EQ(qi, out.q);
-          EXPECT_EQ(ki, out.k);
-          std::vector<float> gk_only(kf.size());
-          kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), nullptr,
-                                             kf.data(), nullptr, wkf.data(), nullptr,
-                                             gk_only.data(), {});
-          EXPECT_EQ(gk_only, gk);
-        }
+            const auto wqf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
+            const auto wkf = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
+            const Loss Ld{std::vector<double>(wqf.begin(), wqf.end()),
+                          std::vector<double>(wkf.begin(), wkf.end())};
+            const Analytic ref = analytic_grads(pr, qd, kd, Ld);
+            const auto plan = pr.plan();
+            const auto P = pr.positions();
+            const test::TypedParams<float> tp(pr.params);
+            const auto trig = kernels::build_trig_table<float>(plan, pr.dims, P);
+            std::vector<float> gq(qf.size()), gk(kf.size()), gg(pr.params.gamma.size(), 0.f),
+                ge(pr.params.eta.size(), 0.f);
+            kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), qf.data(),
+                                               kf.data(), wqf.data(), wkf.data(), gq.data(),
+                                               gk.data(), {gg.data(), ge.data(), nullptr, nullptr});
+            expect_close_to_float64(gq, ref.gq, 2e-5, "gq");
+            expect_close_to_float64(gk, ref.gk, 2e-5, "gk");
+            expect_close_to_float64(gg, ref.g.gamma, 2e-5, "gamma");
+            expect_close_to_float64(ge, ref.g.eta, 2e-5, "eta");
+            // in place, and q-only / k-only calls, give the same bits as the two-tensor call
+            std::vector<float> qi = qf, ki = kf;
+            kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(), qi.data(),
+                                              ki.data(), qi.data(), ki.data());
+            EXPECT_EQ(qi, out.q);
+            EXPECT_EQ(ki, out.k);
+            std::vector<float> gk_only(kf.size());
+            kernels::transform_backward<float>(plan, pr.dims, P, tp.view(), trig.view(), nullptr,
+                                               kf.data(), nullptr, wkf.data(), nullptr,
+                                               gk_only.data(), {});
+            EXPECT_EQ(gk_only, gk);
+          }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -195,21 +195,21 @@ TEST(RotatePairs, StreamedOutputsMatchCachedStores) {
   std::vector<float> buf(2 * n + 64);
   float* aligned = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) / sizeof(float);
   float* y[2] = {aligned, aligned + n + 1};  // streamed, stored through the cache
-  for (bool inverse : {false, true}) {
-    for (float* out : y)
-      rotate_pairs_forward<float>(d, Layout::Interleaved, inverse, x.data(), cf.data(), sf.data(),
-                                  out);
-    EXPECT_TRUE(std::equal(y[0], y[0] + n, y[1])) << "forward, inverse " << inverse;
-    for (float* out : y)
-      rotate_pairs_backward<float>(d, Layout::Interleaved, inverse, x.data(), cf.data(), sf.data(),
-                                   x.data(), out, nullptr, nullptr);
-    EXPECT_TRUE(std::equal(y[0], y[0] + n, y[1])) << "backward, inverse " << inverse;
-    std::copy(x.begin(), x.end(), y[0]);
-    rotate_pairs_forward<float>(d, Layout::Interleaved, inverse, y[0], cf.data(), sf.data(), y[0]);
-    rotate_pairs_forward<float>(d, Layout::Interleaved, inverse, x.data(), cf.data(), sf.data(),
-                                y[1]);
-    EXPECT_TRUE(std::equal(y[0], y[0] + n, y[1])) << "in place, inverse " << inverse;
-  }
+  for (Layout layout : {Layout::Interleaved, Layout::HalfSplit})
+    for (bool inverse : {false, true}) {
+      SCOPED_TRACE(test::layout_name(layout));
+      for (float* out : y)
+        rotate_pairs_forward<float>(d, layout, inverse, x.data(), cf.data(), sf.data(), out);
+      EXPECT_TRUE(std::equal(y[0], y[0] + n, y[1])) << "forward, inverse " << inverse;
+      for (float* out : y)
+        rotate_pairs_backward<float>(d, layout, inverse, x.data(), cf.data(), sf.data(), x.data(),
+                                     out, nullptr, nullptr);
+      EXPECT_TRUE(std::equal(y[0], y[0] + n, y[1])) << "backward, inverse " << inverse;
+      std::copy(x.begin(), x.end(), y[0]);
+      rotate_pairs_forward<float>(d, layout, inverse, y[0], cf.data(), sf.data(), y[0]);
+      rotate_pairs_forward<float>(d, layout, inverse, x.data(), cf.data(), sf.data(), y[1]);
+      EXPECT_TRUE(std::equal(y[0], y[0] + n, y[1])) << "in place, inverse " << inverse;
+    }
 }
 
 namespace {
