@@ -363,11 +363,14 @@ class PositionEncoding(nn.Module):
                 if not _all_finite(t):
                     raise InputError(f"{name} contains NaN or Inf")
         stored_as = q.dtype
-        # half storage: every term in float32, one rounding at the end (on a GPU one position
-        # term reads and writes half itself, fp32 math inside: the same single rounding)
-        if stored_as in _HALF and (q.device.type != "cuda" or self._scaled
+        # half storage: every term in float32, one rounding at the end (one position term reads
+        # and writes half itself, fp32 math inside: the same single rounding)
+        if stored_as in _HALF and (self._scaled
                                    or [kind for kind, _ in self._terms] != ["position"]):
             q, k = q.float(), k.float()
+        # the op's tables and parameters: float32 beside half storage on the CPU (the GPU's half
+        # kernels take them in the storage dtype)
+        table_dtype = q.dtype if q.device.type == "cuda" else _compute_dtype(q.dtype)
         B, H, T, D = q.shape
         for kind, i in self._terms:
             if kind == "vector":
@@ -402,7 +405,7 @@ class PositionEncoding(nn.Module):
                 )
                 if self._center_mode == "mid":
                     self._last_center = center
-            cos, sin = self._trig(pos, positions is None, center, B, q.dtype)
+            cos, sin = self._trig(pos, positions is None, center, B, table_dtype)
             for kind, i in self._terms:
                 if kind == "fixed":
                     m = getattr(self, f"fixed{i}_m").to(q.dtype)
@@ -413,10 +416,10 @@ class PositionEncoding(nn.Module):
                         torch.ops.relpos.transform,
                         q,
                         k,
-                        kp["gamma"].to(q.dtype),
-                        kp["eta"].to(q.dtype),
-                        kp["gates"].to(q.dtype),
-                        kp["alpha0"].to(q.dtype),
+                        kp["gamma"].to(table_dtype),
+                        kp["eta"].to(table_dtype),
+                        kp["gates"].to(table_dtype),
+                        kp["alpha0"].to(table_dtype),
                         pos,
                         cos,
                         sin,

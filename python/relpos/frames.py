@@ -49,7 +49,8 @@ def rotate_pairs(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False
     layout = {"interleaved": 0, "half_split": 1}.get(pair_layout)
     if layout is None:
         raise InputError(f"pair_layout must be interleaved or half_split, got {pair_layout!r}")
-    a = angles.to(x.dtype)
+    # angles of half tensors stay float32: in bfloat16 an angle of 100 rad is off by 0.25
+    a = angles.to(torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype)
     try:
         cos, sin = torch.ops.relpos.cos_sin(a)
         return torch.ops.relpos.rotate_pairs(x, cos, sin, inverse, layout)

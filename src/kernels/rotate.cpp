@@ -29,6 +29,8 @@ void check(const RotateDims& d) {
                        T*, T*, T*);                                                             \
   template <class T>                                                                            \
   void cos_sin(const T*, int64_t, T*, T*);                                                      \
+  bool rotate_half(const RotateDims&, Layout, bool, HalfType, const uint16_t*, const float*,    \
+                   const float*, uint16_t*, bool);                                              \
   }
 RELPOS_ISA_FOR_EACH(RELPOS_DECLARE_ROTATE)
 #undef RELPOS_DECLARE_ROTATE
@@ -45,6 +47,13 @@ void rotate_pairs_backward(const RotateDims& d, Layout layout, bool inverse, con
                            const T* cos, const T* sin, const T* dy, T* dx, T* dcos, T* dsin) {
   check(d);
   RELPOS_ISA_DISPATCH(rotate_backward<T>, d, layout, inverse, x, cos, sin, dy, dx, dcos, dsin);
+}
+
+bool rotate_pairs_half(const RotateDims& d, Layout layout, bool inverse, HalfType type,
+                       const uint16_t* x, const float* cos, const float* sin, uint16_t* y,
+                       bool check_outputs) {
+  check(d);
+  RELPOS_ISA_DISPATCH(rotate_half, d, layout, inverse, type, x, cos, sin, y, check_outputs);
 }
 
 template <class T>

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "core/types.hpp"
+#include "kernels/half.hpp"
 
 namespace relpos::kernels {
 
@@ -35,6 +36,15 @@ void rotate_pairs_forward(const RotateDims& d, Layout layout, bool inverse, cons
 template <class T>
 void rotate_pairs_backward(const RotateDims& d, Layout layout, bool inverse, const T* x,
                            const T* cos, const T* sin, const T* dy, T* dx, T* dcos, T* dsin);
+
+// y = R(+-phi) x for half storage (bfloat16 or float16 words, x and y may alias) with float32
+// cosines and sines: tiles of rows widened to float32, rotated there and rounded back to
+// nearest-even (the bits of the float32 kernel's output stored by PyTorch), so x and y are read
+// and written once, in half storage. The adjoint without angle gradients is the same call with
+// !inverse. With `check`, returns whether y holds a NaN or an infinity (else false).
+bool rotate_pairs_half(const RotateDims& d, Layout layout, bool inverse, HalfType type,
+                       const uint16_t* x, const float* cos, const float* sin, uint16_t* y,
+                       bool check);
 
 // cos[i] = cos(angles[i]), sin[i] = sin(angles[i]) for i < n, in one pass: a frame's table. float
 // is within 2 ulp of the float64 values (the argument reduced in float64, then single-precision

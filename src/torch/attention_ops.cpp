@@ -29,11 +29,14 @@ namespace {
 
 using op_util::compute_type;
 using op_util::computed;
+using op_util::half_type;
 using op_util::mptr;
+using op_util::mwords;
 using op_util::output_like;
 using op_util::ptr;
 using op_util::stored;
 using op_util::value_errors;
+using op_util::words;
 using OptTensor = c10::optional<torch::Tensor>;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -170,19 +173,6 @@ int64_t prefix_rows(const torch::Tensor& t) {
 int64_t cache_rows(const torch::Tensor& k, const torch::Tensor& v) {
   if (k.strides() != v.strides()) return 0;
   return prefix_rows(k);
-}
-
-// Half storage: the 16-bit words the kernels' half entry points read and write (null for an
-// empty tensor: a gradient not asked for), and their format.
-const uint16_t* words(const torch::Tensor& t) {
-  return t.numel() ? static_cast<const uint16_t*>(t.const_data_ptr()) : nullptr;
-}
-uint16_t* mwords(torch::Tensor& t) {
-  return t.numel() ? static_cast<uint16_t*>(t.data_ptr()) : nullptr;
-}
-kernels::HalfType half_type(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kBFloat16 ? kernels::HalfType::BFloat16
-                                             : kernels::HalfType::Float16;
 }
 
 Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

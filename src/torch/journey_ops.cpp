@@ -18,8 +18,10 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct Checked {
-  torch::Tensor x, cos, sin;  // contiguous; cos, sin [Ba, T, P]
+  torch::Tensor x, cos, sin;  // contiguous, x as stored; cos, sin [Ba, T, P] in compute dtype
   kernels::RotateDims dims;
+  // half storage with float32 cos/sin: the kernel that reads and writes the half words
+  bool half() const { return op_util::is_half(x.scalar_type()); }
 };
 
 Checked check(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -49,7 +51,7 @@ Checked check(const torch::Tensor& x, const torch::Tensor& cos, const torch::Ten
         fmt::format("rotate_pairs: angles {} do not fit x {} (need [B or 1, T, P] with 2 P <= D)",
                     c10::str(cos.sizes()), c10::str(x.sizes())));
   if (D % 2) throw InputError(fmt::format("rotate_pairs: head dim {} is odd", D));
-  return {op_util::computed(x), op_util::computed(c), op_util::computed(s),
+  return {x.contiguous(), op_util::computed(c), op_util::computed(s),
           kernels::RotateDims{B, x.size(1), T, D, c.size(2), c.size(0) == B && B != 1}};
 }
 
@@ -62,12 +64,18 @@ torch::Tensor rotate_cpu(const torch::Tensor& x, const torch::Tensor& cos, const
   return value_errors([&] {
     auto c = check(x, cos, sin);
     auto y = torch::empty_like(c.x);
+    if (c.half()) {
+      kernels::rotate_pairs_half(c.dims, layout_of(layout), inverse, op_util::half_type(c.x),
+                                 op_util::words(c.x), c.cos.data_ptr<float>(),
+                                 c.sin.data_ptr<float>(), op_util::mwords(y), false);
+      return y;
+    }
     AT_DISPATCH_FLOATING_TYPES(c.x.scalar_type(), "relpos_rotate_pairs", [&] {
       kernels::rotate_pairs_forward<scalar_t>(c.dims, layout_of(layout), inverse,
                                               c.x.data_ptr<scalar_t>(), c.cos.data_ptr<scalar_t>(),
                                               c.sin.data_ptr<scalar_t>(), y.data_ptr<scalar_t>());
     });
-    return op_util::stored(y, x.scalar_type());
+    return y;
   });
 }
 
@@ -78,9 +86,21 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_backward_cpu(
     const torch::Tensor& sin, bool inverse, int64_t layout, bool angle_grads) {
   return value_errors([&] {
     auto c = check(x, cos, sin);
-    const auto g = op_util::computed(grad);
-    if (g.sizes() != c.x.sizes() || g.scalar_type() != c.x.scalar_type())
+    if (grad.sizes() != c.x.sizes() ||
+        op_util::compute_type(grad.scalar_type()) != op_util::compute_type(c.x.scalar_type()))
       throw InputError("rotate_pairs_backward: grad must have x's shape and dtype");
+    // dx = R^T dy: the forward kernel, turned the other way
+    if (c.half() && !angle_grads && grad.scalar_type() == c.x.scalar_type()) {
+      auto dx = torch::empty_like(c.x);
+      const auto g = grad.contiguous();
+      kernels::rotate_pairs_half(c.dims, layout_of(layout), !inverse, op_util::half_type(c.x),
+                                 op_util::words(g), c.cos.data_ptr<float>(),
+                                 c.sin.data_ptr<float>(), op_util::mwords(dx), false);
+      return std::make_tuple(dx, torch::empty({0}, cos.options()),
+                             torch::empty({0}, sin.options()));
+    }
+    c.x = op_util::computed(c.x);
+    const auto g = op_util::computed(grad);
     auto dx = torch::empty_like(c.x);
     auto dc = angle_grads ? torch::empty_like(c.cos) : torch::empty({0}, c.cos.options()),
          ds = angle_grads ? torch::empty_like(c.sin) : torch::empty({0}, c.sin.options());

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/types.hpp"
+#include "kernels/half.hpp"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -63,6 +64,18 @@ inline bool storable(c10::ScalarType t) {
 // The dtype the kernels compute a stored dtype in.
 inline c10::ScalarType compute_type(c10::ScalarType t) {
   return is_half(t) ? torch::kFloat : t;
+}
+// Half storage: the 16-bit words the kernels' half entry points read and write (null for an
+// empty tensor: a gradient not asked for), and their format.
+inline const uint16_t* words(const torch::Tensor& t) {
+  return t.numel() ? static_cast<const uint16_t*>(t.const_data_ptr()) : nullptr;
+}
+inline uint16_t* mwords(torch::Tensor& t) {
+  return t.numel() ? static_cast<uint16_t*>(t.data_ptr()) : nullptr;
+}
+inline kernels::HalfType half_type(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 ? kernels::HalfType::BFloat16
+                                             : kernels::HalfType::Float16;
 }
 // t in its compute dtype, contiguous (undefined stays undefined).
 inline torch::Tensor computed(const torch::Tensor& t) {

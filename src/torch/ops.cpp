@@ -9,9 +9,11 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "core/registry.hpp"
 #include "diag/verify.hpp"
+#include "kernels/rotate.hpp"
 #include "kernels/transform.hpp"
 #include "torch/encoding.hpp"
 #include "torch/finite.hpp"
@@ -111,6 +113,21 @@ std::tuple<torch::Tensor, torch::Tensor> trig_for(
   return {cos, sin};
 }
 
+// A plan that is one plain rotation from the first pair (RoPE; partial RoPE in the interleaved
+// layout): its trig rows are rotate_pairs' angles, so half tensors take
+// kernels::rotate_pairs_half, one pass over their words, with the float32 table. Else nullopt.
+std::optional<kernels::RotateDims> half_rotation(const kernels::TransformPlan& plan,
+                                                 const kernels::Dims& dims,
+                                                 const kernels::Positions& P,
+                                                 const torch::Tensor& q) {
+  if (!op_util::is_half(q.scalar_type()) || plan.segments.size() != 1 || plan.gate_rows) return {};
+  const auto& s = plan.segments.front();
+  if (s.order != 1 || s.damped || s.first_pair != 0 ||
+      (plan.layout == Layout::HalfSplit && 2 * s.blocks != plan.head_dim))
+    return {};
+  return kernels::RotateDims{dims.B, dims.H, dims.T, plan.head_dim, s.blocks, P.per_batch};
+}
+
 std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
     const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& gamma,
     const torch::Tensor& eta, const torch::Tensor& gates, const torch::Tensor& alpha0,
@@ -120,9 +137,27 @@ std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
   check_inputs(q_in, k_in, positions);
   const auto pos = positions.contiguous();
   const auto plan = plan_for(spec, head_dim, heads, layout, &pos);
-  const auto q = computed(q_in), k = computed(k_in);
-  const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
+  const kernels::Dims dims{q_in.size(0), q_in.size(1), q_in.size(2)};
   const auto P = positions_of(pos, center);
+  if (const auto rd = half_rotation(plan, dims, P, q_in)) {
+    const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
+                                     layout, torch::kFloat);
+    const auto rotated = [&](const torch::Tensor& x, const char* name) {
+      const auto xc = x.contiguous();
+      auto y = torch::empty_like(xc);
+      if (kernels::rotate_pairs_half(*rd, plan.layout, false, op_util::half_type(xc),
+                                     op_util::words(xc), cos.data_ptr<float>(),
+                                     sin.data_ptr<float>(), op_util::mwords(y), check_finite))
+        TORCH_CHECK_VALUE(all_finite(xc), name, " contains NaN or Inf");  // else: overflow
+      if (check_finite && x.scalar_type() == torch::kHalf)
+        TORCH_CHECK_VALUE(all_finite(y), name,
+                          " overflows float16 after the transform (above 65504): pass bfloat16 "
+                          "or float32");
+      return y;
+    };
+    return {rotated(q_in, "q"), rotated(k_in, "k")};
+  }
+  const auto q = computed(q_in), k = computed(k_in);
   const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
                                    layout, q.scalar_type());
   auto qo = output_like(q), ko = output_like(k);
@@ -161,11 +196,31 @@ Grads6 transform_backward_cpu(const torch::Tensor& gq_out_in, const torch::Tenso
   check_inputs(q_in, k_in, positions);
   const auto pos = positions.contiguous();
   const auto plan = plan_for(spec, head_dim, heads, layout, &pos);
+  const kernels::Dims dims{q_in.size(0), q_in.size(1), q_in.size(2)};
+  const auto P = positions_of(pos, center);
+  const auto rd = half_rotation(plan, dims, P, q_in);
+  if (rd && !mask[2] && !mask[3] && !mask[4] && !mask[5] &&
+      (!gq_out_in.defined() || gq_out_in.scalar_type() == q_in.scalar_type()) &&
+      (!gk_out_in.defined() || gk_out_in.scalar_type() == k_in.scalar_type())) {
+    const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
+                                     layout, torch::kFloat);
+    // R^T: the forward turned the other way; unrequested or absent gradients are zeros
+    const auto grad = [&](const torch::Tensor& gy, const torch::Tensor& x, bool wanted) {
+      if (!wanted || !gy.defined()) return torch::zeros_like(x);
+      const auto gc = gy.contiguous();
+      auto gx = torch::empty_like(gc);
+      kernels::rotate_pairs_half(*rd, plan.layout, true, op_util::half_type(gc), op_util::words(gc),
+                                 cos.data_ptr<float>(), sin.data_ptr<float>(), op_util::mwords(gx),
+                                 false);
+      return gx;
+    };
+    return {grad(gq_out_in, q_in, mask[0]), grad(gk_out_in, k_in, mask[1]),
+            torch::zeros_like(gamma),       torch::zeros_like(eta),
+            torch::zeros_like(gates),       torch::zeros_like(alpha0)};
+  }
   const auto q = computed(q_in), k = computed(k_in);
   const auto gqo = gq_out_in.defined() ? computed(gq_out_in) : torch::zeros_like(q);
   const auto gko = gk_out_in.defined() ? computed(gk_out_in) : torch::zeros_like(k);
-  const kernels::Dims dims{q.size(0), q.size(1), q.size(2)};
-  const auto P = positions_of(pos, center);
   const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
                                    layout, q.scalar_type());
   const auto gm = computed(gamma), et = computed(eta), gt = computed(gates), a0 = computed(alpha0);

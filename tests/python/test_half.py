@@ -248,3 +248,33 @@ def test_fused_attention_reads_half_storage_as_the_float_op_rounded_once(dtype, 
             torch.testing.assert_close(a.float(), b, atol=2**-7 * top, rtol=2**-7)
         else:
             torch.testing.assert_close(a, b.to(dtype), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("layout", ["interleaved", "half_split"])
+def test_half_rotations_are_the_float_kernel_rounded_once(dtype, layout):
+    """RoPE and rotate_pairs read and write half tensors in one pass over their words: the same
+    bits as the float32 op on the widened input, rounded to the dtype, forward and backward
+    (head dims with whole and partial vector groups, a partial 64-row tile); a NaN or Inf in q or
+    k is still refused by name."""
+    g = torch.Generator().manual_seed(5)
+    for D, T in ((64, 70), (24, 9), (80, 130)):
+        x = torch.randn(2, 3, T, D, generator=g).to(dtype)
+        w = torch.randn(2, 3, T, D, generator=g).to(dtype)
+        ang = torch.randn(T, D // 2, generator=g)
+        enc = relpos.PositionEncoding("rope", D, 3, pair_layout=layout)
+        pos = torch.arange(T, dtype=torch.float64) * 1.5 - 4
+        cases = {"encoding": lambda t: enc(t, t, pos)[0],
+                 "rotate_pairs": lambda t: relpos.rotate_pairs(t, ang, pair_layout=layout)}
+        for name, f in cases.items():
+            xh, xf = x.clone().requires_grad_(), x.float().requires_grad_()
+            yh, yf = f(xh), f(xf)
+            assert yh.dtype == dtype and torch.equal(yh, yf.to(dtype)), (name, D)
+            yh.backward(w)
+            yf.backward(w.float())
+            assert xh.grad.dtype == dtype and torch.equal(xh.grad, xf.grad.to(dtype)), (name, D)
+        for name, bad in (("q", float("nan")), ("k", float("inf"))):
+            y = x.clone()
+            y[1, 2, T - 1, D - 1] = bad
+            with pytest.raises(relpos.InputError, match=f"{name} contains NaN or Inf"):
+                enc(y, x, pos) if name == "q" else enc(x, y, pos)
