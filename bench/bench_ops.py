@@ -4,7 +4,7 @@ would write - the same math in eager PyTorch with the cos/sin table computed onc
 call (as Hugging Face's rotary embeddings cache it), and that code under torch.compile (the
 strongest thing a user can write without relpos).
 
-    .venv/bin/python bench/bench_ops.py [--rounds 15] [--threads N] [--json]
+    .venv/bin/python bench/bench_ops.py [--rounds 15] [--threads N] [--dtype bfloat16] [--json]
 
 Shape B=1, H=8, T=8192, D=64, float32, positions 0..T-1, interleaved pairs; gradients for q, k and
 (Jordan) gamma and eta. Cases: rope; rope_half_split (Hugging Face's layout: pairs (j, j + D/2),
@@ -104,13 +104,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="q, k and the baselines' tables in this dtype (half: jordan_m2 left out, "
+                         "its eager form mixes float32 parameters in)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     pos = torch.arange(T, dtype=torch.float64)
-    q = torch.randn(B, H, T, D, requires_grad=True)
-    k = torch.randn(B, H, T, D, requires_grad=True)
-    gq, gk = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    dt = getattr(torch, a.dtype)
+    q = torch.randn(B, H, T, D).to(dt).requires_grad_()
+    k = torch.randn(B, H, T, D).to(dt).requires_grad_()
+    gq, gk = torch.randn(B, H, T, D).to(dt), torch.randn(B, H, T, D).to(dt)
+    # half: relpos rounds once from float32, the eager forms at every op
+    tol = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dt]
     # the eager Jordan composition turns in the paper's sense; builds with one rotation sense
     # across the catalog need direction=paper for it (bench/compare_builds.py runs older ones too)
     jordan_options = {o["key"] for m in relpos.mechanisms() if m["name"] == "jordan"
@@ -118,8 +124,10 @@ def main():
     paper = ", direction=paper" if "direction" in jordan_options else ""
     transforms = {}  # name -> {label: fn returning the tensors to differentiate}
     params = []
-    for name, spec in [("rope", "rope"), ("rope_half_split", "rope"),
-                       ("jordan_m2", f"jordan(m=2, regime=raw, eta0=0.05{paper})")]:
+    cases = [("rope", "rope"), ("rope_half_split", "rope")]
+    if dt == torch.float32:
+        cases.append(("jordan_m2", f"jordan(m=2, regime=raw, eta0=0.05{paper})"))
+    for name, spec in cases:
         layout = "half_split" if name.endswith("half_split") else "interleaved"
         encs = {c: relpos.PositionEncoding(spec, D, H, check_finite=c, pair_layout=layout)
                 for c in (True, False)}
@@ -131,12 +139,12 @@ def main():
         params += [p for e in encs.values() for p in e.parameters()]
         enc = encs[True]
         if name == "rope":
-            cos, sin = rope_table(pos)
+            cos, sin = (t.to(dt) for t in rope_table(pos))
             compiled_fn = torch.compile(rope_eager)
             base = {"eager": lambda: rope_eager(q, k, cos, sin),
                     "compiled": lambda c=compiled_fn: c(q, k, cos, sin)}
         elif name == "rope_half_split":
-            cos2, sin2 = (torch.cat((t, t), -1) for t in rope_table(pos))  # HF's [T, D] table
+            cos2, sin2 = (torch.cat((t, t), -1).to(dt) for t in rope_table(pos))  # HF's [T, D]
             compiled_fn = torch.compile(rope_hf)
             base = {"eager": lambda: rope_hf(q, k, cos2, sin2),
                     "compiled": lambda c=compiled_fn: c(q, k, cos2, sin2)}
@@ -155,7 +163,7 @@ def main():
         transforms[name] = {"relpos": lambda e=encs[True]: e(q, k, pos),
                             "relpos_unchecked": lambda e=encs[False]: e(q, k, pos), **base}
     angles = torch.randn(T, D // 2, dtype=torch.float64)
-    cos_a, sin_a = angles.cos().float(), angles.sin().float()
+    cos_a, sin_a = angles.cos().to(dt), angles.sin().to(dt)
     rot_compiled = torch.compile(rotate_eager)
     transforms["rotate_pairs"] = {
         "relpos": lambda: (relpos.rotate_pairs(q, angles),),
@@ -177,7 +185,7 @@ def main():
         ref = cases["relpos"]()
         for label, f in cases.items():
             for x, y in zip(f(), ref):
-                torch.testing.assert_close(x, y, atol=2e-4, rtol=2e-4,
+                torch.testing.assert_close(x, y, atol=tol, rtol=tol,
                                            msg=f"{name} {label} differs")
         for label, f in cases.items():
             runs[(name, label)] = fwd_bwd(f)
@@ -203,12 +211,12 @@ def main():
             r["checked_over_unchecked_per_round"] = statistics.median(
                 x / y for x, y in zip(times[(name, "relpos")], times[(name, "relpos_unchecked")]))
         results[name] = r
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype,
             "shape": [B, H, T, D], "rounds": a.rounds}
     if a.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2))
         return
-    print(f"torch {meta['torch']}, {meta['threads']} threads, B={B} H={H} T={T} D={D} float32, "
+    print(f"torch {meta['torch']}, {meta['threads']} threads, B={B} H={H} T={T} D={D} {a.dtype}, "
           f"fwd+bwd, {a.rounds} rounds round robin (medians; per-round ratio in brackets)")
     print()
     print("| transform | relpos ms (checked) | unchecked ms | checked / unchecked | eager ms | "

@@ -212,6 +212,63 @@ TEST(RotatePairs, StreamedOutputsMatchCachedStores) {
     }
 }
 
+// Half storage: rotate_pairs_half gives the float kernel's result on the widened words, rounded
+// once (bit for bit), for both formats, layouts, directions, shared or per-batch angles, partial
+// pairs and tiles, in place too; with the check it reports a NaN / Inf input and a float16
+// overflow, and a clean call reports nothing.
+TEST(RotatePairs, HalfStorageIsTheFloatKernelRoundedOnce) {
+  std::mt19937_64 rng(29);
+  for (HalfType type : {HalfType::BFloat16, HalfType::Float16})
+    for (Layout layout : {Layout::Interleaved, Layout::HalfSplit})
+      for (bool inverse : {false, true})
+        for (auto [B, H, T, D, P, shared] :
+             {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>{2, 3, 70, 64, 32, true},
+              {2, 2, 130, 80, 37, false},
+              {1, 1, 5, 24, 12, true}}) {
+          SCOPED_TRACE(testing::Message() << (type == HalfType::BFloat16 ? "bf16 " : "fp16 ")
+                                          << test::layout_name(layout) << " inverse " << inverse
+                                          << " D " << D << " P " << P);
+          const RotateDims d{B, H, T, D, P, !shared};
+          const size_t n = static_cast<size_t>(B * H * T * D);
+          std::vector<uint16_t> xh(n);
+          for (auto& w : xh)
+            w = float_to_half(type, static_cast<float>(4 * test::uniform(rng, -1.0, 1.0)));
+          std::vector<float> xf(n), cf, sf;
+          for (size_t i = 0; i < n; ++i) xf[i] = half_to_float(type, xh[i]);
+          for (int64_t i = 0; i < (shared ? 1 : B) * T * P; ++i) {
+            const double a = 3 * test::uniform(rng, -1.0, 1.0);
+            cf.push_back(static_cast<float>(std::cos(a)));
+            sf.push_back(static_cast<float>(std::sin(a)));
+          }
+          std::vector<float> yf(n);
+          rotate_pairs_forward<float>(d, layout, inverse, xf.data(), cf.data(), sf.data(),
+                                      yf.data());
+          std::vector<uint16_t> want(n), yh(n);
+          for (size_t i = 0; i < n; ++i) want[i] = float_to_half(type, yf[i]);
+          EXPECT_FALSE(rotate_pairs_half(d, layout, inverse, type, xh.data(), cf.data(), sf.data(),
+                                         yh.data(), true));
+          EXPECT_EQ(yh, want);
+          auto inplace = xh;
+          rotate_pairs_half(d, layout, inverse, type, inplace.data(), cf.data(), sf.data(),
+                            inplace.data(), false);
+          EXPECT_EQ(inplace, want);
+          auto bad = xh;
+          bad[std::uniform_int_distribution<size_t>(0, n - 1)(rng)] =
+              type == HalfType::BFloat16 ? 0x7FC0 : 0x7C00;  // NaN, +Inf
+          EXPECT_TRUE(rotate_pairs_half(d, layout, inverse, type, bad.data(), cf.data(), sf.data(),
+                                        yh.data(), true));
+        }
+  // (6e4, 6e4) turned by pi/4 is (0, 8.5e4): past float16's 65504, an infinity the check reports
+  const RotateDims d{1, 1, 1, 2, 1, false};
+  const float c = std::cos(std::numbers::pi_v<float> / 4),
+              s = std::sin(std::numbers::pi_v<float> / 4);
+  const uint16_t big = float_to_half(HalfType::Float16, 6e4f);
+  const std::vector<uint16_t> x{big, big};
+  std::vector<uint16_t> y(2);
+  EXPECT_TRUE(rotate_pairs_half(d, Layout::Interleaved, false, HalfType::Float16, x.data(), &c, &s,
+                                y.data(), true));
+}
+
 namespace {
 
 // |got - want| in units of the float spacing at want (float64 want)
