@@ -4,7 +4,7 @@ would write - the same math in eager PyTorch with the cos/sin table computed onc
 call (as Hugging Face's rotary embeddings cache it), and that code under torch.compile (the
 strongest thing a user can write without relpos).
 
-    .venv/bin/python bench/bench_ops.py [--rounds 15] [--threads N] [--dtype bfloat16] [--json]
+    .venv/bin/python bench/bench_ops.py [--rounds 15] [--threads N] [--dtype bfloat16] [--cases rope,...] [--json]
 
 Shape B=1, H=8, T=8192, D=64, float32, positions 0..T-1, interleaved pairs; gradients for q, k and
 (Jordan) gamma and eta. Cases: rope; rope_half_split (Hugging Face's layout: pairs (j, j + D/2),
@@ -104,6 +104,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--cases", default="rope,rope_half_split,jordan_m2,rotate_pairs",
+                    help="comma-separated subset of the transforms")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="q, k and the baselines' tables in this dtype (half: jordan_m2 left out, "
                          "its eager form mixes float32 parameters in)")
@@ -180,6 +182,8 @@ def main():
                 p.grad = None
         return run
 
+    wanted = set(a.cases.split(","))
+    transforms = {n: c for n, c in transforms.items() if n in wanted}
     runs = {}
     for name, cases in transforms.items():
         ref = cases["relpos"]()
