@@ -116,10 +116,11 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
   [[maybe_unused]] bool stream = false;
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float>) {
-    const SegmentDesc& s0 = plan.segments.front();
-    if (plan.segments.size() == 1 && plain_rotation(s0) && s0.first_pair == 0 && njobs > 0)
+    if (plan.segments.size() == 1 && plain_rotation(plan.segments[0]) &&
+        plan.segments[0].first_pair == 0 && njobs > 0)
       stream = rot::stream_rows(njobs * dims.B * dims.H * dims.T * D * int64_t{sizeof(float)},
-                                s0.blocks, D, {jobs[0].y, njobs > 1 ? jobs[1].y : nullptr});
+                                plan.segments[0].blocks, D,
+                                {jobs[0].y, njobs > 1 ? jobs[1].y : nullptr});
   }
 #endif
   int nonfinite = 0;
