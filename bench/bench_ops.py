@@ -10,8 +10,9 @@ Shape B=1, H=8, T=8192, D=64, float32, positions 0..T-1, interleaved pairs; grad
 (Jordan) gamma and eta. Cases: rope; rope_half_split (Hugging Face's layout: pairs (j, j + D/2),
 against its apply_rotary_pos_emb with rotate_half); jordan_m2 (raw chart, its damping and shear recomputed per
 call from the trained parameters, as they change every step; the rotation's table once);
-rotate_pairs (per-token angles [T, D/2], e.g. JoFormer's journey frames: relpos takes the
-angles, the baseline a cos/sin table computed once). Each case is checked against the relpos op
+rotate_pairs (per-token angles [T, D/2], e.g. JoFormer's journey frames: every variant takes
+the same cos/sin table, computed once); rotate_pairs_angles (relpos takes the angles and computes
+their cos/sin in every call; the baselines keep the table). Each case is checked against the relpos op
 before it is timed. Every round runs every case once in turn (alternating the order); prints
 medians (ms), the ratio of the medians and the median of the per-round ratios.
 """
@@ -104,7 +105,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--cases", default="rope,rope_half_split,jordan_m2,rotate_pairs",
+    ap.add_argument("--cases",
+                    default="rope,rope_half_split,jordan_m2,rotate_pairs,rotate_pairs_angles",
                     help="comma-separated subset of the transforms")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="q, k and the baselines' tables in this dtype (half: jordan_m2 left out, "
@@ -167,11 +169,13 @@ def main():
     angles = torch.randn(T, D // 2, dtype=torch.float64)
     cos_a, sin_a = angles.cos().to(dt), angles.sin().to(dt)
     rot_compiled = torch.compile(rotate_eager)
+    rotate_base = {"eager": lambda: (rotate_eager(q, cos_a, sin_a),),
+                   "compiled": lambda: (rot_compiled(q, cos_a, sin_a),)}
+    # the same table as the baselines; and from the angles, their cos/sin in every call
     transforms["rotate_pairs"] = {
-        "relpos": lambda: (relpos.rotate_pairs(q, angles),),
-        "eager": lambda: (rotate_eager(q, cos_a, sin_a),),
-        "compiled": lambda: (rot_compiled(q, cos_a, sin_a),),
-    }
+        "relpos": lambda: (relpos.rotate_pairs(q, cos=cos_a, sin=sin_a),), **rotate_base}
+    transforms["rotate_pairs_angles"] = {
+        "relpos": lambda: (relpos.rotate_pairs(q, angles),), **rotate_base}
 
     def fwd_bwd(f):
         def run():

@@ -43,16 +43,30 @@ def _journey_info(spec: str, head_dim: int, heads: int):
     return _INFO[key]
 
 
-def rotate_pairs(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False,
-                 pair_layout: str = "interleaved") -> torch.Tensor:
-    """Rotates pair p of every head vector by ``angles[..., t, p]`` (``-angles`` when inverse)."""
+def rotate_pairs(x: torch.Tensor, angles: torch.Tensor | None = None, *,
+                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                 inverse: bool = False, pair_layout: str = "interleaved") -> torch.Tensor:
+    """Rotates pair p of every head vector by ``angles[..., t, p]`` (``-angles`` when inverse).
+
+    Instead of the angles, their cosines and sines may be given (``cos=``, ``sin=``, both
+    ``[B, T, P]`` or ``[T, P]``): a table computed once for fixed frames, as models cache RoPE's.
+    They are taken as given (gradients flow to each), so they must be the cosines and sines of
+    the same angles for the map to be a rotation."""
     layout = {"interleaved": 0, "half_split": 1}.get(pair_layout)
     if layout is None:
         raise InputError(f"pair_layout must be interleaved or half_split, got {pair_layout!r}")
-    # angles of half tensors stay float32: in bfloat16 an angle of 100 rad is off by 0.25
-    a = angles.to(torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype)
+    table = cos is not None or sin is not None
+    if table == (angles is not None):
+        raise InputError("rotate_pairs: pass either angles or cos= and sin=, not both")
+    if table and not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        raise InputError("rotate_pairs: cos= and sin= must both be tensors")
+    if not table and not isinstance(angles, torch.Tensor):
+        raise InputError(f"rotate_pairs: angles must be a tensor, got {type(angles).__name__}")
     try:
-        cos, sin = torch.ops.relpos.cos_sin(a)
+        if not table:
+            # angles of half tensors stay float32: in bfloat16 an angle of 100 rad is off by 0.25
+            a = angles.to(torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype)
+            cos, sin = torch.ops.relpos.cos_sin(a)
         return torch.ops.relpos.rotate_pairs(x, cos, sin, inverse, layout)
     except ValueError as e:
         raise InputError(str(e)) from None

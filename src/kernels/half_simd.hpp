@@ -16,21 +16,44 @@
 
 namespace relpos::kernels::RELPOS_ISA_NAMESPACE {
 
+#if defined(__AVX512F__)
+// 16 half words widened to float32 (exact).
+template <HalfType TYPE>
+inline __m512 widen16(const uint16_t* x) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  if constexpr (TYPE == HalfType::BFloat16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+  else
+    return _mm512_cvtph_ps(w);
+}
+
+// 16 floats rounded to half words, to nearest-even (NaN stays NaN), as kernels/half.hpp.
+template <HalfType TYPE>
+inline __m256i narrow16(__m512 f) {
+  if constexpr (TYPE == HalfType::BFloat16) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(
+            u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))),
+        16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
+  } else {
+    return _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+}
+#endif
+
 // y[0..n) = x[0..n) widened from half storage (exact); 16 (AVX-512) or 8 (AVX2, bfloat16) lanes
 // at a time, the rest as kernels/half.hpp.
 inline void widen(HalfType t, const uint16_t* x, float* y, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   if (t == HalfType::BFloat16)
-    for (; i + 16 <= n; i += 16) {
-      const __m512i w =
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
-      _mm512_storeu_ps(y + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-    }
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, widen16<HalfType::BFloat16>(x + i));
   else
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(
-          y + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))));
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, widen16<HalfType::Float16>(x + i));
 #elif defined(__AVX2__)
   if (t == HalfType::BFloat16)
     for (; i + 8 <= n; i += 8) {
@@ -47,26 +70,11 @@ inline void widen(HalfType t, const uint16_t* x, float* y, int64_t n) {
 inline void narrow(HalfType t, const float* x, uint16_t* y, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  if (t == HalfType::BFloat16) {
-    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF),
-                  qnan = _mm512_set1_epi32(0x7FC0);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 f = _mm512_loadu_ps(x + i);
-      const __m512i u = _mm512_castps_si512(f);
-      const __m512i r = _mm512_srli_epi32(
-          _mm512_add_epi32(u,
-                           _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))),
-          16);
-      const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
-                          _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, qnan)));
-    }
-  } else {
-    for (; i + 16 <= n; i += 16)
-      _mm256_storeu_si256(
-          reinterpret_cast<__m256i*>(y + i),
-          _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  const auto store = [&](__m256i w) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), w); };
+  if (t == HalfType::BFloat16)
+    for (; i + 16 <= n; i += 16) store(narrow16<HalfType::BFloat16>(_mm512_loadu_ps(x + i)));
+  else
+    for (; i + 16 <= n; i += 16) store(narrow16<HalfType::Float16>(_mm512_loadu_ps(x + i)));
 #endif
   for (; i < n; ++i) y[i] = float_to_half(t, x[i]);
 }

@@ -30,7 +30,7 @@ void check(const RotateDims& d) {
   template <class T>                                                                            \
   void cos_sin(const T*, int64_t, T*, T*);                                                      \
   bool rotate_half(const RotateDims&, Layout, bool, HalfType, const uint16_t*, const float*,    \
-                   const float*, uint16_t*, bool);                                              \
+                   const float*, uint16_t*, bool, int);                                         \
   }
 RELPOS_ISA_FOR_EACH(RELPOS_DECLARE_ROTATE)
 #undef RELPOS_DECLARE_ROTATE
@@ -51,9 +51,10 @@ void rotate_pairs_backward(const RotateDims& d, Layout layout, bool inverse, con
 
 bool rotate_pairs_half(const RotateDims& d, Layout layout, bool inverse, HalfType type,
                        const uint16_t* x, const float* cos, const float* sin, uint16_t* y,
-                       bool check_outputs) {
+                       bool check_outputs, int tensors) {
   check(d);
-  RELPOS_ISA_DISPATCH(rotate_half, d, layout, inverse, type, x, cos, sin, y, check_outputs);
+  RELPOS_ISA_DISPATCH(rotate_half, d, layout, inverse, type, x, cos, sin, y, check_outputs,
+                      tensors);
 }
 
 template <class T>

@@ -41,10 +41,13 @@ void rotate_pairs_backward(const RotateDims& d, Layout layout, bool inverse, con
 // cosines and sines: tiles of rows widened to float32, rotated there and rounded back to
 // nearest-even (the bits of the float32 kernel's output stored by PyTorch), so x and y are read
 // and written once, in half storage. The adjoint without angle gradients is the same call with
-// !inverse. With `check`, returns whether y holds a NaN or an infinity (else false).
+// !inverse. With `check`, returns whether y holds a NaN or an infinity (else false). `tensors`:
+// how many rotations of this size the caller makes back to back (q and k: 2); their footprint
+// together decides whether the outputs are streamed past the cache, as the transform kernels
+// decide for q and k together.
 bool rotate_pairs_half(const RotateDims& d, Layout layout, bool inverse, HalfType type,
                        const uint16_t* x, const float* cos, const float* sin, uint16_t* y,
-                       bool check);
+                       bool check, int tensors = 1);
 
 // cos[i] = cos(angles[i]), sin[i] = sin(angles[i]) for i < n, in one pass: a frame's table. float
 // is within 2 ulp of the float64 values (the argument reduced in float64, then single-precision

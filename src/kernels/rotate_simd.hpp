@@ -40,23 +40,41 @@ inline bool stream_rows(int64_t bytes, int pairs, int64_t D,
   return true;
 }
 
-// INVERSE: the transposed rotation (backward). W pairs from x to y. STREAM: streaming stores
-// (y 64-byte aligned), and `bad` gathers y * 0, NaN where y has a NaN or an infinity: the
-// finiteness check of outputs that are not left in the cache.
-template <class V, bool INVERSE, bool STREAM = false>
-inline void rotate_pairs(const float* x, float* y, typename V::R c, typename V::R s,
-                         typename V::R* bad = nullptr) {
-  const auto x0 = V::load(x), x1 = V::load(x + V::W);
+// W interleaved pairs (x0, x1) turned in registers into (y0, y1); c, s in pair order
+// (V::to_pair_order). INVERSE: the transposed rotation (backward).
+template <class V, bool INVERSE>
+inline void turn_pairs(typename V::R x0, typename V::R x1, typename V::R c, typename V::R s,
+                       typename V::R& y0, typename V::R& y1) {
   const auto re = V::template shuffle<0x88>(x0, x1), im = V::template shuffle<0xDD>(x0, x1);
   const auto yr = INVERSE ? V::fmadd(c, re, s * im) : V::fmsub(c, re, s * im);
   const auto yi = INVERSE ? V::fnmadd(s, re, c * im) : V::fmadd(s, re, c * im);
+  y0 = V::unpacklo(yr, yi);
+  y1 = V::unpackhi(yr, yi);
+}
+
+// W half-split pairs (re[j], im[j]) turned in registers into (yr, yi).
+template <class V, bool INVERSE>
+inline void turn_halves(typename V::R re, typename V::R im, typename V::R c, typename V::R s,
+                        typename V::R& yr, typename V::R& yi) {
+  yr = INVERSE ? V::fmadd(c, re, s * im) : V::fmsub(c, re, s * im);
+  yi = INVERSE ? V::fnmadd(s, re, c * im) : V::fmadd(s, re, c * im);
+}
+
+// W pairs from x to y. STREAM: streaming stores (y 64-byte aligned), and `bad` gathers y * 0,
+// NaN where y has a NaN or an infinity: the finiteness check of outputs that are not left in the
+// cache.
+template <class V, bool INVERSE, bool STREAM = false>
+inline void rotate_pairs(const float* x, float* y, typename V::R c, typename V::R s,
+                         typename V::R* bad = nullptr) {
+  typename V::R y0, y1;
+  turn_pairs<V, INVERSE>(V::load(x), V::load(x + V::W), c, s, y0, y1);
   if constexpr (STREAM) {
-    *bad = V::fmadd(yr, V::zero(), V::fmadd(yi, V::zero(), *bad));
-    V::stream(y, V::unpacklo(yr, yi));
-    V::stream(y + V::W, V::unpackhi(yr, yi));
+    *bad = V::fmadd(y0, V::zero(), V::fmadd(y1, V::zero(), *bad));
+    V::stream(y, y0);
+    V::stream(y + V::W, y1);
   } else {
-    V::store(y, V::unpacklo(yr, yi));
-    V::store(y + V::W, V::unpackhi(yr, yi));
+    V::store(y, y0);
+    V::store(y + V::W, y1);
   }
 }
 
@@ -64,9 +82,8 @@ inline void rotate_pairs(const float* x, float* y, typename V::R c, typename V::
 template <class V, bool INVERSE, bool STREAM = false>
 inline void rotate_halves(const float* x, float* y, int64_t half, typename V::R c, typename V::R s,
                           typename V::R* bad) {
-  const auto re = V::load(x), im = V::load(x + half);
-  const auto yr = INVERSE ? V::fmadd(c, re, s * im) : V::fmsub(c, re, s * im);
-  const auto yi = INVERSE ? V::fnmadd(s, re, c * im) : V::fmadd(s, re, c * im);
+  typename V::R yr, yi;
+  turn_halves<V, INVERSE>(V::load(x), V::load(x + half), c, s, yr, yi);
   if constexpr (STREAM) {
     *bad = V::fmadd(yr, V::zero(), V::fmadd(yi, V::zero(), *bad));
     V::stream(y, yr);

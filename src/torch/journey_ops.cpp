@@ -63,7 +63,7 @@ torch::Tensor rotate_cpu(const torch::Tensor& x, const torch::Tensor& cos, const
                          bool inverse, int64_t layout) {
   return value_errors([&] {
     auto c = check(x, cos, sin);
-    auto y = torch::empty_like(c.x);
+    auto y = op_util::output_like(c.x);
     if (c.half()) {
       kernels::rotate_pairs_half(c.dims, layout_of(layout), inverse, op_util::half_type(c.x),
                                  op_util::words(c.x), c.cos.data_ptr<float>(),
@@ -91,7 +91,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_backward_cpu(
       throw InputError("rotate_pairs_backward: grad must have x's shape and dtype");
     // dx = R^T dy: the forward kernel, turned the other way
     if (c.half() && !angle_grads && grad.scalar_type() == c.x.scalar_type()) {
-      auto dx = torch::empty_like(c.x);
+      auto dx = op_util::output_like(c.x);
       const auto g = grad.contiguous();
       kernels::rotate_pairs_half(c.dims, layout_of(layout), !inverse, op_util::half_type(c.x),
                                  op_util::words(g), c.cos.data_ptr<float>(),
@@ -101,7 +101,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_backward_cpu(
     }
     c.x = op_util::computed(c.x);
     const auto g = op_util::computed(grad);
-    auto dx = torch::empty_like(c.x);
+    auto dx = op_util::output_like(c.x);
     auto dc = angle_grads ? torch::empty_like(c.cos) : torch::empty({0}, c.cos.options()),
          ds = angle_grads ? torch::empty_like(c.sin) : torch::empty({0}, c.sin.options());
     AT_DISPATCH_FLOATING_TYPES(c.x.scalar_type(), "relpos_rotate_pairs_backward", [&] {

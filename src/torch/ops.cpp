@@ -144,10 +144,10 @@ std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
                                      layout, torch::kFloat);
     const auto rotated = [&](const torch::Tensor& x, const char* name) {
       const auto xc = x.contiguous();
-      auto y = torch::empty_like(xc);
+      auto y = output_like(xc);
       if (kernels::rotate_pairs_half(*rd, plan.layout, false, op_util::half_type(xc),
                                      op_util::words(xc), cos.data_ptr<float>(),
-                                     sin.data_ptr<float>(), op_util::mwords(y), check_finite))
+                                     sin.data_ptr<float>(), op_util::mwords(y), check_finite, 2))
         TORCH_CHECK_VALUE(all_finite(xc), name, " contains NaN or Inf");  // else: overflow
       if (check_finite && x.scalar_type() == torch::kHalf)
         TORCH_CHECK_VALUE(all_finite(y), name,
@@ -205,13 +205,14 @@ Grads6 transform_backward_cpu(const torch::Tensor& gq_out_in, const torch::Tenso
     const auto [cos, sin] = trig_for(cos_in, sin_in, plan, dims, pos, center, spec, head_dim, heads,
                                      layout, torch::kFloat);
     // R^T: the forward turned the other way; unrequested or absent gradients are zeros
+    const int tensors = (mask[0] && gq_out_in.defined()) + (mask[1] && gk_out_in.defined());
     const auto grad = [&](const torch::Tensor& gy, const torch::Tensor& x, bool wanted) {
       if (!wanted || !gy.defined()) return torch::zeros_like(x);
       const auto gc = gy.contiguous();
-      auto gx = torch::empty_like(gc);
+      auto gx = output_like(gc);
       kernels::rotate_pairs_half(*rd, plan.layout, true, op_util::half_type(gc), op_util::words(gc),
                                  cos.data_ptr<float>(), sin.data_ptr<float>(), op_util::mwords(gx),
-                                 false);
+                                 false, tensors);
       return gx;
     };
     return {grad(gq_out_in, q_in, mask[0]), grad(gk_out_in, k_in, mask[1]),

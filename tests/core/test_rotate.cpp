@@ -224,7 +224,8 @@ TEST(RotatePairs, HalfStorageIsTheFloatKernelRoundedOnce) {
         for (auto [B, H, T, D, P, shared] :
              {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>{2, 3, 70, 64, 32, true},
               {2, 2, 130, 80, 37, false},
-              {1, 1, 5, 24, 12, true}}) {
+              {1, 1, 5, 24, 12, true},
+              {2, 1, 9, 32, 16, false}}) {
           SCOPED_TRACE(testing::Message() << (type == HalfType::BFloat16 ? "bf16 " : "fp16 ")
                                           << test::layout_name(layout) << " inverse " << inverse
                                           << " D " << D << " P " << P);
@@ -267,6 +268,54 @@ TEST(RotatePairs, HalfStorageIsTheFloatKernelRoundedOnce) {
   std::vector<uint16_t> y(2);
   EXPECT_TRUE(rotate_pairs_half(d, Layout::Interleaved, false, HalfType::Float16, x.data(), &c, &s,
                                 y.data(), true));
+  // the same overflow in rows of whole AVX-512 registers of pairs (turned in registers there)
+  const RotateDims wide{1, 1, 1, 32, 16, false};
+  const std::vector<uint16_t> xw(32, big);
+  const std::vector<float> cw(16, c), sw(16, s);
+  std::vector<uint16_t> yw(32);
+  for (Layout layout : {Layout::Interleaved, Layout::HalfSplit})
+    EXPECT_TRUE(rotate_pairs_half(wide, layout, false, HalfType::Float16, xw.data(), cw.data(),
+                                  sw.data(), yw.data(), true));
+}
+
+// Half rotations large enough to be streamed past the cache (inputs and outputs >=
+// rot::kStreamFootprint) give the bits of the float kernel rounded once, and report a NaN stored
+// in their last row.
+TEST(RotatePairs, StreamedHalfStorageIsTheFloatKernelRoundedOnce) {
+  std::mt19937_64 rng(31);
+  const RotateDims d{1, 4, 32768, 64, 32, false};  // 8 Mi words: 16 MiB in, 16 MiB out
+  const size_t n = static_cast<size_t>(d.B * d.H * d.T * d.D);
+  std::vector<float> cf, sf;
+  for (int64_t i = 0; i < d.T * d.P; ++i) {
+    const double a = 3 * test::uniform(rng, -1.0, 1.0);
+    cf.push_back(static_cast<float>(std::cos(a)));
+    sf.push_back(static_cast<float>(std::sin(a)));
+  }
+  std::vector<float> xf(n), yf(n);
+  std::vector<uint16_t> xh(n), buf(n + 32), want(n);
+  // a 64-byte aligned output: streamed (misaligned ones take cached stores)
+  uint16_t* yh = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) / 2;
+  for (HalfType type : {HalfType::BFloat16, HalfType::Float16}) {
+    for (size_t i = 0; i < n; ++i) {
+      xh[i] = float_to_half(type, static_cast<float>(4 * test::uniform(rng, -1.0, 1.0)));
+      xf[i] = half_to_float(type, xh[i]);
+    }
+    for (Layout layout : {Layout::Interleaved, Layout::HalfSplit})
+      for (bool inverse : {false, true}) {
+        SCOPED_TRACE(testing::Message() << (type == HalfType::BFloat16 ? "bf16 " : "fp16 ")
+                                        << test::layout_name(layout) << " inverse " << inverse);
+        rotate_pairs_forward<float>(d, layout, inverse, xf.data(), cf.data(), sf.data(), yf.data());
+        for (size_t i = 0; i < n; ++i) want[i] = float_to_half(type, yf[i]);
+        EXPECT_FALSE(
+            rotate_pairs_half(d, layout, inverse, type, xh.data(), cf.data(), sf.data(), yh, true));
+        EXPECT_TRUE(std::equal(want.begin(), want.end(), yh));
+      }
+    const uint16_t saved = xh[n - 5];
+    xh[n - 5] = type == HalfType::BFloat16 ? 0x7FC0 : 0x7C00;  // NaN, +Inf
+    EXPECT_TRUE(rotate_pairs_half(d, Layout::Interleaved, false, type, xh.data(), cf.data(),
+                                  sf.data(), yh, true));
+    xh[n - 5] = saved;
+  }
 }
 
 namespace {

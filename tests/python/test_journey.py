@@ -42,6 +42,29 @@ def test_rotate_pairs_matches_composed_and_gradcheck(inverse):
     assert torch.autograd.gradcheck(lambda x, a: relpos.rotate_pairs(x, a, inverse=inverse), (x, a))
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "half_split"])
+def test_rotate_pairs_takes_a_table_computed_once(layout):
+    """cos=, sin= (a fixed frame's table) is the angles' rotation, with the angles' gradients by
+    the chain rule; anything but exactly one of the two forms is refused by name."""
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    want = relpos.rotate_pairs(x, a, inverse=True, pair_layout=layout)
+    got = relpos.rotate_pairs(x, cos=a.cos(), sin=a.sin(), inverse=True, pair_layout=layout)
+    assert torch.equal(got, want)
+    g = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (x, a), g)
+    assert all(torch.allclose(u, w, atol=1e-13)
+               for u, w in zip(torch.autograd.grad(got, (x, a), g), want_grads))
+    for bad, match in ((dict(angles=a, cos=a.cos(), sin=a.sin()), "either angles or cos"),
+                       (dict(), "either angles or cos"),
+                       (dict(cos=a.cos()), "both be tensors"),
+                       (dict(cos=a.cos(), sin=[0.0]), "both be tensors"),
+                       (dict(angles=[0.0]), "must be a tensor"),
+                       (dict(cos=a.cos(), sin=a.sin()[:4]), "differ in shape")):
+        with pytest.raises(relpos.InputError, match=match):
+            relpos.rotate_pairs(x, **bad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cos_sin_op_matches_float64_and_differentiates(dtype):
     """A frame's table in one pass: float32 within 2 ulp of float64 cos/sin over the angles of
