@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/half.hpp"
+#include "kernels/simd_ops.hpp"
 
 namespace relpos::kernels::RELPOS_ISA_NAMESPACE {
 
@@ -45,6 +46,28 @@ inline __m256i narrow16(__m512 f) {
 }
 #endif
 
+#if defined(__AVX2__)
+// 8 bfloat16 words widened to float32 (exact).
+inline __m256 widen8_bf16(const uint16_t* x) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// 8 floats rounded to bfloat16 words, to nearest-even (NaN stays NaN), as kernels/half.hpp.
+inline __m128i narrow8_bf16(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(
+          u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                              _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))),
+      16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  const __m256i w = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // every lane is below 2^16: the unsigned saturating pack keeps it
+  return _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+}
+#endif
+
 // y[0..n) = x[0..n) widened from half storage (exact); 16 (AVX-512) or 8 (AVX2, bfloat16) lanes
 // at a time, the rest as kernels/half.hpp.
 inline void widen(HalfType t, const uint16_t* x, float* y, int64_t n) {
@@ -56,17 +79,13 @@ inline void widen(HalfType t, const uint16_t* x, float* y, int64_t n) {
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, widen16<HalfType::Float16>(x + i));
 #elif defined(__AVX2__)
   if (t == HalfType::BFloat16)
-    for (; i + 8 <= n; i += 8) {
-      const __m256i w =
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
-      _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, widen8_bf16(x + i));
 #endif
   for (; i < n; ++i) y[i] = half_to_float(t, x[i]);
 }
 
 // y[0..n) = x[0..n) rounded to half storage, to nearest-even (NaN stays NaN), as
-// kernels/half.hpp.
+// kernels/half.hpp; 16 (AVX-512) or 8 (AVX2, bfloat16) lanes at a time.
 inline void narrow(HalfType t, const float* x, uint16_t* y, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -75,8 +94,59 @@ inline void narrow(HalfType t, const float* x, uint16_t* y, int64_t n) {
     for (; i + 16 <= n; i += 16) store(narrow16<HalfType::BFloat16>(_mm512_loadu_ps(x + i)));
   else
     for (; i + 16 <= n; i += 16) store(narrow16<HalfType::Float16>(_mm512_loadu_ps(x + i)));
+#elif defined(__AVX2__)
+  if (t == HalfType::BFloat16)
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), narrow8_bf16(_mm256_loadu_ps(x + i)));
 #endif
   for (; i < n; ++i) y[i] = float_to_half(t, x[i]);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// A register of V::W float lanes read from and rounded to half words: the kernels' loops over half
+// rows written once per vector width (HalfLanes<V, TYPE>::kAvailable where the build has it:
+// AVX-512 for both formats, AVX2 for bfloat16, whose widening is a shift).
+template <class V, HalfType TYPE>
+struct HalfLanes {
+  static constexpr bool kAvailable = false;
+};
+
+template <>
+struct HalfLanes<Avx2Ops, HalfType::BFloat16> {
+  static constexpr bool kAvailable = true;
+  using Words = __m128i;
+  static __m256 load(const uint16_t* p) { return widen8_bf16(p); }
+  static Words round(__m256 f) { return narrow8_bf16(f); }
+  static void store(uint16_t* p, Words w) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), w); }
+  static void stream(uint16_t* p, Words w) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), w); }
+  static Words zero() { return _mm_setzero_si128(); }
+  // acc with the lanes of w whose exponent bits are all ones (NaN or infinity) set
+  static Words nonfinite(Words acc, Words w) {
+    const __m128i e = _mm_set1_epi16(0x7F80);
+    return _mm_or_si128(acc, _mm_cmpeq_epi16(_mm_and_si128(w, e), e));
+  }
+  static bool any(Words acc) { return !_mm_testz_si128(acc, acc); }
+};
+
+#if defined(__AVX512F__)
+template <HalfType TYPE>
+struct HalfLanes<Avx512Ops, TYPE> {
+  static constexpr bool kAvailable = true;
+  using Words = __m256i;
+  static __m512 load(const uint16_t* p) { return widen16<TYPE>(p); }
+  static Words round(__m512 f) { return narrow16<TYPE>(f); }
+  static void store(uint16_t* p, Words w) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w); }
+  static void stream(uint16_t* p, Words w) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), w);
+  }
+  static Words zero() { return _mm256_setzero_si256(); }
+  static Words nonfinite(Words acc, Words w) {
+    const __m256i e = _mm256_set1_epi16(TYPE == HalfType::BFloat16 ? 0x7F80 : 0x7C00);
+    return _mm256_or_si256(acc, _mm256_cmpeq_epi16(_mm256_and_si256(w, e), e));
+  }
+  static bool any(Words acc) { return !_mm256_testz_si256(acc, acc); }
+};
+#endif
+#endif
 
 }  // namespace relpos::kernels::RELPOS_ISA_NAMESPACE

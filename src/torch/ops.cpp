@@ -147,12 +147,14 @@ std::tuple<torch::Tensor, torch::Tensor> transform_cpu(
       auto y = output_like(xc);
       if (kernels::rotate_pairs_half(*rd, plan.layout, false, op_util::half_type(xc),
                                      op_util::words(xc), cos.data_ptr<float>(),
-                                     sin.data_ptr<float>(), op_util::mwords(y), check_finite, 2))
-        TORCH_CHECK_VALUE(all_finite(xc), name, " contains NaN or Inf");  // else: overflow
-      if (check_finite && x.scalar_type() == torch::kHalf)
-        TORCH_CHECK_VALUE(all_finite(y), name,
+                                     sin.data_ptr<float>(), op_util::mwords(y), check_finite, 2)) {
+        // the kernel checked the rounded words: a non-finite input, or else an overflow
+        TORCH_CHECK_VALUE(all_finite(xc), name, " contains NaN or Inf");
+        TORCH_CHECK_VALUE(x.scalar_type() != torch::kHalf, name,
                           " overflows float16 after the transform (above 65504): pass bfloat16 "
                           "or float32");
+        TORCH_CHECK_VALUE(false, name, " overflows bfloat16 after the transform");
+      }
       return y;
     };
     return {rotated(q_in, "q"), rotated(k_in, "k")};

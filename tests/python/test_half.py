@@ -183,11 +183,12 @@ def test_transform_kernel_checks_finiteness(spec):
             enc(y, x) if name == "q" else enc(x, y)
 
 
-def test_float16_overflow_is_refused():
+@pytest.mark.parametrize("D", [8, 64])  # a tile widened in a float buffer; rows turned in registers
+def test_float16_overflow_is_refused(D):
     """A rotation turns (6e4, 6e4) into (0, 8.5e4), past float16's 65504: the encoding refuses
     it by name instead of returning an infinity; bfloat16 holds it."""
-    enc = relpos.PositionEncoding("rope", 8, 1)
-    q = torch.zeros(1, 1, 1, 8)
+    enc = relpos.PositionEncoding("rope", D, 1)
+    q = torch.zeros(1, 1, 1, D)
     q[..., :2] = 6e4
     pos = torch.tensor([torch.pi / 4], dtype=torch.float64)  # pair 0 turns by 1 rad per position
     with pytest.raises(relpos.InputError, match="q overflows float16"):
@@ -197,7 +198,7 @@ def test_float16_overflow_is_refused():
     with pytest.raises(ValueError, match="overflows float16"):  # the op with its check
         kp = enc.kernel_params()
         torch.ops.relpos.transform(q.half(), q.half(), kp["gamma"], kp["eta"], kp["gates"],
-                                   kp["alpha0"], pos, None, None, 0.0, enc.spec, 8, 1, 0, True)
+                                   kp["alpha0"], pos, None, None, 0.0, enc.spec, D, 1, 0, True)
 
 
 @pytest.mark.parametrize("dtype", HALF)
