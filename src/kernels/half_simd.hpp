@@ -66,9 +66,19 @@ inline __m128i narrow8_bf16(__m256 f) {
   // every lane is below 2^16: the unsigned saturating pack keeps it
   return _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
+
+#if defined(__F16C__)
+// 8 float16 words widened to float32 (exact), and 8 floats rounded to float16 words.
+inline __m256 widen8_f16(const uint16_t* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+inline __m128i narrow8_f16(__m256 f) {
+  return _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
 #endif
 
-// y[0..n) = x[0..n) widened from half storage (exact); 16 (AVX-512) or 8 (AVX2, bfloat16) lanes
+// y[0..n) = x[0..n) widened from half storage (exact); 16 (AVX-512) or 8 (AVX2) lanes
 // at a time, the rest as kernels/half.hpp.
 inline void widen(HalfType t, const uint16_t* x, float* y, int64_t n) {
   int64_t i = 0;
@@ -80,12 +90,16 @@ inline void widen(HalfType t, const uint16_t* x, float* y, int64_t n) {
 #elif defined(__AVX2__)
   if (t == HalfType::BFloat16)
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, widen8_bf16(x + i));
+#if defined(__F16C__)
+  else
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, widen8_f16(x + i));
+#endif
 #endif
   for (; i < n; ++i) y[i] = half_to_float(t, x[i]);
 }
 
 // y[0..n) = x[0..n) rounded to half storage, to nearest-even (NaN stays NaN), as
-// kernels/half.hpp; 16 (AVX-512) or 8 (AVX2, bfloat16) lanes at a time.
+// kernels/half.hpp; 16 (AVX-512) or 8 (AVX2) lanes at a time.
 inline void narrow(HalfType t, const float* x, uint16_t* y, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -98,6 +112,11 @@ inline void narrow(HalfType t, const float* x, uint16_t* y, int64_t n) {
   if (t == HalfType::BFloat16)
     for (; i + 8 <= n; i += 8)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), narrow8_bf16(_mm256_loadu_ps(x + i)));
+#if defined(__F16C__)
+  else
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), narrow8_f16(_mm256_loadu_ps(x + i)));
+#endif
 #endif
   for (; i < n; ++i) y[i] = float_to_half(t, x[i]);
 }
@@ -105,28 +124,34 @@ inline void narrow(HalfType t, const float* x, uint16_t* y, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
 // A register of V::W float lanes read from and rounded to half words: the kernels' loops over half
 // rows written once per vector width (HalfLanes<V, TYPE>::kAvailable where the build has it:
-// AVX-512 for both formats, AVX2 for bfloat16, whose widening is a shift).
+// both formats with AVX-512, and with AVX2 and F16C).
 template <class V, HalfType TYPE>
 struct HalfLanes {
   static constexpr bool kAvailable = false;
 };
 
-template <>
-struct HalfLanes<Avx2Ops, HalfType::BFloat16> {
+#if defined(__F16C__)
+template <HalfType TYPE>
+struct HalfLanes<Avx2Ops, TYPE> {
   static constexpr bool kAvailable = true;
   using Words = __m128i;
-  static __m256 load(const uint16_t* p) { return widen8_bf16(p); }
-  static Words round(__m256 f) { return narrow8_bf16(f); }
+  static __m256 load(const uint16_t* p) {
+    return TYPE == HalfType::BFloat16 ? widen8_bf16(p) : widen8_f16(p);
+  }
+  static Words round(__m256 f) {
+    return TYPE == HalfType::BFloat16 ? narrow8_bf16(f) : narrow8_f16(f);
+  }
   static void store(uint16_t* p, Words w) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), w); }
   static void stream(uint16_t* p, Words w) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), w); }
   static Words zero() { return _mm_setzero_si128(); }
   // acc with the lanes of w whose exponent bits are all ones (NaN or infinity) set
   static Words nonfinite(Words acc, Words w) {
-    const __m128i e = _mm_set1_epi16(0x7F80);
+    const __m128i e = _mm_set1_epi16(TYPE == HalfType::BFloat16 ? 0x7F80 : 0x7C00);
     return _mm_or_si128(acc, _mm_cmpeq_epi16(_mm_and_si128(w, e), e));
   }
   static bool any(Words acc) { return !_mm_testz_si128(acc, acc); }
 };
+#endif
 
 #if defined(__AVX512F__)
 template <HalfType TYPE>

@@ -42,7 +42,10 @@ Isa selected_isa() {
   static const Isa isa = [] {
     Isa best = Isa::Baseline;
 #if defined(__x86_64__)
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::Avx2;
+    // F16C (float16 conversions) came with every AVX2 processor; the AVX2 build uses it
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+      best = Isa::Avx2;
     if (best == Isa::Avx2 && __builtin_cpu_supports("avx512f") &&
         __builtin_cpu_supports("avx512vl"))
       best = Isa::Avx512;
