@@ -13,7 +13,9 @@ call from the trained parameters, as they change every step; the rotation's tabl
 rotate_pairs (per-token angles [T, D/2], e.g. JoFormer's journey frames: every variant takes
 the same cos/sin table, computed once); rotate_pairs_angles (relpos takes the angles and computes
 their cos/sin in every call; the baselines keep the table). Each case is checked against the relpos op
-before it is timed. Every round runs every case once in turn (alternating the order); prints
+before it is timed. Beside them, the memory floor: the same inputs and gradients copied into fresh
+tensors (`copy`; compile / copy bounds what any op running at copy speed can show). Every round
+runs every case once in turn (alternating the order); prints
 medians (ms), the ratio of the medians and the median of the per-round ratios.
 """
 
@@ -186,6 +188,17 @@ def main():
                 p.grad = None
         return run
 
+    def copy_floor(n):
+        """The bytes every implementation moves, as plain copies: its n inputs read and n fresh
+        outputs written (forward), n output gradients read and n fresh input gradients written
+        (backward). At this floor an op is as fast as memory allows; compile / copy is the
+        largest speedup any op running at copy speed could show."""
+        def run():
+            outs = [t.detach().clone() for t in (q, k)[:n]]
+            grads = [g.clone() for g in (gq, gk)[:n]]
+            del outs, grads
+        return run
+
     wanted = set(a.cases.split(","))
     transforms = {n: c for n, c in transforms.items() if n in wanted}
     runs = {}
@@ -197,6 +210,7 @@ def main():
                                            msg=f"{name} {label} differs")
         for label, f in cases.items():
             runs[(name, label)] = fwd_bwd(f)
+        runs[(name, "copy")] = copy_floor(len(ref))
     for f in runs.values():  # warm-up (compilation included)
         for _ in range(3):
             f()
@@ -209,11 +223,14 @@ def main():
             times[key].append((time.perf_counter() - t0) * 1e3)
     results = {}
     for name, cases in transforms.items():
-        r = {label: statistics.median(times[(name, label)]) for label in cases}
-        for base in ("eager", "compiled"):
+        r = {label: statistics.median(times[(name, label)]) for label in [*cases, "copy"]}
+        for base in ("eager", "compiled", "copy"):
             r[f"{base}_over_relpos"] = r[base] / r["relpos"]
             r[f"{base}_over_relpos_per_round"] = statistics.median(
                 x / y for x, y in zip(times[(name, base)], times[(name, "relpos")]))
+        r["compiled_over_copy"] = r["compiled"] / r["copy"]
+        r["compiled_over_copy_per_round"] = statistics.median(
+            x / y for x, y in zip(times[(name, "compiled")], times[(name, "copy")]))
         if "relpos_unchecked" in cases:  # what the default finiteness check costs
             r["checked_over_unchecked"] = r["relpos"] / r["relpos_unchecked"]
             r["checked_over_unchecked_per_round"] = statistics.median(
@@ -228,8 +245,9 @@ def main():
           f"fwd+bwd, {a.rounds} rounds round robin (medians; per-round ratio in brackets)")
     print()
     print("| transform | relpos ms (checked) | unchecked ms | checked / unchecked | eager ms | "
-          "torch.compile ms | eager / relpos | compile / relpos |")
-    print("|---|---|---|---|---|---|---|---|")
+          "torch.compile ms | eager / relpos | compile / relpos | copy ms | relpos / copy | "
+          "compile / copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n, r in results.items():
         unchecked, cost = "-", "-"
         if "relpos_unchecked" in r:
@@ -239,7 +257,9 @@ def main():
         print(f"| {n} | {r['relpos']:.2f} | {unchecked} | {cost} | {r['eager']:.2f} | "
               f"{r['compiled']:.2f} | "
               f"{r['eager_over_relpos']:.2f} ({r['eager_over_relpos_per_round']:.2f}) | "
-              f"{r['compiled_over_relpos']:.2f} ({r['compiled_over_relpos_per_round']:.2f}) |")
+              f"{r['compiled_over_relpos']:.2f} ({r['compiled_over_relpos_per_round']:.2f}) | "
+              f"{r['copy']:.2f} | {1 / r['copy_over_relpos']:.2f} | "
+              f"{r['compiled_over_copy']:.2f} ({r['compiled_over_copy_per_round']:.2f}) |")
 
 
 if __name__ == "__main__":

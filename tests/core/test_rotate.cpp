@@ -143,6 +143,7 @@ TEST(RotatePairs, Float32VectorPathMatchesFloat64) {
         for (auto [B, H, T, D, P] :
              {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{2, 3, 70, 80, 37},
               {1, 2, 130, 64, 32},
+              {2, 4, 67, 80, 37},  // heads turned two to a tile, a frame per batch
               {1, 1, 3, 48, 8},
               {2, 1, 65, 34, 17}}) {
           const RotateDims d{B, H, T, D, P, !shared};
