@@ -19,6 +19,17 @@ namespace {
 // AMX-TILE, AMX-BF16, AVX512-BW and AVX512-BF16 on the CPU, the tile state enabled by the OS (XCR0
 // bits 17 and 18), and this process granted it (Linux asks for arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA) before a first tile instruction; the grant holds for every thread).
+// AVX512-BF16 (vdpbf16ps, vcvtne2ps2bf16) beside AVX512-BW.
+bool avx512_bf16() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((b >> 30) & 1u)) return false;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1u);
+#else
+  return false;
+#endif
+}
+
 bool amx_usable() {
 #if defined(__x86_64__) && defined(__linux__)
   unsigned a = 0, b = 0, c = 0, d = 0;
@@ -49,23 +60,26 @@ Isa selected_isa() {
     if (best == Isa::Avx2 && __builtin_cpu_supports("avx512f") &&
         __builtin_cpu_supports("avx512vl"))
       best = Isa::Avx512;
+    if (best == Isa::Avx512 && avx512_bf16()) best = Isa::Avx512Bf16;
     const char* cap = std::getenv("RELPOS_KERNEL_ISA");
     const bool capped = cap && *cap && std::string(cap) != "amx";
     // (a cap below amx asks the kernel for no tile state at all)
-    if (best == Isa::Avx512 && !capped && amx_usable()) best = Isa::Amx;
+    if (best == Isa::Avx512Bf16 && !capped && amx_usable()) best = Isa::Amx;
 #else
     const char* cap = std::getenv("RELPOS_KERNEL_ISA");
 #endif
     if (!cap || !*cap) return best;
     const std::string c = cap;
     const Isa want =
-        c == "baseline" ? Isa::Baseline
-        : c == "avx2"   ? Isa::Avx2
-        : c == "avx512" ? Isa::Avx512
-        : c == "amx"
-            ? Isa::Amx
-            : throw InputError("RELPOS_KERNEL_ISA must be baseline, avx2, avx512 or amx, got '" +
-                               c + "'");
+        c == "baseline"     ? Isa::Baseline
+        : c == "avx2"       ? Isa::Avx2
+        : c == "avx512"     ? Isa::Avx512
+        : c == "avx512bf16" ? Isa::Avx512Bf16
+        : c == "amx"        ? Isa::Amx
+                            : throw InputError(
+                                  "RELPOS_KERNEL_ISA must be baseline, avx2, avx512, avx512bf16 or amx, "
+                                         "got '" +
+                                  c + "'");
     return std::min(want, best);
   }();
   return isa;
@@ -75,6 +89,8 @@ const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Amx:
       return "avx512+amx";
+    case Isa::Avx512Bf16:
+      return "avx512+bf16";
     case Isa::Avx512:
       return "avx512";
     case Isa::Avx2:

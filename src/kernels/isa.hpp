@@ -13,17 +13,19 @@
 
 namespace relpos::kernels {
 
-// The builds, narrowest first (the order matters: a cap keeps the narrower of two). Amx is the
-// AVX-512 build whose bfloat16 kernels also use AMX tile products (tdpbf16ps): chosen when the
-// CPU has AMX-BF16 and AVX512-BF16 and the kernel grants this process the tile state.
-enum class Isa { Baseline, Avx2, Avx512, Amx };
+// The builds, narrowest first (the order matters: a cap keeps the narrower of two). Avx512Bf16 is
+// the AVX-512 build whose bfloat16 attention multiplies bf16 pairs by AVX512-BF16 dot products
+// (vdpbf16ps), chosen when the CPU has AVX512-BF16; Amx multiplies them on AMX tiles
+// (tdpbf16ps), chosen when the CPU also has AMX-BF16 and the kernel grants this process the tile
+// state.
+enum class Isa { Baseline, Avx2, Avx512, Avx512Bf16, Amx };
 
 // The best build this CPU runs, capped by the environment variable RELPOS_KERNEL_ISA
-// (baseline | avx2 | avx512 | amx) when it is set: the tests run every build this way, and so
-// can a comparison. Read once per process; an unknown value throws relpos::InputError.
+// (baseline | avx2 | avx512 | avx512bf16 | amx) when it is set: the tests run every build this way,
+// and so can a comparison. Read once per process; an unknown value throws relpos::InputError.
 Isa selected_isa();
 
-// "baseline", "avx2+fma", "avx512" or "avx512+amx".
+// "baseline", "avx2+fma", "avx512", "avx512+bf16" or "avx512+amx".
 const char* isa_name(Isa isa);
 
 // isa_name(selected_isa()) (also declared in kernels/transform.hpp).
@@ -45,6 +47,7 @@ const char* kernel_isa();
 #define RELPOS_ISA_DISPATCH(FN, ...)                         \
   switch (::relpos::kernels::selected_isa()) {               \
     case ::relpos::kernels::Isa::Amx:                        \
+    case ::relpos::kernels::Isa::Avx512Bf16:                 \
     case ::relpos::kernels::Isa::Avx512:                     \
       return ::relpos::kernels::isa_avx512::FN(__VA_ARGS__); \
     case ::relpos::kernels::Isa::Avx2:                       \

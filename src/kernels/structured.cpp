@@ -415,6 +415,7 @@ std::pair<ForwardTile<T>, BackwardTile<T>> tile_functions() {
 #if defined(__x86_64__)
   switch (selected_isa()) {
     case Isa::Amx:
+    case Isa::Avx512Bf16:
     case Isa::Avx512:
       return {forward_tile_avx512<T>, backward_tile_avx512<T>};
     case Isa::Avx2:

@@ -579,10 +579,11 @@ TEST(AttentionKernel, KeysReadInPlaceFromCacheRows) {
 // the output and the gradients dq, dk, dv are the float kernels' on the widened operands rounded
 // once, bit for bit; lse and the per-token gradients are the float kernels' exactly (the lag
 // table and slope gradients to their summation order). A NaN in v reaches the same rows.
-// Under Isa::Amx a bfloat16 call with D a multiple of 32 multiplies on AMX tiles and rounds the
-// probabilities (and dS) to bf16 for their products: every result is then within 2^-7 of the
-// tensor's largest entry plus 2^-7 relative of the float kernels', NaN in the same places (the
-// avx512 run of the kernel tests keeps the bit-for-bit check).
+// Under Isa::Avx512Bf16 and Isa::Amx a bfloat16 call with D a multiple of 32 multiplies bf16 pairs
+// (AVX512-BF16 dot products or AMX tiles) and rounds the probabilities (and dS) to bf16 for their
+// products: every result is then within 2^-7 of the tensor's largest entry plus 2^-7 relative of
+// the float kernels', NaN in the same places (the avx512 run of the kernel tests keeps the
+// bit-for-bit check).
 TEST(AttentionKernel, HalfStorageIsTheFloatKernelRoundedOnce) {
   std::mt19937_64 rng(9);
   std::vector<Case> cases = random_cases();
@@ -644,10 +645,11 @@ TEST(AttentionKernel, HalfStorageIsTheFloatKernelRoundedOnce) {
         for (size_t i = 0; i < a.size(); ++i)
           ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) << what << " " << i;
       };
-      // Isa::Amx, bf16, D a multiple of 32: tile products on AMX (probabilities and dS rounded
-      // to bf16 for their products): within 2^-7 of the largest entry plus 2^-7 relative, NaN in
-      // the same places
-      const bool amx = type == HalfType::BFloat16 && D % 32 == 0 && selected_isa() == Isa::Amx;
+      // Isa::Avx512Bf16 or Amx, bf16, D a multiple of 32: products in bf16 pairs (probabilities
+      // and dS rounded to bf16 for their products): within 2^-7 of the largest entry plus 2^-7
+      // relative, NaN in the same places
+      const bool pairs =
+          type == HalfType::BFloat16 && D % 32 == 0 && selected_isa() >= Isa::Avx512Bf16;
       const auto close = [&](const auto& f, const auto& h, const char* what) {
         ASSERT_EQ(f.size(), h.size());
         double top = 0;
@@ -664,7 +666,7 @@ TEST(AttentionKernel, HalfStorageIsTheFloatKernelRoundedOnce) {
           }
         }
       };
-      if (amx) {
+      if (pairs) {
         close(out, out_h, "out");
         close(lse, lse_h, "lse");
       } else {
@@ -699,7 +701,7 @@ TEST(AttentionKernel, HalfStorageIsTheFloatKernelRoundedOnce) {
       attention_backward_half(d, type, qh.data(), kh.data(), vh.data(), x.positions(), bias,
                               x.options(), douth.data(), out_h.data(), lse_h.data(), dqh.data(),
                               dkh.data(), dvh.data(), gh.g);
-      if (amx) {
+      if (pairs) {
         close(dq, dqh, "dq");
         close(dk, dkh, "dk");
         close(dv, dvh, "dv");

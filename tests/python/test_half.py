@@ -69,7 +69,8 @@ def test_half_storage_matches_float64(spec, dtype):
 @pytest.mark.parametrize("spec", CATALOG_SPECS)
 def test_bf16_tiles_match_float64(spec):
     """The same check at a tiled shape, T 80 and head dim 64, where the fused kernel runs its tile
-    products (on AMX under the avx512+amx kernels, the probabilities and dS rounded to bf16)."""
+    products (in bf16 pairs under the avx512+bf16 and avx512+amx kernels, the probabilities and dS
+    rounded to bf16)."""
     try:
         relpos.mechanism(spec, 64, H)
     except relpos.InputError as e:
@@ -211,8 +212,8 @@ def test_fused_attention_reads_half_storage_as_the_float_op_rounded_once(dtype, 
     float32 op on the widened operands rounded once, bit for bit, and its gradients the float32
     backward's on the widened operands (the half output, as saved) rounded once; keys and values
     as the used prefix of a half cache's storage (NaN past it) give the same bits. Under the
-    avx512+amx kernels a bfloat16 call with D a multiple of 32 multiplies on AMX tiles and rounds
-    the probabilities (and dS) to bfloat16 for their products: the tiled forward's output is
+    avx512+bf16 and avx512+amx kernels a bfloat16 call with D a multiple of 32 multiplies bf16
+    pairs (dot products or AMX tiles) and rounds the probabilities (and dS) to bfloat16 for their products: the tiled forward's output is
     then within 2^-8 of max |v| plus a rounding of the float32 op's, lse within 1e-5 relative,
     and the gradients within 2^-7 of their largest entry plus 2^-7 relative."""
     g = torch.Generator().manual_seed(4)
@@ -224,7 +225,8 @@ def test_fused_attention_reads_half_storage_as_the_float_op_rounded_once(dtype, 
     out, lse = relpos.fused_attention(q, k, v, slopes=slopes)
     want, want_lse = relpos.fused_attention(q.float(), k.float(), v.float(), slopes=slopes)
     assert out.dtype == dtype and lse.dtype == torch.float32
-    amx = dtype == torch.bfloat16 and D % 32 == 0 and relpos.kernel_isa() == "avx512+amx"
+    amx = dtype == torch.bfloat16 and D % 32 == 0 and relpos.kernel_isa() in ("avx512+bf16",
+                                                                       "avx512+amx")
     tiled = Tq * (Hq // Hk) > 16  # (more rows than the decode kernel takes)
     if amx and tiled:
         vmax = v.float().abs().max().item()
