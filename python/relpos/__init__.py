@@ -66,10 +66,11 @@ __all__ = [
 
 
 def kernel_isa() -> str:
-    """The CPU kernels' instruction-set build in use: "baseline", "avx2+fma", "avx512" or
-    "avx512+amx" (bfloat16 attention products on AMX tiles, rounding the probabilities to
-    bfloat16 for P V). The best this CPU runs, capped by the environment variable
-    RELPOS_KERNEL_ISA (baseline | avx2 | avx512 | amx), read once per process."""
+    """The CPU kernels' instruction-set build in use: "baseline", "avx2+fma", "avx512",
+    "avx512+bf16" (bfloat16 attention products by AVX512-BF16 dot products) or "avx512+amx" (on
+    AMX tiles); both round the probabilities to bfloat16 for P V. The best this CPU runs, capped by
+    the environment variable RELPOS_KERNEL_ISA (baseline | avx2 | avx512 | avx512bf16 | amx), read
+    once per process."""
     return torch.ops.relpos.kernel_isa()
 
 

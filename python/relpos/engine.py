@@ -484,9 +484,10 @@ class Attention(nn.Module):
                                            self.num_kv_heads, q.dtype)
         if (stored_as == torch.bfloat16 and kv_q.dtype == torch.float32
                 and not self._trains_parameters()):
-            # the kernel reads its operands rounded once to bfloat16, as stored (tile products on
-            # AMX: relpos.kernel_isa()); its output comes back float32. Not float16: a transformed
-            # q or k may leave its range where float32 holds it, and it has no tile products.
+            # the kernel reads its operands rounded once to bfloat16, as stored (bf16 pair
+            # products: relpos.kernel_isa()); its output comes back float32. Not float16: a
+            # transformed q or k may leave its range where float32 holds it, and it has no pair
+            # products.
             # Not while the mechanism's parameters train: their gradients sum the kernel's q and
             # k gradients, which would be rounded to half too (a damping rate's came out 30% off
             # in bfloat16 that way)
