@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .encoding import _HALF, InputError, PositionEncoding, _all_finite
+from .encoding import _HALF, InputError, PositionEncoding, _all_finite, _compute_dtype
 from .frames import _journey_info, journey_attention
 
 # the names of the kernel's bias slots, in the order of the op's ``biases`` list
@@ -213,7 +213,9 @@ def _transform_qk(enc: PositionEncoding, q, k, q_positions, k_positions, checked
         tq, tk = enc._encode(both, both, pos, checked=True) if checked else enc(both, both, pos)
         q, k = tq[:, :, : g * Tq].reshape(B, Hq, Tq, D), tk[:, :, g * Tq :]
     s = _alibi_slopes(enc.spec, D, Hq)
-    return q, k, qpos, kpos, (None if s is None else torch.tensor(s, dtype=q.dtype))
+    # float32 beside half storage on the CPU (the GPU's half kernels take the storage dtype)
+    dtype = q.dtype if q.device.type == "cuda" else _compute_dtype(q.dtype)
+    return q, k, qpos, kpos, (None if s is None else torch.tensor(s, dtype=dtype))
 
 
 def attention(

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_attention
-from .encoding import _HALF, _STORABLE, InputError, PositionEncoding, _integer, _op
+from .encoding import (_HALF, _STORABLE, InputError, PositionEncoding, _compute_dtype, _integer,
+                       _op)
 from .frames import rotate_pairs
 
 
@@ -398,14 +399,22 @@ class Attention(nn.Module):
                                  "run the documents as separate rows")
         stored_as = q.dtype
         # half storage: the mechanism computes in float32, the kernel's operands are rounded back
-        # to half (below) and the output stored back (the cache keeps half); on a GPU the
-        # transforms read half as stored (fp32 math) unless a runtime computes gates, probes or
-        # rotations from q and k, which compute in float32 as on the CPU
-        if stored_as in _HALF and (q.device.type != "cuda" or self._content is not None
+        # to half (below) and the output stored back (the cache keeps half). The transforms read
+        # half as stored (fp32 math, one rounding: the same bits as float32 then rounded) on a
+        # GPU, and on the CPU for bfloat16 whose kernel takes bf16 operands anyway (not while
+        # the mechanism's parameters train, below); a runtime that computes gates, probes or
+        # rotations from q and k computes in float32 everywhere
+        reads_half = (q.device.type == "cuda" or (
+            stored_as == torch.bfloat16 and self._vector_dims is None
+            and not self._trains_parameters()))
+        if stored_as in _HALF and (not reads_half or self._content is not None
                                    or self._rotation is not None):
             q, k, v = q.float(), k.float(), v.float()
             if isinstance(inputs, torch.Tensor) and inputs.dtype in _HALF:
                 inputs = inputs.float()
+        # the kernel's lag table: float32 beside half storage on the CPU (the GPU's half kernels
+        # take it in the storage dtype), as _transform_qk's slopes
+        param_dtype = q.dtype if q.device.type == "cuda" else _compute_dtype(q.dtype)
         B, _, T, _ = q.shape
         phase_end = frames = None
         if self._vector_dims is not None:
@@ -481,7 +490,7 @@ class Attention(nn.Module):
         if self.encoding._lag_names:
             # the learned table over every lag of the call (its gradient reaches the parameters)
             lag_table = _learned_lag_table(self.encoding, qpos, k_positions, self.num_heads,
-                                           self.num_kv_heads, q.dtype)
+                                           self.num_kv_heads, param_dtype)
         if (stored_as == torch.bfloat16 and kv_q.dtype == torch.float32
                 and not self._trains_parameters()):
             # the kernel reads its operands rounded once to bfloat16, as stored (bf16 pair

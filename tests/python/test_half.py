@@ -281,3 +281,26 @@ def test_half_rotations_are_the_float_kernel_rounded_once(dtype, layout):
             y[1, 2, T - 1, D - 1] = bad
             with pytest.raises(relpos.InputError, match=f"{name} contains NaN or Inf"):
                 enc(y, x, pos) if name == "q" else enc(x, y, pos)
+
+
+@pytest.mark.parametrize("spec", ["rope", "rope + alibi", "jordan(m=2)", "rope(theta=500000)",
+                                  "rope + t5_bias"])
+def test_bf16_module_transforms_as_stored(spec):
+    """Without parameters to train, a bfloat16 module call on the CPU transforms q and k as stored
+    (float32 math, one rounding) and hands them to the kernel with v as given: the same bits as
+    transforming float32 copies and rounding them for the kernel, as it did before."""
+    from relpos.attention import _learned_lag_table, _transform_qk
+
+    attn = relpos.Attention(spec, 64, 12)  # (12 heads: ALiBi slopes 2^-(k/2), rounded in bf16)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 12, 80, 64, generator=g).bfloat16() for _ in range(3))
+    pos = torch.arange(80, dtype=torch.float64)
+    with torch.no_grad():
+        got = attn(q, k, v)
+        qt, kt, _, _, slopes = _transform_qk(attn.encoding, q.float(), k.float(), pos, pos)
+        lag = (_learned_lag_table(attn.encoding, pos, pos, 12, 12, torch.float32)
+               if attn.encoding._lag_names else None)
+        want, _ = relpos.fused_attention(qt.bfloat16(), kt.bfloat16(), v, q_positions=pos,
+                                         k_positions=pos, slopes=slopes, lag_table=lag)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
