@@ -583,6 +583,12 @@ bool AttentionImpl::trains_parameters() const {
 torch::Tensor AttentionImpl::forward(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const AttentionCall& call) {
   check(q, k, v, call);
+  // bfloat16 with no parameter to train and no runtime reading q and k: the encoding reads the
+  // words as stored (float32 math, one rounding: the same bits as rounding a float32 transform)
+  // and the kernel takes them and v as they come, with no float32 copies
+  if (q.scalar_type() == torch::kBFloat16 && !trains_parameters() && !call.cache && !content_ &&
+      !rotation_ && !favor_projection_.defined() && !journey_term(mechanism()))
+    return computed(q, k, v, call, q.scalar_type());
   if (op_util::is_half(q.scalar_type())) {
     // half storage: the mechanism and the kernel compute in float32, the output is stored back
     // (a cache keeps its half keys and values). The kernel reads its operands rounded to the

@@ -715,7 +715,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   a.q_positions = qpos;
   a.k_positions = kpos;
   if (m.slope_bias()) {  // slopes per query head
-    const auto t = torch::tensor(slopes_for_heads(m, Hq), torch::kDouble).to(q.scalar_type());
+    const auto t = torch::tensor(slopes_for_heads(m, Hq), torch::kDouble)
+                       .to(op_util::compute_type(q.scalar_type()));
     a.slopes = a.slopes.defined() ? a.slopes + t : t;
   }
   if (enc.has_lag_table() && q.numel() && k.numel()) {
@@ -731,7 +732,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           "learned table is not supported; add them into one table");
     // bounded as kernels::attention_bias_of: longer lags use the last entry (the kernel's clamp)
     const double span = (qpos.max() - kpos.min()).item<double>();
-    a.lag_table = enc.lag_table(kernels::lag_table_length(m, span)).to(q.scalar_type());
+    a.lag_table = enc.lag_table(kernels::lag_table_length(m, span))
+                      .to(op_util::compute_type(q.scalar_type()));
   }
   auto out = fused_attention(qt, kt, vt, a)[0];
   if (frames && frames->roles.outputs && q_frame.defined())

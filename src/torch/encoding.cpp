@@ -424,8 +424,13 @@ PositionEncodingImpl::Output PositionEncodingImpl::forward(const torch::Tensor& 
           "the content frames (AttentionArgs::k_frame) instead of the encoding",
           mech_.spec, t.name));
   // the terms in spec order: fixed maps as matrix products, the position term by the kernels;
-  // half storage computes every term in float32 and rounds once at the end
+  // half storage computes every term in float32 and rounds once at the end. A lone position
+  // term without an attention factor reads and writes the half words itself (float32 math
+  // inside: the same single rounding, no float32 copies; it checks the words it stores)
   const auto ct = op_util::compute_type(q.scalar_type());
+  if (ct != q.scalar_type() && mech_.transforms.size() == 1 &&
+      mech_.transforms[0].position_driven() && scaling_attention_factor(mech_, pos) == 1.0)
+    return position_forward(q, k, positions, pos, options_.check_finite);
   torch::Tensor qq = q.to(ct), kk = k.to(ct);
   size_t fixed = 0;
   for (const auto& t : mech_.transforms) {
@@ -462,7 +467,8 @@ PositionEncodingImpl::Output PositionEncodingImpl::position_forward(const torch:
                                                                     const torch::Tensor& pos,
                                                                     bool check_finite) {
   auto kp = kernel_params();
-  const auto dt = q.scalar_type();
+  // the tables and parameters in the compute dtype (float32 beside half storage)
+  const auto dt = op_util::compute_type(q.scalar_type());
   check_exponent_range(mech_, dt);
   const double center = center_for(pos);
   warn_about_positions(mech_, positions, pos, center, kp.gamma, last_center_, warned_);

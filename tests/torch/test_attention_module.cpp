@@ -142,6 +142,32 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
   EXPECT_GT(decoded, 10);
 }
 
+// A bfloat16 call with no parameter to train reads q, k and v as stored (the encoding's transform
+// rounds once, the kernel takes the words as they come): the same bits as transforming float32
+// copies and rounding them for the kernel, with grouped-query heads, ALiBi slopes that bf16 would
+// round (12 query heads) and a learned lag table.
+TEST(AttentionModule, Bf16CallTransformsAsStored) {
+  for (const std::string spec : {"rope", "rope + alibi", "jordan(m=2)", "rope + t5_bias"}) {
+    SCOPED_TRACE(spec);
+    const bool lag = spec.find("t5") != std::string::npos;  // (a learned table: per query head)
+    nn::Attention attn(spec, 64, 12, nn::AttentionOptions{.num_kv_heads = lag ? 12 : 4});
+    torch::manual_seed(11);
+    const auto q = torch::randn({1, 12, 80, 64}).to(torch::kBFloat16);
+    const auto k =
+        torch::randn({1, attn->encoding->mechanism().heads, 80, 64}).to(torch::kBFloat16);
+    const auto v = torch::randn_like(k);
+    const torch::NoGradGuard no_grad;
+    const auto got = attn->forward(q, k, v);
+    nn::AttentionArgs a;
+    a.kernel_storage = torch::kBFloat16;
+    a.q_positions = a.k_positions = torch::arange(80, torch::kDouble);
+    const auto f = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
+    const auto want = nn::attention(f(q), f(k), f(v), *attn->encoding, a).to(torch::kBFloat16);
+    ASSERT_EQ(got.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(got, want));
+  }
+}
+
 // Half storage: bf16 and fp16 q, k, v (inputs too) give an output of their dtype within a few
 // units of its last place of the float64 module's (float32 parameters, float32 compute), and a
 // cache of that dtype decodes to the same outputs as the full forward, to its rounding.
