@@ -4,10 +4,11 @@ would write - the same math in eager PyTorch with the cos/sin table computed onc
 call (as Hugging Face's rotary embeddings cache it), and that code under torch.compile (the
 strongest thing a user can write without relpos).
 
-    .venv/bin/python bench/bench_ops.py [--rounds 15] [--threads N] [--dtype bfloat16] [--cases rope,...] [--json]
+    .venv/bin/python bench/bench_ops.py [--rounds 15] [--threads N] [--dtype bfloat16] [--cases rope,...] [--shape B,H,T,D] [--json]
 
-Shape B=1, H=8, T=8192, D=64, float32, positions 0..T-1, interleaved pairs; gradients for q, k and
-(Jordan) gamma and eta. Cases: rope; rope_half_split (Hugging Face's layout: pairs (j, j + D/2),
+Shape (default) B=1, H=8, T=8192, D=64, float32 (16 MiB a tensor: past the last-level cache;
+`--shape 4,4,1024,64`, the training step's q and k, stays within it), positions 0..T-1,
+interleaved pairs; gradients for q, k and (Jordan) gamma and eta. Cases: rope; rope_half_split (Hugging Face's layout: pairs (j, j + D/2),
 against its apply_rotary_pos_emb with rotate_half); jordan_m2 (raw chart, its damping and shear recomputed per
 call from the trained parameters, as they change every step; the rotation's table once);
 rotate_pairs (per-token angles [T, D/2], e.g. JoFormer's journey frames: every variant takes
@@ -103,6 +104,7 @@ def jordan2_eager(q, k, gamma, eta, pf, cs, sn, max_exp=30.0):
 
 
 def main():
+    global B, H, T, D
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -113,7 +115,16 @@ def main():
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="q, k and the baselines' tables in this dtype (half: jordan_m2 left out, "
                          "its eager form mixes float32 parameters in)")
+    ap.add_argument("--shape", default=f"{B},{H},{T},{D}",
+                    help="B,H,T,D of q and k (default: 16 MiB per float32 tensor, past the cache; "
+                         "4,4,1024,64 is the training step's, 4 MiB, within it)")
     a = ap.parse_args()
+    try:
+        B, H, T, D = (int(v) for v in a.shape.split(","))
+    except ValueError:
+        ap.error(f"--shape takes B,H,T,D, got {a.shape!r}")
+    if min(B, H, T, D) < 1 or D % 4:
+        ap.error(f"--shape needs positive sizes and D a multiple of 4, got {a.shape!r}")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     pos = torch.arange(T, dtype=torch.float64)

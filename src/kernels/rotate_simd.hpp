@@ -40,6 +40,12 @@ inline bool stream_rows(int64_t bytes, int pairs, int64_t D,
   return true;
 }
 
+// Streaming stores are weakly ordered: each thread that wrote with rotate_tile<_, true> calls this
+// before the barrier after which others (or the caller) read the outputs.
+inline void fence_streams(bool streamed) {
+  if (streamed) _mm_sfence();
+}
+
 // W interleaved pairs (x0, x1) turned in registers into (y0, y1); c, s in pair order
 // (V::to_pair_order). INVERSE: the transposed rotation (backward).
 template <class V, bool INVERSE>
@@ -60,16 +66,17 @@ inline void turn_halves(typename V::R re, typename V::R im, typename V::R c, typ
   yi = INVERSE ? V::fnmadd(s, re, c * im) : V::fmadd(s, re, c * im);
 }
 
-// W pairs from x to y. STREAM: streaming stores (y 64-byte aligned), and `bad` gathers y * 0,
-// NaN where y has a NaN or an infinity: the finiteness check of outputs that are not left in the
-// cache.
+// W pairs from x to y; `bad` gathers y * 0, NaN where y has a NaN or an infinity: the finiteness
+// check of the outputs from the registers (two FMAs, where a pass over the outputs re-reads every
+// line: a third of RoPE's time on a tile in the cache). STREAM: streaming stores (y 64-byte
+// aligned).
 template <class V, bool INVERSE, bool STREAM = false>
 inline void rotate_pairs(const float* x, float* y, typename V::R c, typename V::R s,
-                         typename V::R* bad = nullptr) {
+                         typename V::R* bad) {
   typename V::R y0, y1;
   turn_pairs<V, INVERSE>(V::load(x), V::load(x + V::W), c, s, y0, y1);
+  *bad = V::fmadd(y0, V::zero(), V::fmadd(y1, V::zero(), *bad));
   if constexpr (STREAM) {
-    *bad = V::fmadd(y0, V::zero(), V::fmadd(y1, V::zero(), *bad));
     V::stream(y, y0);
     V::stream(y + V::W, y1);
   } else {
@@ -84,8 +91,8 @@ inline void rotate_halves(const float* x, float* y, int64_t half, typename V::R 
                           typename V::R* bad) {
   typename V::R yr, yi;
   turn_halves<V, INVERSE>(V::load(x), V::load(x + half), c, s, yr, yi);
+  *bad = V::fmadd(yr, V::zero(), V::fmadd(yi, V::zero(), *bad));
   if constexpr (STREAM) {
-    *bad = V::fmadd(yr, V::zero(), V::fmadd(yi, V::zero(), *bad));
     V::stream(y, yr);
     V::stream(y + half, yi);
   } else {
@@ -97,9 +104,10 @@ inline void rotate_halves(const float* x, float* y, int64_t half, typename V::R 
 // Rows tt < n of a tile: a -> ya and b -> yb (either may be null), `pairs` pairs from the row
 // start; cos/sin: the tile's first trig row at the segment's first block, rows trig_ld apart.
 // Pairs interleaved, or with `half` > 0 half-split: (j, j + half).
-// STREAM (where stream_rows allows it): the outputs bypass the cache, fenced before returning;
-// returns bit 0 if ya got a NaN or an infinity, bit 1 for yb (0 without STREAM: the caller
-// checks the outputs it finds in the cache).
+// STREAM (where stream_rows allows it): the outputs bypass the cache, and the caller fences them
+// (fence_streams) once its thread has written its last tile, before the threads' barrier: a fence
+// per tile drains the write-combining buffers 2 x 1024 times in a 16 MiB rotation, and each drain
+// idles the memory pipe. Returns bit 0 if ya got a NaN or an infinity, bit 1 for yb.
 template <bool INVERSE, bool STREAM = false, class V = SimdOps>
 int rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t trig_ld, int64_t D,
                 int64_t rows_after, const float* a, const float* b, float* ya, float* yb,
@@ -107,6 +115,7 @@ int rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t tr
   const RowPrefetcher ahead(D, rows_after, {a, b}, {STREAM ? nullptr : ya, STREAM ? nullptr : yb});
   const int full = pairs / V::W * V::W;
   typename V::R bad_a = V::zero(), bad_b = V::zero();
+  bool tail_bad[2] = {false, false};
   for (int tt = 0; tt < n; ++tt) {
     ahead.row(tt);
     const float* cr = cos + tt * trig_ld;
@@ -135,10 +144,9 @@ int rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t tr
           // explicit fmas: the same bits wherever the compiler inlines this
           y[re] = std::fma(xr, c, -(xi * s));
           y[im] = std::fma(xr, s, xi * c);
+          tail_bad[io] |= !std::isfinite(y[re]) || !std::isfinite(y[im]);
         }
   }
-  if constexpr (!STREAM) return 0;
-  _mm_sfence();  // streaming stores are weakly ordered: visible before the caller's barrier
   const auto has_nan = [](typename V::R v) {
     float lanes[V::W];
     V::store(lanes, v);
@@ -146,7 +154,7 @@ int rotate_tile(int n, int pairs, const float* cos, const float* sin, int64_t tr
       if (x != x) return true;
     return false;
   };
-  return (has_nan(bad_a) ? 1 : 0) | (has_nan(bad_b) ? 2 : 0);
+  return (tail_bad[0] || has_nan(bad_a) ? 1 : 0) | (tail_bad[1] || has_nan(bad_b) ? 2 : 0);
 }
 
 }  // namespace rot

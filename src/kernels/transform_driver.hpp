@@ -112,7 +112,7 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
   const int covered = covered_pairs(plan), span = pair_span<LY>(covered, static_cast<int>(D));
   const Tiling tiling(dims);
   // one plain rotation over whole rows (RoPE) whose outputs outgrow the cache streams them
-  // (rot::stream_rows); their finiteness then comes from the registers, not from a re-read
+  // (rot::stream_rows)
   [[maybe_unused]] bool stream = false;
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float>) {
@@ -123,6 +123,8 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
                                 {jobs[0].y, njobs > 1 ? jobs[1].y : nullptr});
   }
 #endif
+  // one segment covering every pair: the fast rotation's register check sees every output
+  [[maybe_unused]] const bool whole_rotation = plan.segments.size() == 1 && 2 * covered == D;
   int nonfinite = 0;
 #pragma omp parallel reduction(| : nonfinite) if (dims.B * dims.H * dims.T * D >= kThreadWork)
   {
@@ -130,7 +132,9 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiling.count; ++tile) {
       const auto [bh, t0, h, b, n] = start_tile(tile, tiling, dims, pos, sc);
-      int streamed_bad = -1;  // the streamed outputs' non-finite bits, by job
+      // the non-finite bits, by job, of outputs checked in the registers (a lone plain rotation
+      // over whole rows; -1: check the tile in memory)
+      int register_bad = -1;
       for (const auto& s : plan.segments)
         dispatch_order(s.order, [&]<int M>() {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -163,7 +167,7 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
               if (plain_rotation(s)) {
                 const FastTile ft(s, dims, pos, trig, bh, b, t0, D, NB, LY);
                 const int64_t half = LY == Layout::HalfSplit ? span / 2 : 0;
-                // one direction's slots; the non-finite bits of streamed outputs, by job
+                // one direction's slots; the non-finite bits of their outputs, by job
                 const auto rotate = [&]<bool INVERSE>(const float* const* x, float* const* y,
                                                       const int* job) {
                   const int bits =
@@ -174,9 +178,9 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
                                                                   ft.at(y[1]), half);
                   return (bits & 1 ? 1 << job[0] : 0) | (bits & 2 ? 1 << job[1] : 0);
                 };
-                if (stream) streamed_bad = 0;
-                if (fwd) streamed_bad |= rotate.template operator()<false>(fx, fy, fjob);
-                if (bwd) streamed_bad |= rotate.template operator()<true>(bx, by, bjob);
+                const int bad = (fwd ? rotate.template operator()<false>(fx, fy, fjob) : 0) |
+                                (bwd ? rotate.template operator()<true>(bx, by, bjob) : 0);
+                if (whole_rotation) register_bad = bad;
                 return;
               }
             } else {
@@ -212,18 +216,22 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
             }
           }
         });
-      for (int tt = 0; tt < n; ++tt) {
-        const int64_t row = bh * dims.T + t0 + tt;
-        for (int i = 0; i < njobs; ++i)
-          copy_uncovered<T, LY>(covered, span, static_cast<int>(D), jobs[i].x + row * D,
-                                jobs[i].y + row * D);
-      }
-      if (check_outputs && streamed_bad >= 0)
-        nonfinite |= streamed_bad;
+      if (2 * covered < D)  // (a row loop per tile costs as many instructions as RoPE's)
+        for (int tt = 0; tt < n; ++tt) {
+          const int64_t row = bh * dims.T + t0 + tt;
+          for (int i = 0; i < njobs; ++i)
+            copy_uncovered<T, LY>(covered, span, static_cast<int>(D), jobs[i].x + row * D,
+                                  jobs[i].y + row * D);
+        }
+      if (check_outputs && register_bad >= 0)
+        nonfinite |= register_bad;
       else if (check_outputs)
         for (int i = 0; i < njobs; ++i)
           if (!all_finite(jobs[i].y + (bh * dims.T + t0) * D, n * D)) nonfinite |= 1 << i;
     }
+#if defined(__AVX2__) && defined(__FMA__)
+    rot::fence_streams(stream);  // before the barrier closing the parallel region
+#endif
   }
   return nonfinite;
 }
@@ -335,7 +343,7 @@ void backward_impl(const TransformPlan& plan, Dims dims, const Positions& pos, c
           }
         });
       for (int io = 0; io < 2; ++io)
-        if (gy[io] && gx[io])
+        if (gy[io] && gx[io] && 2 * covered < D)
           for (int tt = 0; tt < n; ++tt) {
             const int64_t row = bh * dims.T + t0 + tt;
             copy_uncovered<T, LY>(covered, span, static_cast<int>(D), gy[io] + row * D,

@@ -327,6 +327,42 @@ TEST(KernelForward, ReportsNonFiniteOutputsFloat32) {
   check_finiteness_report<float>(32);
 }
 
+// The plain rotation checks its outputs in the registers (and its scalar tail pairs one by one)
+// where it covers whole rows, and in memory where coordinates are left uncovered: a NaN or an
+// infinity at every coordinate of a row, on q and on k, is reported, for head dims whose pairs
+// fill whole registers, leave a tail past them, or fit in no register at all.
+TEST(KernelForward, RotationFinitenessCheckSeesEveryCoordinate) {
+  std::mt19937_64 rng(43);
+  for (const std::string spec : {"rope", "partial_rope(fraction=0.5)"})
+    for (const Layout layout : {Layout::Interleaved, Layout::HalfSplit})
+      for (const int D : {8, 40, 64, 72}) {
+        SCOPED_TRACE(spec + " " + test::layout_name(layout) + " D " + std::to_string(D));
+        const Problem pr = make_problem(spec, D, 1, 2, 9, layout, false, rng);
+        const auto plan = pr.plan();
+        const auto P = pr.positions();
+        const test::TypedParams<float> tp(pr.params);
+        const auto trig = kernels::build_trig_table<float>(plan, pr.dims, P);
+        const auto q = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
+        const auto k = test::cast_vec<float>(test::normal_vec(pr.size(), rng));
+        std::vector<float> qo(q.size()), ko(k.size());
+        ASSERT_EQ(kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(),
+                                                    q.data(), k.data(), qo.data(), ko.data(), true),
+                  0);
+        const size_t row = (1 * 9 + 7) * static_cast<size_t>(D);  // head 1, token 7
+        for (int c = 0; c < D; ++c)
+          for (const bool on_q : {true, false}) {
+            auto qb = q, kb = k;
+            (on_q ? qb : kb)[row + c] = c % 2 ? std::numeric_limits<float>::infinity()
+                                              : std::numeric_limits<float>::quiet_NaN();
+            EXPECT_EQ(
+                kernels::transform_forward<float>(plan, pr.dims, P, tp.view(), trig.view(),
+                                                  qb.data(), kb.data(), qo.data(), ko.data(), true),
+                on_q ? 1 : 2)
+                << "coordinate " << c;
+          }
+      }
+}
+
 // Rotations whose inputs and outputs fill rot::kStreamFootprint (32 MB) write 64-byte aligned
 // outputs with streaming stores and check them in registers: the same values as the cached
 // stores of a misaligned copy, forward and backward, and the same finiteness report for a bad
