@@ -1,5 +1,5 @@
 """The cost of PositionEncoding's default finiteness check: RoPE forward + backward with
-check_finite=True (the default) against check_finite=False, in one process, alternating rounds.
+check_finite=True (the default) against check_finite=False, in one process, rounds in random order.
 
     .venv/bin/python bench/bench_check_finite.py [--rounds 31] [--threads 2]
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import relpos
+from rounds import timed_rounds
 
 B, H, T, D = 1, 8, 8192, 64
 
@@ -42,18 +42,13 @@ def main():
     for enc in encs.values():
         for _ in range(3):
             run(enc)
-    times = {True: [], False: []}
-    for r in range(a.rounds):
-        for c in ((True, False) if r % 2 else (False, True)):
-            t0 = time.perf_counter()
-            run(encs[c])
-            times[c].append((time.perf_counter() - t0) * 1e3)
+    times = timed_rounds({c: (lambda c=c: run(encs[c])) for c in (True, False)}, a.rounds)
     m = {c: statistics.median(v) for c, v in times.items()}
     # the ratio within each round (the two calls ran back to back): its median and quartiles
     per_round = sorted(x / y for x, y in zip(times[True], times[False]))
     q1, q3 = statistics.quantiles(per_round, n=4)[0::2]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.rounds} alternating "
-          f"rounds: check_finite=True {m[True]:.2f} ms, False {m[False]:.2f} ms, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.rounds} rounds "
+          f"(random order): check_finite=True {m[True]:.2f} ms, False {m[False]:.2f} ms, "
           f"ratio of medians {m[True] / m[False]:.2f}; per-round ratio median "
           f"{statistics.median(per_round):.2f} (quartiles {q1:.2f}-{q3:.2f})")
 

@@ -1,4 +1,5 @@
-"""Single-token decode against SDPA on a cached K/V, in one process, round robin.
+"""Single-token decode against SDPA on a cached K/V, in one process, each case once per round in
+random order (bench/rounds.py).
 
     .venv/bin/python bench/bench_decode.py [--ctx 4096,16384,32768] [--rounds 21] [--threads 2] [--general]
 
@@ -26,20 +27,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import relpos
+from rounds import timed_rounds
 
 H, D = 8, 64
-
-
-def timed(f):
-    t0 = time.perf_counter()
-    f()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def cases_for(spec, ctx, hk, g, general=False):
@@ -141,13 +136,8 @@ def main():
                         if setup:
                             setup()
                         call()
-                for r in range(a.rounds):
-                    names = list(cases) if r % 2 == 0 else list(cases)[::-1]
-                    for n in names:
-                        setup, call = cases[n]
-                        if setup:
-                            setup()
-                        times[n].append(timed(call))
+                times = timed_rounds({n: call for n, (_, call) in cases.items()}, a.rounds,
+                                     setup={n: setup for n, (setup, _) in cases.items()})
             base = "sdpa_bias" if "sdpa_bias" in cases else "sdpa"
             for n, ts in times.items():
                 med = statistics.median(ts)

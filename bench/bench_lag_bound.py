@@ -1,6 +1,7 @@
 """A learned lag table bounded where it stops changing, against the table over every lag, in one
-process, round robin: one decode step of relpos.Attention(spec) through its KVCache (B 1, H 8,
-D 64, float32), the cache reset to ctx - 1 keys before each step (untimed).
+process, each case once per round in random order: one decode step of relpos.Attention(spec)
+through its KVCache (B 1, H 8, D 64, float32), the cache reset to ctx - 1 keys before each step
+(untimed).
 
     .venv/bin/python bench/bench_lag_bound.py [--spec t5_bias] [--ctx 4096,16384] [--threads 2]
 
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import relpos
+from rounds import timed_rounds
 
 H, D = 8, 64
 
@@ -50,16 +51,15 @@ def main():
             with torch.no_grad():
                 attn(*prefill, cache=cache)
             cases[name] = (attn, cache, cache.lengths.clone())
-        times = {n: [] for n in cases}
         outs = {}
-        for r in range(a.rounds):
-            for n in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
-                attn, cache, length = cases[n]
-                cache.lengths.copy_(length)
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    outs[n] = attn(*step, cache=cache)
-                times[n].append((time.perf_counter() - t0) * 1e3)
+
+        def call(n):
+            with torch.no_grad():
+                outs[n] = cases[n][0](*step, cache=cases[n][1])
+
+        times = timed_rounds({n: (lambda n=n: call(n)) for n in cases}, a.rounds,
+                             setup={n: (lambda c=c: c[1].lengths.copy_(c[2]))
+                                    for n, c in cases.items()})
         torch.testing.assert_close(outs["bounded"], outs["full_table"], rtol=1e-6, atol=1e-6)
         ratio = statistics.median(b / f for b, f in zip(times["bounded"], times["full_table"]))
         print(f"| {ctx} | {statistics.median(times['bounded']):.3f} | "

@@ -1,6 +1,6 @@
 """The Attention module with bfloat16 inputs against itself on float32 inputs and against what a
 user writes instead (HF-style RoPE: the cos/sin table computed once, the rotation in bf16, then
-SDPA in bf16), in one process, round robin.
+SDPA in bf16), in one process, each case once per round in random order (bench/rounds.py).
 
     .venv/bin/python bench/bench_module_half.py [--T 1024,2048,4096] [--rounds 11] [--threads 2]
                                                 [--specs rope,damped_rope] [--json-out FILE]
@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import relpos
+from rounds import timed_rounds
 
 B, H, D = 1, 8, 64
 
@@ -82,12 +82,8 @@ def main() -> None:
                     todo["sdpa_bf16"] = cases["bf16"]
                 for name, ops in todo.items():  # warm-up
                     run(name, ops)
-                times = {n: [] for n in todo}
-                for _ in range(a.rounds):
-                    for name, ops in todo.items():
-                        t0 = time.perf_counter()
-                        run(name, ops)
-                        times[name].append((time.perf_counter() - t0) * 1e3)
+                times = timed_rounds({n: (lambda n=n, ops=ops: run(n, ops))
+                                      for n, ops in todo.items()}, a.rounds)
                 med = {n: statistics.median(t) for n, t in times.items()}
                 for n, t in times.items():
                     sd = med[n] / med["sdpa_bf16"] if "sdpa_bf16" in med else None

@@ -16,7 +16,7 @@ the same cos/sin table, computed once); rotate_pairs_angles (relpos takes the an
 their cos/sin in every call; the baselines keep the table). Each case is checked against the relpos op
 before it is timed. Beside them, the memory floor: the same inputs and gradients copied into fresh
 tensors (`copy`; compile / copy bounds what any op running at copy speed can show). Every round
-runs every case once in turn (alternating the order); prints
+runs every case once, in a fresh random order (seeded: bench/rounds.py); prints
 medians (ms), the ratio of the medians and the median of the per-round ratios.
 """
 
@@ -26,11 +26,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
 import relpos
+from rounds import per_round_ratio, timed_rounds
 
 B, H, T, D = 1, 8, 8192, 64
 
@@ -225,27 +225,21 @@ def main():
     for f in runs.values():  # warm-up (compilation included)
         for _ in range(3):
             f()
-    times = {key: [] for key in runs}
-    for r in range(a.rounds):
-        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
-        for key in order:
-            t0 = time.perf_counter()
-            runs[key]()
-            times[key].append((time.perf_counter() - t0) * 1e3)
+    times = timed_rounds(runs, a.rounds)
     results = {}
     for name, cases in transforms.items():
         r = {label: statistics.median(times[(name, label)]) for label in [*cases, "copy"]}
         for base in ("eager", "compiled", "copy"):
             r[f"{base}_over_relpos"] = r[base] / r["relpos"]
-            r[f"{base}_over_relpos_per_round"] = statistics.median(
-                x / y for x, y in zip(times[(name, base)], times[(name, "relpos")]))
+            r[f"{base}_over_relpos_per_round"] = per_round_ratio(times[(name, base)],
+                                                                 times[(name, "relpos")])
         r["compiled_over_copy"] = r["compiled"] / r["copy"]
-        r["compiled_over_copy_per_round"] = statistics.median(
-            x / y for x, y in zip(times[(name, "compiled")], times[(name, "copy")]))
+        r["compiled_over_copy_per_round"] = per_round_ratio(times[(name, "compiled")],
+                                                            times[(name, "copy")])
         if "relpos_unchecked" in cases:  # what the default finiteness check costs
             r["checked_over_unchecked"] = r["relpos"] / r["relpos_unchecked"]
-            r["checked_over_unchecked_per_round"] = statistics.median(
-                x / y for x, y in zip(times[(name, "relpos")], times[(name, "relpos_unchecked")]))
+            r["checked_over_unchecked_per_round"] = per_round_ratio(
+                times[(name, "relpos")], times[(name, "relpos_unchecked")])
         results[name] = r
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype,
             "shape": [B, H, T, D], "rounds": a.rounds}
@@ -253,7 +247,8 @@ def main():
         print(json.dumps({"meta": meta, "results": results}, indent=2))
         return
     print(f"torch {meta['torch']}, {meta['threads']} threads, B={B} H={H} T={T} D={D} {a.dtype}, "
-          f"fwd+bwd, {a.rounds} rounds round robin (medians; per-round ratio in brackets)")
+          f"fwd+bwd, {a.rounds} rounds, each case once per round in random order (medians; "
+          "per-round ratio in brackets)")
     print()
     print("| transform | relpos ms (checked) | unchecked ms | checked / unchecked | eager ms | "
           "torch.compile ms | eager / relpos | compile / relpos | copy ms | relpos / copy | "

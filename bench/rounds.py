@@ -1,0 +1,42 @@
+"""The timing loop the bench scripts share: every case once per round, in a fresh random order.
+
+A call's time depends on what ran just before it: eager code's temporaries leave the caches cold
+and the heap's top freed (the next allocation faults fresh pages in), a light case leaves both
+warm. A fixed order, or one reversed every other round, puts the same cases after the heavy one
+every time and biases them (bench_ops.py measured RoPE's default call 0.80-0.86x its unchecked
+twin in an alternating order: the two are the same kernel). A seeded shuffle per round gives every
+case the same chance of every predecessor.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Callable, Hashable, Mapping
+
+
+def timed_rounds(cases: Mapping[Hashable, Callable[[], object]], rounds: int, *,
+                 setup: Mapping[Hashable, Callable[[], object] | None] | None = None,
+                 seed: int = 0) -> dict[Hashable, list[float]]:
+    """Runs every case once per round, in a fresh seeded random order, for `rounds` rounds; returns
+    each case's times in ms, round by round (index r of two cases: the same round). `setup[case]`,
+    when given, runs untimed right before the case's call."""
+    order = list(cases)
+    shuffler = random.Random(seed)
+    times: dict[Hashable, list[float]] = {key: [] for key in order}
+    for _ in range(rounds):
+        shuffler.shuffle(order)
+        for key in order:
+            prepare = setup.get(key) if setup else None
+            if prepare is not None:
+                prepare()
+            t0 = time.perf_counter()
+            cases[key]()
+            times[key].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def per_round_ratio(num: list[float], den: list[float]) -> float:
+    """Median over the rounds of num[r] / den[r]."""
+    return statistics.median(x / y for x, y in zip(num, den))
