@@ -195,8 +195,10 @@ class PositionEncoding(nn.Module):
                 self.register_parameter(name, nn.Parameter(t))
             else:
                 self.register_buffer(name, t)
-        self._schema = [f"{pre}{p['name']}{post}" for p in info["params"]
-                        for pre, post in (("raw_", ""), ("", "_fixed"), ("", "_bound"), ("", "_learn"))]
+        forms = (("raw_", ""), ("", "_fixed"), ("", "_bound"), ("", "_learn"))
+        self._schema = [f"{pre}{p['name']}{post}" for p in info["params"] for pre, post in forms]
+        self._gamma_names = [f"{pre}{p['name']}{post}" for p in info["params"]
+                             if p["slot"] == "gamma" for pre, post in forms]
         self._center_mode = info["center"]
         self._center_value = float(info["center_value"])
         self._max_exp = float(info["max_exp"])
@@ -312,10 +314,10 @@ class PositionEncoding(nn.Module):
         return self._zero_gamma[1]
 
     def _gamma_sources(self):
-        """The schema tensors kernel_params() computes gamma from."""
-        return [getattr(self, f"{pre}{p['name']}{post}") for p in self._info["params"]
-                if p["slot"] == "gamma"
-                for pre, post in (("raw_", ""), ("", "_fixed"), ("", "_bound"), ("", "_learn"))]
+        """The schema tensors kernel_params() computes gamma from (read from the module's dicts,
+        as _schema_tensors does: nn.Module.__getattr__ is the slow path)."""
+        p, b = self._parameters, self._buffers
+        return [p[n] if n in p else b[n] for n in self._gamma_names]
 
     def _check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         for name, t in (("q", q), ("k", k)):
@@ -397,11 +399,21 @@ class PositionEncoding(nn.Module):
         if T == 0 or not self._terms:
             out = (q, k)
         else:
-            kp = self.kernel_params()
+            # nothing trains (RoPE, ALiBi, frozen or no-grad calls): the kernels' parameters kept
+            # while the schema's values stay (one comparison instead of the reparameterisation's
+            # ops, which cost more than the transform itself on a cold cache at small sizes)
+            if eager and q.device.type != "meta" and not (
+                    torch.is_grad_enabled()
+                    and any(t.requires_grad for t in self._schema_tensors())):
+                gamma, eta, gates, alpha0 = self._inference_params(table_dtype)
+            else:
+                kp = self.kernel_params()
+                gamma, eta, gates, alpha0 = (kp[n].to(table_dtype)
+                                             for n in ("gamma", "eta", "gates", "alpha0"))
             center = self.center_for(pos)
-            if eager and pos.device.type != "meta" and self._may_warn(positions, kp["gamma"]):
+            if eager and pos.device.type != "meta" and self._may_warn(positions, gamma):
                 self._warned = torch.ops.relpos.encoding_warnings(
-                    positions, pos, center, kp["gamma"].detach(), self.spec, self.head_dim,
+                    positions, pos, center, gamma.detach(), self.spec, self.head_dim,
                     self.num_heads, self._last_center, self._warned,
                 )
                 if self._center_mode == "mid":
@@ -417,10 +429,10 @@ class PositionEncoding(nn.Module):
                         torch.ops.relpos.transform,
                         q,
                         k,
-                        kp["gamma"].to(table_dtype),
-                        kp["eta"].to(table_dtype),
-                        kp["gates"].to(table_dtype),
-                        kp["alpha0"].to(table_dtype),
+                        gamma,
+                        eta,
+                        gates,
+                        alpha0,
                         pos,
                         cos,
                         sin,

@@ -201,6 +201,31 @@ def test_trig_cache_follows_position_changes():
     torch.testing.assert_close(enc(q, q)[0], enc(q, q, torch.arange(5, dtype=torch.float64))[0])
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_frozen_and_no_grad_calls_follow_parameter_writes(spec):
+    """A call with nothing to train keeps the kernels' parameters while the schema's values stay:
+    writes through .data (as EMA swaps do, no version bump) must reach the next call, frozen or
+    under no_grad, and every such call equals the trainable module's."""
+    D = head_dim_for(spec, 2)
+    enc = relpos.PositionEncoding(spec, D, 2).double()
+    q = torch.randn(1, 2, 6, D, dtype=torch.float64)
+    k = torch.randn(1, 2, 6, D, dtype=torch.float64)
+    pos = torch.tensor([0.0, 1.0, 2.0, 4.5, 9.0, 10.0], dtype=torch.float64)
+    for step in range(3):
+        trained = enc(q, k, pos)
+        with torch.no_grad():
+            inferred = enc(q, k, pos)
+        enc.requires_grad_(False)
+        frozen = enc(q, k, pos)
+        enc.requires_grad_(True)
+        for got in (inferred, frozen):
+            for a, b in zip(got, trained):
+                torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+        for t in [*enc.parameters(), *enc.buffers()]:  # a swap of values, no version bump
+            if t.is_floating_point() and t.numel():
+                t.data.add_(0.05 * (step + 1) * torch.randn_like(t))
+
+
 def test_rope_scaling_dict_equals_rope_at_the_yarn_frequencies():
     # HF _compute_yarn_parameters for dim 8, base 1e4, factor 4, original 16 (float64)
     D, base, s, L0 = 8, 10000.0, 4.0, 16

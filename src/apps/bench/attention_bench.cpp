@@ -20,15 +20,16 @@
 // autograd on half copies of q, k, v, dout: the kernels read them as stored), sdpa_<dtype> (SDPA
 // on the same half tensors) and ours_op (the same op and autograd on the float32 inputs: the
 // like-for-like float32 baseline of ours_<dtype>).
-// Timing: every case of one T in one process, round-robin over the repeats (noise spreads over
-// all cases alike), after a warm-up; medians, every run listed. Inputs, outputs and the mask are
-// allocated outside the timed region except each call's own outputs and gradients; the mask is
-// built once per T (not timed: a fixed ALiBi mask can be cached by a user).
-// Memory: each case once more in a child process (this program re-run with --memory-child):
-// it warms the case up at a small T (code pages, thread pools), allocates the inputs, reads its
-// resident set, builds the mask (sdpa_mask; the bool causal mask of composed_X, sdpa_X), resets the
-// peak (/proc/self/clear_refs), runs the case once and reports peak resident set - resident set
-// after the inputs: the case's own memory (the mask included), nothing of the other cases.
+// Timing: every case of one T in one process, once per repeat in a fresh random order (noise and
+// what the previous case left spread over all cases alike), after a warm-up; medians, every run
+// listed. Inputs, outputs and the mask are allocated outside the timed region except each call's
+// own outputs and gradients; the mask is built once per T (not timed: a fixed ALiBi mask can be
+// cached by a user). Memory: each case once more in a child process (this program re-run with
+// --memory-child): it warms the case up at a small T (code pages, thread pools), allocates the
+// inputs, reads its resident set, builds the mask (sdpa_mask; the bool causal mask of composed_X,
+// sdpa_X), resets the peak (/proc/self/clear_refs), runs the case once and reports peak resident
+// set - resident set after the inputs: the case's own memory (the mask included), nothing of the
+// other cases.
 #include "apps/bench/attention_bench.hpp"
 
 #include <ATen/ATen.h>
@@ -734,9 +735,8 @@ std::optional<double> ratio(const std::vector<Result>& rs, int64_t T, Mode m, Im
   if (!a || !b) return std::nullopt;
   return a->median_ms / b->median_ms;
 }
-
-// Median over the repeats of num's run i / den's run i: the two ran one after the other in the
-// same round, so load that comes and goes cancels more than in the ratio of medians.
+// Median over the repeats of num's run i / den's run i: the two ran in the same round, so load that
+// comes and goes cancels more than in the ratio of medians.
 std::optional<double> paired_ratio(const std::vector<Result>& rs, int64_t T, Mode m, Impl num,
                                    Impl den) {
   const Result *a = find(rs, T, m, num), *b = find(rs, T, m, den);
@@ -829,9 +829,10 @@ void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
     for (int w = 1; w < a.warmup; ++w)
       for (const auto& r : res)
         if (r.skipped.empty()) time_ms(in, r.impl, r.mode);
+    RoundOrder order(res.size());
     for (int rep_i = 0; rep_i < a.repeats; ++rep_i)
-      for (auto& r : res)
-        if (r.skipped.empty()) {
+      for (const size_t i : order.next())
+        if (auto& r = res[i]; r.skipped.empty()) {
           double cpu = 0;
           r.runs_ms.push_back(time_ms(in, r.impl, r.mode, &cpu));
           r.cpu_ms.push_back(cpu);

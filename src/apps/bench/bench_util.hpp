@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -19,6 +22,24 @@ inline double median(std::vector<double> x) {
   const size_t n = x.size();
   return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
+
+// The order of the cases in each round: a fresh seeded shuffle per round. A call's time depends
+// on what ran before it (the memory it freed, the cache it left), and with a fixed or alternating
+// order the same cases would always follow the heaviest one.
+class RoundOrder {
+ public:
+  explicit RoundOrder(size_t cases, uint64_t seed = 0) : order_(cases), rng_(seed) {
+    std::iota(order_.begin(), order_.end(), size_t{0});
+  }
+  const std::vector<size_t>& next() {
+    std::shuffle(order_.begin(), order_.end(), rng_);
+    return order_;
+  }
+
+ private:
+  std::vector<size_t> order_;
+  std::mt19937_64 rng_;
+};
 
 inline std::string torch_version() {
   return fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);

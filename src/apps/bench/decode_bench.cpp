@@ -17,7 +17,8 @@
 // The cache is filled once per mechanism and layout with random keys, values and (content
 // biases) key-side tensors of the shapes the module stores; before every timed step its lengths
 // are set back to ctx - 1. Every case of one (mechanism, layout, ctx) runs in one process,
-// round robin, after a warm-up; medians and the median of the per-round ratios.
+// once per round in a fresh random order, after a warm-up; medians and the median of the
+// per-round ratios.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -171,13 +172,9 @@ std::vector<Row> bench_mechanism(const Args& a, const std::string& spec, int64_t
     std::map<std::string, std::vector<double>> t;
     for (int w = 0; w < a.warmup; ++w)
       for (auto& [name, f] : cases) f();
-    for (int r = 0; r < a.rounds; ++r) {
-      // alternate the order: a case never always follows the same one
-      for (size_t i = 0; i < cases.size(); ++i) {
-        auto& [name, f] = cases[r % 2 ? cases.size() - 1 - i : i];
-        t[name].push_back(time_ms(f));
-      }
-    }
+    RoundOrder order(cases.size());
+    for (int r = 0; r < a.rounds; ++r)
+      for (const size_t i : order.next()) t[cases[i].first].push_back(time_ms(cases[i].second));
     Row row{spec, heads, "", ctx};
     for (const auto& [name, ts] : t) {
       row.ms[name] = median(ts);
