@@ -274,12 +274,20 @@ void tile_series(const SegmentDesc& s, const Params<T>& P, int64_t h, int64_t H,
 }
 
 // Rows of the largest tile of a call (its Scratch's size).
-inline int tile_rows(Dims d) { return static_cast<int>(std::min<int64_t>(kTile, d.T)); }
+inline int tile_rows(Dims d) {
+  return static_cast<int>(std::min<int64_t>(kTile, d.T));
+}
 
 // Work items: tiles of up to kTile consecutive tokens of one (batch, head).
 struct Tiling {
   int64_t per_bh, count;
   explicit Tiling(Dims d) : per_bh((d.T + kTile - 1) / kTile), count(d.B * d.H * per_bh) {}
+  // The tile visited `visit`-th when the heads of each token block follow one another (tiles are
+  // numbered (batch, head, block)).
+  int64_t heads_inner(int64_t visit, int64_t H) const {
+    const int64_t b = visit / (per_bh * H), rest = visit % (per_bh * H);
+    return (b * H + rest % H) * per_bh + rest / H;
+  }
 };
 
 struct TileInfo {
