@@ -1,11 +1,13 @@
 """The cost of PositionEncoding's default finiteness check: RoPE forward + backward with
 check_finite=True (the default) against check_finite=False, in one process, rounds in random order.
 
-    .venv/bin/python bench/bench_check_finite.py [--rounds 31] [--threads 2]
+    .venv/bin/python bench/bench_check_finite.py [--rounds 31] [--threads 2] [--shape B,H,T,D]
 
-Shape B=1, H=8, T=8192, D=64, float32, positions 0..T-1 (bench/bench_ops.py's). Prints the
-medians, their ratio, and the median and quartiles of the per-round ratios. The check runs in the
-transform kernel, on each output tile while it is in cache (kernels/transform.hpp).
+Shape (default) B=1, H=8, T=8192, D=64, float32, positions 0..T-1 (bench/bench_ops.py's;
+`--shape 4,4,1024,64` stays in the cache). Prints the medians, their ratio, and the median and
+quartiles of the per-round ratios. The check runs in the transform kernel: a plain rotation over
+whole rows checks its outputs in the registers, other maps each output tile while it is in cache
+(kernels/transform_driver.hpp).
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ import torch
 import relpos
 from rounds import timed_rounds
 
-B, H, T, D = 1, 8, 8192, 64
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=31)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", default="1,8,8192,64", help="B,H,T,D of q and k")
     a = ap.parse_args()
+    try:
+        B, H, T, D = (int(v) for v in a.shape.split(","))
+    except ValueError:
+        ap.error(f"--shape takes B,H,T,D, got {a.shape!r}")
+    if min(B, H, T, D) < 1 or D % 2:
+        ap.error(f"--shape needs positive sizes and an even D, got {a.shape!r}")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     q = torch.randn(B, H, T, D, requires_grad=True)
@@ -47,7 +53,7 @@ def main():
     # the ratio within each round (the two calls ran back to back): its median and quartiles
     per_round = sorted(x / y for x, y in zip(times[True], times[False]))
     q1, q3 = statistics.quantiles(per_round, n=4)[0::2]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.rounds} rounds "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, [{B}, {H}, {T}, {D}], {a.rounds} rounds "
           f"(random order): check_finite=True {m[True]:.2f} ms, False {m[False]:.2f} ms, "
           f"ratio of medians {m[True] / m[False]:.2f}; per-round ratio median "
           f"{statistics.median(per_round):.2f} (quartiles {q1:.2f}-{q3:.2f})")
