@@ -103,8 +103,9 @@ struct MapJob {
 // keys and A^{-T} on queries, its backward tile without parameters the transposes), or the
 // generic map_segment of each job's role.
 //
-// With `check_outputs`, each job's output tile is checked for NaN / Inf right after it is
-// written (it is still in cache); returns the jobs with one, bit i for jobs[i] (else 0).
+// With `check_outputs`, each job's outputs are checked for NaN / Inf: in registers by a lone plain
+// rotation over whole rows, else each tile right after it is written (it is still in cache);
+// returns the jobs with one, bit i for jobs[i] (else 0).
 template <class T, Layout LY>
 int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const Params<T>& P,
              TrigView<T> trig, const MapJob<T>* jobs, int njobs, bool check_outputs = false) {
