@@ -19,7 +19,7 @@ import statistics
 import torch
 
 import relpos
-from rounds import timed_rounds
+from rounds import parse_shape, timed_rounds
 
 
 def main():
@@ -28,12 +28,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=61)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    try:
-        B, H, T, D = (int(v) for v in a.shape.split(","))
-    except ValueError:
-        ap.error(f"--shape takes B,H,T,D, got {a.shape!r}")
-    if min(B, H, T, D) < 1 or D % 2:
-        ap.error(f"--shape needs positive sizes and an even D, got {a.shape!r}")
+    B, H, T, D = parse_shape(ap, a.shape)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     q, k = torch.randn(B, H, T, D), torch.randn(B, H, T, D)

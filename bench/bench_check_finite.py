@@ -18,7 +18,7 @@ import statistics
 import torch
 
 import relpos
-from rounds import timed_rounds
+from rounds import parse_shape, timed_rounds
 
 def main():
     ap = argparse.ArgumentParser()
@@ -26,12 +26,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shape", default="1,8,8192,64", help="B,H,T,D of q and k")
     a = ap.parse_args()
-    try:
-        B, H, T, D = (int(v) for v in a.shape.split(","))
-    except ValueError:
-        ap.error(f"--shape takes B,H,T,D, got {a.shape!r}")
-    if min(B, H, T, D) < 1 or D % 2:
-        ap.error(f"--shape needs positive sizes and an even D, got {a.shape!r}")
+    B, H, T, D = parse_shape(ap, a.shape)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     q = torch.randn(B, H, T, D, requires_grad=True)

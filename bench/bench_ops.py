@@ -30,7 +30,7 @@ import statistics
 import torch
 
 import relpos
-from rounds import per_round_ratio, timed_rounds
+from rounds import parse_shape, per_round_ratio, timed_rounds
 
 B, H, T, D = 1, 8, 8192, 64
 
@@ -119,12 +119,7 @@ def main():
                     help="B,H,T,D of q and k (default: 16 MiB per float32 tensor, past the cache; "
                          "4,4,1024,64 is the training step's, 4 MiB, within it)")
     a = ap.parse_args()
-    try:
-        B, H, T, D = (int(v) for v in a.shape.split(","))
-    except ValueError:
-        ap.error(f"--shape takes B,H,T,D, got {a.shape!r}")
-    if min(B, H, T, D) < 1 or D % 4:
-        ap.error(f"--shape needs positive sizes and D a multiple of 4, got {a.shape!r}")
+    B, H, T, D = parse_shape(ap, a.shape, multiple=4)  # jordan_m2: blocks of two pairs
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     pos = torch.arange(T, dtype=torch.float64)

@@ -1,4 +1,5 @@
-"""The timing loop the bench scripts share: every case once per round, in a fresh random order.
+"""What the bench scripts share: the timing loop (every case once per round, in a fresh random
+order) and the parsing of a --shape B,H,T,D option.
 
 A call's time depends on what ran just before it: eager code's temporaries leave the caches cold
 and the heap's top freed (the next allocation faults fresh pages in), a light case leaves both
@@ -10,6 +11,7 @@ case the same chance of every predecessor.
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -40,3 +42,15 @@ def timed_rounds(cases: Mapping[Hashable, Callable[[], object]], rounds: int, *,
 def per_round_ratio(num: list[float], den: list[float]) -> float:
     """Median over the rounds of num[r] / den[r]."""
     return statistics.median(x / y for x, y in zip(num, den))
+
+
+def parse_shape(ap: argparse.ArgumentParser, text: str, multiple: int = 2) -> tuple[int, ...]:
+    """B,H,T,D from a --shape value: positive sizes, D a multiple of `multiple` (pairs: 2; blocks
+    of two pairs: 4); a bad value is the parser's error (exit 2, the option named)."""
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1 or shape[3] % multiple:
+        ap.error(f"--shape takes B,H,T,D (positive, D a multiple of {multiple}), got {text!r}")
+    return shape
