@@ -369,9 +369,16 @@ torch::Tensor checked_position_values(const torch::Tensor& given, int64_t B, int
     if (lo < -limit || hi > limit) throw InputError(beyond(lo, hi));
   }
   auto p = positions.to(torch::kDouble).contiguous();
-  if (!all_finite(p)) throw InputError("positions contain NaN or Inf");
-  if (p.numel() > 0 && p.abs().max().item<double>() > kMaxPosition)
-    throw InputError(beyond(p.min().item<double>(), p.max().item<double>()));
+  // one pass over O(T) values (tensor ops here cost more than the check: each is a dispatch and
+  // an allocation, paid on every call of a module on cold caches)
+  const double* v = p.data_ptr<double>();
+  double lo = 0, hi = 0;
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    if (!std::isfinite(v[i])) throw InputError("positions contain NaN or Inf");
+    lo = i ? std::min(lo, v[i]) : v[i];
+    hi = i ? std::max(hi, v[i]) : v[i];
+  }
+  if (std::max(-lo, hi) > kMaxPosition) throw InputError(beyond(lo, hi));
   return p;
 }
 
