@@ -125,7 +125,8 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
   }
 #endif
   // one segment covering every pair: the fast rotation's register check sees every output
-  [[maybe_unused]] const bool whole_rotation = plan.segments.size() == 1 && 2 * covered == D;
+  [[maybe_unused]] const bool whole_rotation =
+      plan.segments.size() == 1 && plan.segments[0].first_pair == 0 && 2 * covered == D;
   // plain rotations only (no damping series carried from tile to tile): the heads of one token
   // block run one after another, so the block's cos/sin rows are read from memory once, not once
   // per head (a table of 2 MiB read 8 times is half as much again as q and k themselves)
@@ -223,7 +224,7 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
             }
           }
         });
-      if (2 * covered < D)  // (a row loop per tile costs as many instructions as RoPE's)
+      if (2 * covered < D)  // (else nothing is uncovered: no row loop per tile)
         for (int tt = 0; tt < n; ++tt) {
           const int64_t row = bh * dims.T + t0 + tt;
           for (int i = 0; i < njobs; ++i)
