@@ -69,6 +69,7 @@ struct Scratch {
   // blocks, and rows per tile: the tiles' token count, at most kTile (a one-token call, as a
   // decode step's, allocates and clears one row's scratch, not kTile's)
   int nb, tr;
+  int tab;  // rows of the [token][block] tables: tr, or 0 when no segment reads them
   std::vector<T> ek, eq, x, ck, cq, dl, de, dser, part;
   bool tile_clamped = false;  // did the exponent clamp bind anywhere in this tile's segment
   std::vector<double> ekd, eqd, pos, u;
@@ -86,23 +87,27 @@ struct Scratch {
   std::vector<float> f_u, f_p, f_eta, f_e0k, f_e0q, f_ones, f_pk, f_pq, f_sk, f_sq, f_gm, f_acc;
   std::vector<double> pw_k, pw_q, pw_d;
   std::vector<int64_t> pw_h;
-  explicit Scratch(int blocks, int rows = kTile)
+  // tables: false where every segment takes the plain-rotation fast path, which reads none of
+  // the [token][block] tables (they are 390 KB a thread at 32 blocks, allocated and cleared per
+  // call: a third of a small RoPE call's kernel time)
+  explicit Scratch(int blocks, int rows = kTile, bool tables = true)
       : nb(std::max(1, blocks)),
         tr(std::clamp(rows, 1, kTile)),
-        ek(tr * nb),
-        eq(tr * nb),
-        x(tr * nb),
-        ck(kMaxOrder * tr * nb),
-        cq(kMaxOrder * tr * nb),
-        dl(tr * nb),
-        de(tr * nb),
-        dser(kMaxOrder * tr * nb),
+        tab(tables ? tr : 0),
+        ek(tab * nb),
+        eq(tab * nb),
+        x(tab * nb),
+        ck(kMaxOrder * tab * nb),
+        cq(kMaxOrder * tab * nb),
+        dl(tab * nb),
+        de(tab * nb),
+        dser(kMaxOrder * tab * nb),
         part(nb),
-        ekd(tr * nb),
-        eqd(tr * nb),
+        ekd(tab * nb),
+        eqd(tab * nb),
         pos(tr),
         u(tr),
-        clamped(tr * nb),
+        clamped(tab * nb),
         ek_last(nb),
         eq_last(nb),
         rk(nb),
@@ -114,15 +119,15 @@ struct Scratch {
         f_eta(nb + 16),
         f_e0k(nb + 16),
         f_e0q(nb + 16),
-        f_ones(tr * (nb + 16), 1.0f),
-        f_pk(tr * (nb + 16)),
-        f_pq(tr * (nb + 16)),
-        f_sk(tr * (nb + 16)),
-        f_sq(tr * (nb + 16)),
-        f_gm(tr * (nb + 16)),
+        f_ones(tab * (nb + 16), 1.0f),
+        f_pk(tab * (nb + 16)),
+        f_pq(tab * (nb + 16)),
+        f_sk(tab * (nb + 16)),
+        f_sq(tab * (nb + 16)),
+        f_gm(tab * (nb + 16)),
         f_acc(2 * (nb + 16)),
-        pw_k(tr * (nb + 16)),
-        pw_q(tr * (nb + 16)),
+        pw_k(tab * (nb + 16)),
+        pw_q(tab * (nb + 16)),
         pw_d(nb, std::numeric_limits<double>::quiet_NaN()),
         pw_h(nb, -1) {}
 
