@@ -186,6 +186,10 @@ class PositionEncoding(nn.Module):
         for i, t in enumerate(info["transforms"]):
             kind = {"fixed_linear": "fixed", "vector_rotation": "vector"}.get(t["kind"], "position")
             self._terms.append((kind, i))
+        # read on every call (a decode step's Python is its cost): the term kinds, once
+        self._has_position_term = any(kind == "position" for kind, _ in self._terms)
+        self._only_position_term = [kind for kind, _ in self._terms] == ["position"]
+        self._vector_term = next((i for kind, i in self._terms if kind == "vector"), None)
         # the C++ module's parameters and buffers as it creates them (fixed maps fixed<i>_m, the
         # schema's raw_<name> / <name>_fixed / _bound / _learn, a learned lag table's tensors drawn
         # from torch's generator in the same order): the same names and bits
@@ -299,7 +303,7 @@ class PositionEncoding(nn.Module):
     def _may_warn(self, positions, gamma) -> bool:
         """Whether a warning not yet issued could apply to this call (skips the op otherwise:
         plain RoPE at default positions never pays for it)."""
-        if not any(kind == "position" for kind, _ in self._terms):
+        if not self._has_position_term:
             return False
         narrow = positions is not None and positions.dtype in (torch.float32, torch.float16, torch.bfloat16)
         return ((gamma.numel() > 0 and not self._warned & 1 and not self._damping_is_zero(gamma))
@@ -360,8 +364,7 @@ class PositionEncoding(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         # with a position term the transform kernel checks its outputs tile by tile (every
         # non-finite input reaches one; no extra pass over q and k), else one pass here
-        kernel_checks = eager and self.check_finite and any(
-            kind == "position" for kind, _ in self._terms)
+        kernel_checks = eager and self.check_finite and self._has_position_term
         if eager and self.check_finite and not kernel_checks:
             for name, t in (("q", q), ("k", k)):
                 if not _all_finite(t):
@@ -369,20 +372,18 @@ class PositionEncoding(nn.Module):
         stored_as = q.dtype
         # half storage: every term in float32, one rounding at the end (one position term reads
         # and writes half itself, fp32 math inside: the same single rounding)
-        rounded_here = stored_as in _HALF and (self._scaled
-                                               or [kind for kind, _ in self._terms] != ["position"])
+        rounded_here = stored_as in _HALF and (self._scaled or not self._only_position_term)
         if rounded_here:
             q, k = q.float(), k.float()
         # the op's tables and parameters: float32 beside half storage on the CPU (the GPU's half
         # kernels take them in the storage dtype)
         table_dtype = q.dtype if q.device.type == "cuda" else _compute_dtype(q.dtype)
         B, H, T, D = q.shape
-        for kind, i in self._terms:
-            if kind == "vector":
-                dc = self._info["transforms"][i]["vector_dims"]
-                raise InputError(f"{self.spec!r} rotates by vector positions [T, {dc}]: run it "
-                                 f"through relpos.Attention with positions [T, {dc}], not "
-                                 "through the encoding")
+        if self._vector_term is not None:
+            dc = self._info["transforms"][self._vector_term]["vector_dims"]
+            raise InputError(f"{self.spec!r} rotates by vector positions [T, {dc}]: run it "
+                             f"through relpos.Attention with positions [T, {dc}], not "
+                             "through the encoding")
         if positions is None:
             pos = torch.arange(T, dtype=torch.float64, device=q.device)
         elif checked:
@@ -453,7 +454,8 @@ class PositionEncoding(nn.Module):
                 if af != 1.0:
                     q, k = q * af, k * af
             out = (q, k)
-        out = tuple(t.to(stored_as) for t in out)
+        if out[0].dtype != stored_as:
+            out = tuple(t.to(stored_as) for t in out)
         # float16 tops out at 65504: a damped map's growth that float32 holds can overflow (the
         # CPU op checks the words it stores itself, so there only a rounding done here needs a
         # pass)

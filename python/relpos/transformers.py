@@ -204,8 +204,7 @@ class RelposAttention(nn.Module):
         if g == 1:
             return self.encoding(q, k, positions)
         both = torch.cat([q.reshape(B, Hk, g * T, D), k], 2)
-        pos = torch.cat([positions.repeat(g), positions] if positions.dim() == 1
-                        else [positions.repeat(1, g), positions], -1)
+        pos = positions.repeat(g + 1) if positions.dim() == 1 else positions.repeat(1, g + 1)
         tq, tk = self.encoding(both, both, pos)
         return tq[:, :, : g * T].reshape(B, Hq, T, D), tk[:, :, g * T:]
 
@@ -227,7 +226,7 @@ class RelposAttention(nn.Module):
             q_offset = int(cache.get_query_offset(layer_idx))
             _, kv_offset = cache.get_mask_sizes(T, layer_idx)
             kv_offset = int(kv_offset)
-        qslot = torch.arange(T, dtype=torch.float64) + q_offset
+        qslot = torch.arange(q_offset, q_offset + T, dtype=torch.float64)
         if position_ids is None:
             pos = qslot
         else:
@@ -238,7 +237,7 @@ class RelposAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)
         Tk = k.shape[2]
-        kslot = torch.arange(Tk, dtype=torch.float64) + kv_offset
+        kslot = torch.arange(kv_offset, kv_offset + Tk, dtype=torch.float64)
         return self.attend(q, k, v, qslot, kslot, mask)
 
     # -- scoring
