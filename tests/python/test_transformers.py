@@ -560,3 +560,21 @@ def test_doc_ten_line_script_runs():
 
 def test_doc_fine_tuning_example_runs():
     exec(compile(_doc_block("fine-tune"), "docs/transformers.md", "exec"), {})
+
+
+def test_generate_benchmark_runs_and_checks_tokens():
+    """bench/bench_hf_generate.py at a toy size: it checks the switched model generates HF's
+    tokens before timing, and prints one row per (ctx, heads) case."""
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_hf_generate.py"
+    r = subprocess.run([sys.executable, str(script), "--ctx", "24,40", "--kv-heads", "8,2",
+                        "--new", "2", "--rounds", "1", "--layers", "1", "--hidden", "64",
+                        "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if re.match(r"\| \d+ \| 8:\d \|", line)]
+    assert len(rows) == 4, r.stdout
+    bad = subprocess.run([sys.executable, str(script), "--kv-heads", "3"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--kv-heads" in bad.stderr
