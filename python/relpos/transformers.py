@@ -226,9 +226,8 @@ class RelposAttention(nn.Module):
             q_offset = int(cache.get_query_offset(layer_idx))
             _, kv_offset = cache.get_mask_sizes(T, layer_idx)
             kv_offset = int(kv_offset)
-        qslot = torch.arange(q_offset, q_offset + T, dtype=torch.float64)
         if position_ids is None:
-            pos = qslot
+            pos = torch.arange(q_offset, q_offset + T, dtype=torch.float64)
         else:
             pos = position_ids.to(torch.float64)
             if pos.dim() == 2 and pos.shape[0] == 1:
@@ -237,25 +236,37 @@ class RelposAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)
         Tk = k.shape[2]
+        if kv_offset == 0 and q_offset + T == Tk:
+            # the kernel's default geometry (keys at slots 0..Tk-1, queries the last T): no
+            # position tensors to build and check per layer and step
+            return self.attend(q, k, v, None, None, mask)
+        qslot = torch.arange(q_offset, q_offset + T, dtype=torch.float64)
         kslot = torch.arange(kv_offset, kv_offset + Tk, dtype=torch.float64)
         return self.attend(q, k, v, qslot, kslot, mask)
 
     # -- scoring
 
-    def _bias_args(self, qslot, kslot, dtype) -> dict:
+    def _bias_args(self, qslot, kslot, Tq, Tk, dtype) -> dict:
         out = {}
         if self._slopes is not None:
             out["slopes"] = torch.tensor(self._slopes, dtype=dtype)
         if self._lag_table:
-            span = float(qslot.max() - kslot.min()) if qslot.numel() and kslot.numel() else 0.0
+            if not (Tq and Tk):
+                span = 0.0
+            elif qslot is None:  # the default geometry: the last query at Tk - 1, keys from 0
+                span = float(Tk - 1)
+            else:
+                span = float(qslot.max() - kslot.min())
             out["lag_table"] = self.encoding.attention_lag_table(span).to(dtype)
         return out
 
     def attend(self, q, k, v, qslot, kslot, mask):
-        """Softmax attention of the transformed q over the transformed k at the slot positions,
-        with the mask HF built (see :func:`relpos_mask`)."""
+        """Softmax attention of the transformed q over the transformed k at the slot positions
+        (both None: the kernel's default, keys at 0..Tk-1 and queries the last Tq), with the mask
+        HF built (see :func:`relpos_mask`)."""
         kw = dict(q_positions=qslot, k_positions=kslot, causal=True, window=self.window,
-                  scale=self.scale, **self._bias_args(qslot, kslot, q.dtype))
+                  scale=self.scale,
+                  **self._bias_args(qslot, kslot, q.shape[2], k.shape[2], q.dtype))
         if mask is None:
             return fused_attention(q, k, v, **kw)[0]
         if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
@@ -287,6 +298,10 @@ def _masked_attention(q, k, v, visible, qslot, kslot, kw):
     (the kernel's formula: ``q k^T * scale - slope_h (p_i - p_j) + table_h[p_i - p_j]``, rows
     without a visible key give zeros). Slower than the kernel; differentiable."""
     B, Hq, Tq, D = q.shape
+    if qslot is None:  # the default geometry
+        Tk = k.shape[2]
+        kslot = torch.arange(Tk, dtype=torch.float64)
+        qslot = kslot[Tk - Tq:]
     g = Hq // k.shape[1]
     kk, vv = (k, v) if g == 1 else (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
     scores = (q @ kk.transpose(-1, -2)) * kw["scale"]
