@@ -27,6 +27,9 @@ _LAYOUTS = {"interleaved": 0, "half_split": 1, "neox": 1, "rotate_half": 1}
 _HALF = (torch.bfloat16, torch.float16)
 _MAX_LAG_TABLE = 1 << 20  # kernels::kMaxLagTable: the kernel's longest lag table
 _STORABLE = (torch.float32, torch.float64) + _HALF
+# calls with at most this many positions (decode and speculative steps) leave the cos/sin table to
+# the transform op instead of the module's table cache
+_OP_BUILT_TRIG_ROWS = 8
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -180,7 +183,7 @@ class PositionEncoding(nn.Module):
         # the once-per-module warnings (docs/errors.md), issued by the op the C++ module shares
         self._warned = 0  # bits of torch.ops.relpos.encoding_warnings
         self._zero_gamma: tuple | None = None  # (versions of gamma's tensors, all zero)
-        self._inference_cache: tuple | None = None  # (dtype, schema values, params)
+        self._inference_cache: tuple | None = None  # (dtype, schema values, params, gamma all zero)
         self._last_center: float | None = None
         self._terms = []  # ("position" | "fixed" | "vector", index of the term)
         for i, t in enumerate(info["transforms"]):
@@ -242,9 +245,10 @@ class PositionEncoding(nn.Module):
         if c is None or c[0] != dtype or not torch.ops.relpos.same_values(schema, c[1]):
             with torch.no_grad():
                 kp = self.kernel_params()
-            self._inference_cache = (dtype, [t.detach().clone() for t in schema],
-                                     [kp[n].to(dtype).contiguous()
-                                      for n in ("gamma", "eta", "gates", "alpha0")])
+            params = [kp[n].to(dtype).contiguous() for n in ("gamma", "eta", "gates", "alpha0")]
+            # whether gamma is all zero, read once per rebuild (_damping_is_zero)
+            self._inference_cache = (dtype, [t.detach().clone() for t in schema], params,
+                                     bool((params[0] == 0).all()))
         return self._inference_cache[2]
 
     def lag_table(self, length: int) -> torch.Tensor | None:
@@ -314,6 +318,9 @@ class PositionEncoding(nn.Module):
         """Whether the kernels' gamma is all zero (no exponent, so the clamp cannot bind): read
         once per version of the tensors it comes from (RoPE's never change, so a decode step on a
         GPU does not copy gamma to the host for the clamp check)."""
+        c = self._inference_cache
+        if c is not None and gamma is c[2][0]:  # the inference cache's gamma: read at its rebuild
+            return c[3]
         key = tuple((id(t), t._version) for t in self._gamma_sources())
         if self._zero_gamma is None or self._zero_gamma[0] != key:
             self._zero_gamma = (key, bool((gamma.detach() == 0).all()))
@@ -421,7 +428,12 @@ class PositionEncoding(nn.Module):
                 )
                 if self._center_mode == "mid":
                     self._last_center = center
-            cos, sin = self._trig(pos, positions is None, center, B, table_dtype)
+            if eager and q.device.type == "cpu" and pos.numel() <= _OP_BUILT_TRIG_ROWS:
+                # a decode step's few rows, at positions that move every call: the op builds
+                # them (no table op, no cache compare and copy); the backward builds them again
+                cos = sin = None
+            else:
+                cos, sin = self._trig(pos, positions is None, center, B, table_dtype)
             for kind, i in self._terms:
                 if kind == "fixed":
                     m = getattr(self, f"fixed{i}_m").to(q.dtype)
