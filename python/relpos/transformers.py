@@ -204,7 +204,10 @@ class RelposAttention(nn.Module):
         if g == 1:
             return self.encoding(q, k, positions)
         both = torch.cat([q.reshape(B, Hk, g * T, D), k], 2)
-        pos = positions.repeat(g + 1) if positions.dim() == 1 else positions.repeat(1, g + 1)
+        # the positions once per query head of the group and once for the keys (expanded, not
+        # repeat: aten::repeat costs several times a copy at a decode step's sizes)
+        pos = (positions.expand(g + 1, T).reshape(-1) if positions.dim() == 1
+               else positions.unsqueeze(1).expand(B, g + 1, T).reshape(B, -1))
         tq, tk = self.encoding(both, both, pos)
         return tq[:, :, : g * T].reshape(B, Hq, T, D), tk[:, :, g * T:]
 
