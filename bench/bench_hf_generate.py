@@ -14,11 +14,12 @@ generate the same tokens (checked before timing: greedy decoding, 8 tokens), or 
 mechanism (no token check: a different model).
 
 Per context length (the prompt: random tokens 1-511 with an all-ones attention mask, as a
-tokenizer returns it; batch 1) each model runs `generate` twice per round:
-one new token (the prefill and one step) and 1 + `--new` tokens. The decode time per token is
-(t(1 + new) - t(1)) / new within a round. Prints medians (ms), ours / HF's and the median of the
-per-round ratios. Greedy decoding with `min_new_tokens` so every call makes the same number of
-steps.
+tokenizer returns it; batch 1) each model runs `generate` for 1 + `--new` tokens once per round.
+A logits processor stamps the time at every step: the prefill is the time from the call to the
+first stamp (the prompt's forward), the decode time per token the mean interval between the first
+and the last stamp (`--new` steps, each a one-token forward over the cache). Prints medians (ms),
+ours / HF's and the median of the per-round ratios. Greedy decoding with `min_new_tokens` so every
+call makes the same number of steps.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
 import warnings
 
 import torch
@@ -62,13 +64,35 @@ def main():
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
 
-    def generate(model, prompt, new):
+    class Stamps(transformers.LogitsProcessor):
+        """The time of every step (generate calls it once per new token)."""
+
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def generate(model, prompt, new, stamps=None):
         # as a tokenizer's output: the ids and an all-ones attention mask (token 0, the pad
         # token, never occurs in the prompt)
         with torch.no_grad():
             return model.generate(prompt, attention_mask=torch.ones_like(prompt),
                                   max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                  pad_token_id=0)
+                                  pad_token_id=0,
+                                  logits_processor=transformers.LogitsProcessorList(
+                                      [stamps] if stamps else []))
+
+    measured = {}  # (hk, ctx, name) -> [(prefill ms, per-token ms)] by round
+
+    def timed_generate(key, model, prompt):
+        stamps = Stamps()
+        t0 = time.perf_counter()
+        generate(model, prompt, 1 + a.new, stamps)
+        ts = stamps.times
+        measured.setdefault(key, []).append(((ts[0] - t0) * 1e3,
+                                             (ts[-1] - ts[0]) * 1e3 / (len(ts) - 1)))
 
     cases, models = {}, {}
     for hk in a.kv_heads:
@@ -89,12 +113,12 @@ def main():
                     raise SystemExit(f"ctx {ctx}, {hk} kv heads: relpos generated other tokens "
                                      "than Hugging Face's model with the same weights")
             for name, model in models[hk].items():
-                for new in (1, 1 + a.new):
-                    cases[(hk, ctx, name, new)] = (
-                        lambda m=model, p=prompt, n=new: generate(m, p, n))
+                cases[(hk, ctx, name)] = (lambda k=(hk, ctx, name), m=model, p=prompt:
+                                          timed_generate(k, m, p))
     for f in cases.values():  # warm-up
         f()
-    times = timed_rounds(cases, a.rounds)
+    measured.clear()
+    timed_rounds(cases, a.rounds)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {a.threads} "
           f"threads, Llama {a.layers} layers, hidden {a.hidden}, 8 heads of "
           f"{a.hidden // 8}, {a.dtype}, {a.spec or 'its own RoPE'}; {a.rounds} rounds in random "
@@ -105,9 +129,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for hk in a.kv_heads:
         for ctx in a.ctx:
-            pre = {n: times[(hk, ctx, n, 1)] for n in ("hf", "relpos")}
-            tok = {n: [(t - t1) / a.new for t, t1 in zip(times[(hk, ctx, n, 1 + a.new)], pre[n])]
-                   for n in ("hf", "relpos")}
+            pre = {n: [p for p, _ in measured[(hk, ctx, n)]] for n in ("hf", "relpos")}
+            tok = {n: [t for _, t in measured[(hk, ctx, n)]] for n in ("hf", "relpos")}
             med = {k: {n: statistics.median(v[n]) for n in v} for k, v in (("pre", pre),
                                                                              ("tok", tok))}
             print(f"| {ctx} | 8:{hk} | {med['pre']['hf']:.1f} | {med['pre']['relpos']:.1f} | "
