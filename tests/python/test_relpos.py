@@ -226,6 +226,37 @@ def test_frozen_and_no_grad_calls_follow_parameter_writes(spec):
                 t.data.add_(0.05 * (step + 1) * torch.randn_like(t))
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_steps_equal_the_cached_table_path(spec, monkeypatch):
+    """A call with few positions (a decode step) leaves its cos/sin rows to the op; outputs and
+    gradients must be the bits the module's cached table gives, for 1-D, per-batch and default
+    positions, in float32, float64 and bfloat16, in both pair layouts."""
+    import relpos.encoding as encoding
+
+    D = head_dim_for(spec, 2)
+    torch.manual_seed(0)
+    for layout in ("interleaved", "half_split"):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            enc = relpos.PositionEncoding(spec, D, 2, pair_layout=layout)
+            if dtype == torch.float64:
+                enc = enc.double()
+            for pos in (torch.tensor([5.0, 9.0], dtype=torch.float64),
+                        torch.tensor([[5.0, 9.0], [1.0, 3.0], [7.0, 8.0]], dtype=torch.float64),
+                        None):
+                q = torch.randn(3, 2, 2, D).to(dtype).requires_grad_()
+                k = torch.randn(3, 2, 2, D).to(dtype).requires_grad_()
+                runs = []
+                for rows in (encoding._OP_BUILT_TRIG_ROWS, 0):  # the op's rows, then the cache's
+                    monkeypatch.setattr(encoding, "_OP_BUILT_TRIG_ROWS", rows)
+                    enc._trig_cache = None
+                    a, b = enc(q, k, pos)
+                    (a.float().sum() + 2 * b.float().sum()).backward()
+                    runs.append((a.detach(), b.detach(), q.grad, k.grad))
+                    q.grad = k.grad = None
+                for x, y in zip(*runs):
+                    assert torch.equal(x, y), (layout, dtype, pos)
+
+
 def test_rope_scaling_dict_equals_rope_at_the_yarn_frequencies():
     # HF _compute_yarn_parameters for dim 8, base 1e4, factor 4, original 16 (float64)
     D, base, s, L0 = 8, 10000.0, 4.0, 16
