@@ -130,8 +130,7 @@ int map_impl(const TransformPlan& plan, Dims dims, const Positions& pos, const P
   // plain rotations only (no damping series carried from tile to tile): the heads of one token
   // block run one after another, so the block's cos/sin rows are read from memory once, not once
   // per head (a table of 2 MiB read 8 times is half as much again as q and k themselves)
-  const bool all_plain =
-      std::all_of(plan.segments.begin(), plan.segments.end(), plain_rotation);
+  const bool all_plain = std::all_of(plan.segments.begin(), plan.segments.end(), plain_rotation);
   const bool heads_inner = all_plain && dims.H > 1;
   int nonfinite = 0;
 #pragma omp parallel reduction(| : nonfinite) if (dims.B * dims.H * dims.T * D >= kThreadWork)
