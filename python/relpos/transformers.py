@@ -203,6 +203,10 @@ class RelposAttention(nn.Module):
         g = Hq // Hk
         if g == 1:
             return self.encoding(q, k, positions)
+        if positions.dim() not in (1, 2) or positions.shape[-1] != T or (
+                positions.dim() == 2 and positions.shape[0] != B):
+            raise InputError(f"position_ids: expected [{T}] or [{B}, {T}] positions, got "
+                             f"{list(positions.shape)}")
         both = torch.cat([q.reshape(B, Hk, g * T, D), k], 2)
         # the positions once per query head of the group and once for the keys (expanded, not
         # repeat: aten::repeat costs several times a copy at a decode step's sizes)

@@ -578,3 +578,16 @@ def test_generate_benchmark_runs_and_checks_tokens():
     bad = subprocess.run([sys.executable, str(script), "--kv-heads", "3"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "--kv-heads" in bad.stderr
+
+
+def test_grouped_transform_names_bad_positions():
+    """A grouped layer's transform expands the positions over the query group: positions of
+    another length or batch are refused by name (InputError), not by torch's expand."""
+    layer = rt.RelposAttention("rope", 16, 4, 2, scale=0.25)
+    q, k = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 3, 16)
+    good = layer.transform(q, k, torch.arange(3.0, dtype=torch.float64))
+    assert good[0].shape == q.shape and good[1].shape == k.shape
+    for bad in (torch.arange(4.0, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64),
+                torch.tensor(1.0, dtype=torch.float64)):
+        with pytest.raises(relpos.InputError, match="position_ids"):
+            layer.transform(q, k, bad)
