@@ -5,15 +5,19 @@ whose temporaries leave the caches cold, as a model's other layers do), in one p
 per round in random order (bench/rounds.py).
 
     .venv/bin/python bench/bench_call_overhead.py [--shape 4,4,1024,64] [--rounds 61] [--threads 2]
+        [--moving]
 
 Forward only, float32, positions 0..T-1 passed explicitly (as Hugging Face passes position ids),
-the default finiteness check on. module - op is what the module's Python adds to a call: its
+the default finiteness check on. --moving: each call's positions follow the last call's (T
+further on, as in decoding), so no table computed for earlier positions applies; the op then
+builds its own cos/sin rows (cos and sin not passed). module - op is what the module's Python adds to a call: its
 argument checks, the positions' check, the warnings, the table and parameter caches.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -27,6 +31,8 @@ def main():
     ap.add_argument("--shape", default="4,4,1024,64", help="B,H,T,D of q and k")
     ap.add_argument("--rounds", type=int, default=61)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--moving", action="store_true",
+                    help="each call at new positions (decoding), not at 0..T-1 every time")
     a = ap.parse_args()
     B, H, T, D = parse_shape(ap, a.shape)
     torch.set_num_threads(a.threads)
@@ -50,12 +56,20 @@ def main():
         torch.autograd.backward((rot(qg), rot(kg)), (q, k))
         qg.grad = kg.grad = None
 
+    # the positions of each call: the same tensor, or (--moving) each call T further on
+    if a.moving:
+        steps = itertools.cycle([pos + T * (i + 1) for i in range(256)])
+    else:
+        steps = itertools.repeat(pos)
+
     def module():
         with torch.no_grad():
-            enc(q, k, pos)
+            enc(q, k, next(steps))
 
     def op():
-        torch.ops.relpos.transform(q, k, *params, pos, cos, sin, 0.0, enc.spec, D, H, enc.layout,
+        p = next(steps)
+        table = (None, None) if a.moving else (cos, sin)
+        torch.ops.relpos.transform(q, k, *params, p, *table, 0.0, enc.spec, D, H, enc.layout,
                                    True)
 
     def copy():
@@ -75,7 +89,8 @@ def main():
     times = timed_rounds(cases, a.rounds, setup=setup)
     med = {key: statistics.median(t) for key, t in times.items()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, q and k [{B}, {H}, {T}, "
-          f"{D}] float32, forward, {a.rounds} rounds in random order (medians, ms)")
+          f"{D}] float32, forward, positions {'moving' if a.moving else 'fixed'}, {a.rounds} "
+          "rounds in random order (medians, ms)")
     print()
     print("| state | module | op | copy | module - op | op / copy |")
     print("|---|---|---|---|---|---|")
