@@ -291,3 +291,20 @@ def test_rope_scaling_dict_equals_rope_at_the_yarn_frequencies():
         relpos.rope_scaling_spec({"rope_type": "yarn", "factor": 4, "betafast": 3})
     with pytest.raises(relpos.InputError, match="no rotary term"):
         relpos.PositionEncoding("nope", D, 2, rope_scaling=cfg)
+
+
+@pytest.mark.parametrize("moving", [False, True])
+def test_call_overhead_benchmark_runs(moving):
+    """bench/bench_call_overhead.py at a toy size, with fixed and with moving positions: it runs,
+    says which, and prints its warm and cold rows."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_call_overhead.py"
+    args = [sys.executable, str(script), "--shape", "1,2,3,8", "--rounds", "3", "--threads", "1"]
+    r = subprocess.run(args + (["--moving"] if moving else []), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert ("positions moving" if moving else "positions fixed") in r.stdout
+    assert sum(line.startswith(("| warm |", "| cold |")) for line in r.stdout.splitlines()) == 2
