@@ -87,9 +87,8 @@ struct Scratch {
   std::vector<float> f_u, f_p, f_eta, f_e0k, f_e0q, f_ones, f_pk, f_pq, f_sk, f_sq, f_gm, f_acc;
   std::vector<double> pw_k, pw_q, pw_d;
   std::vector<int64_t> pw_h;
-  // tables: false where every segment takes the plain-rotation fast path, which reads none of
-  // the [token][block] tables (they are 390 KB a thread at 32 blocks, allocated and cleared per
-  // call: a third of a small RoPE call's kernel time)
+  // tables: false where every segment is a plain rotation, which reads none of the [token][block]
+  // tables (about 390 KB a thread at 32 blocks, allocated and cleared on every call)
   explicit Scratch(int blocks, int rows = kTile, bool tables = true)
       : nb(std::max(1, blocks)),
         tr(std::clamp(rows, 1, kTile)),
