@@ -72,6 +72,23 @@ def _intervals(valid: torch.Tensor) -> torch.Tensor | None:
     return torch.stack([start, end], -1).to(torch.int64).view(B, 1, 1, 2)
 
 
+def _documents(full: torch.Tensor, standard: torch.Tensor) -> torch.Tensor | None:
+    """Packed documents: when the boolean mask ``full [B, 1, T, T]`` (queries and keys at the
+    same slots) is ``standard [T, T]`` (causal, the window) within runs of consecutive tokens and
+    nothing across them, the runs' ids as int32 [B, 1, 1, T] (each row's documents numbered
+    from 0); else None. A run starts at token i when query i does not see key i - 1."""
+    B, _, T, _ = full.shape
+    if T < 2:
+        return None
+    starts = torch.ones(B, T, dtype=torch.int32, device=full.device)
+    starts[:, 1:] = (~full[:, 0].diagonal(-1, -2, -1)).to(torch.int32)
+    ids = starts.cumsum(-1, dtype=torch.int32) - 1
+    same = ids[:, :, None] == ids[:, None, :]
+    if not torch.equal(full[:, 0], standard[None] & same):
+        return None
+    return ids.view(B, 1, 1, T)
+
+
 def relpos_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                 mask_function=causal_mask_function, attention_mask=None, local_size=None,
                 use_vmap=False, device="cpu", **kwargs):
@@ -80,9 +97,11 @@ def relpos_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     - ``None``: causal (and the layer's sliding window) over every key, no padding;
     - an int64 tensor ``[B, 1, 1, 2]``: the same, restricted to the keys ``start <= j < end`` of
       each row (left and right padding), which the kernel runs with ``key_start`` / ``key_len``;
+    - an int32 tensor ``[B, 1, 1, T]``: the same within packed documents (HF detects them from
+      position_ids that restart, without a cache or padding mask), document ids of the tokens,
+      which the kernel runs with ``q_segments`` / ``k_segments``;
     - a boolean tensor ``[B, 1, Tq, Tk]`` (HF's sdpa mask) for any other pattern (holes in the
-      padding, packed sequences detected from position_ids, custom mask functions), which the
-      layer runs on a slower materialised path.
+      padding, custom mask functions), which the layer runs on a slower materialised path.
 
     The shape is 4-D so that masks prepared in advance (``generate`` with a compileable cache)
     pass through HF's mask creation untouched; the dtype tells the forms apart.
@@ -114,6 +133,10 @@ def relpos_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         ranges = _intervals(keys)
         if ranges is not None:
             return ranges
+    if q_length == kv_length and q_offset == kv_offset and bool(keys.all()):
+        documents = _documents(full, standard)
+        if documents is not None:
+            return documents
     return full
 
 
@@ -284,6 +307,12 @@ class RelposAttention(nn.Module):
         Tk = k.shape[2]
         if mask.dtype == torch.int64 and tuple(mask.shape) == (B, 1, 1, 2):
             return _padded_attention(q, k, v, mask.view(B, 2), kw)
+        if mask.dtype == torch.int32:  # packed documents (relpos_mask): queries at the keys' slots
+            if tuple(mask.shape) != (B, 1, 1, Tk) or Tq != Tk:
+                raise InputError(f"attention mask: document ids [B, 1, 1, T] = [{B}, 1, 1, {Tk}] "
+                                 f"for {Tq} queries over {Tk} keys, got {list(mask.shape)}")
+            documents = mask.view(B, Tk).to(torch.int64)
+            return fused_attention(q, k, v, q_segments=documents, k_segments=documents, **kw)[0]
         if mask.dtype != torch.bool:
             raise InputError(f"attention mask: a {mask.dtype} 4-D mask is not read (additive masks "
                              "may carry biases); pass a boolean one (True: visible)")

@@ -365,23 +365,75 @@ def test_materialised_and_right_padded_paths_equal_the_kernel(spec):
         assert (out[0] - plain[0]).abs().max() < 1e-10
 
 
-def test_packed_sequences_equal_separate_documents():
-    """Three documents packed in one row (position_ids restart, no mask: HF detects the packing)
-    give each document's own logits (the materialised path until the kernel has segment masks)."""
-    model = _model("llama")
-    rt.apply(model, "rope + alibi")
+@pytest.mark.parametrize("family,spec", [("llama", "rope + alibi"), ("mistral", None),
+                                         ("qwen2", None), ("gpt_neox", "rope + kerple")])
+def test_packed_sequences_equal_separate_documents(family, spec, monkeypatch):
+    """Documents packed in a row (position_ids restart, no mask, no cache: HF detects the packing)
+    run through the kernel with document ids, not the materialised path, and give each document's
+    own logits; the gradients of every parameter equal the materialised path's. Mistral's window
+    (5) and Qwen2's mixed full and sliding layers fall inside the 9-token documents; KERPLE's
+    learned lag table is a bias the documents must cut."""
+    model = _model(family)
+    rt.apply(model, spec)
     g = torch.Generator().manual_seed(4)
-    docs = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (5, 3, 4)]
-    packed = torch.cat(docs, 1)
-    pos = torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
-    with torch.no_grad():
+    rows = [(5, 3, 9), (9, 8)]
+    docs = [[torch.randint(1, VOCAB, (1, n), generator=g) for n in lens] for lens in rows]
+    packed = torch.cat([torch.cat(d, 1) for d in docs])
+    pos = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in rows])
+
+    def materialised(*args):
+        raise AssertionError("packed documents took the materialised path")
+
+    def packed_run():
+        model.zero_grad()
         # without a cache, as in training: HF looks for packing only then
         out = model(packed, position_ids=pos, use_cache=False).logits
-        start = 0
-        for d in docs:
-            alone = model(d).logits
-            assert (out[:, start: start + d.shape[1]] - alone).abs().max() < 1e-10
-            start += d.shape[1]
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    with monkeypatch.context() as m:
+        m.setattr(rt, "_masked_attention", materialised)
+        out, grads = packed_run()
+        with torch.no_grad():
+            for r, row in enumerate(docs):
+                start = 0
+                for d in row:
+                    alone = model(d).logits[0]
+                    assert (out[r, start: start + d.shape[1]] - alone).abs().max() < 1e-10
+                    start += d.shape[1]
+    monkeypatch.setattr(rt, "_documents", lambda full, standard: None)
+    ref_out, ref_grads = packed_run()
+    assert (out - ref_out).abs().max() < 1e-10
+    assert len(grads) == len(ref_grads) > 0
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_mask_forms_are_exact():
+    """relpos_mask returns a compact form only where it is the very mask HF asked for: document ids
+    for causal runs (with or without a window), HF's boolean mask for ids that come back (a
+    document split in two runs), for a hole, and for a mask function that is not causal inside
+    the runs."""
+    from transformers.masking_utils import and_masks, causal_mask_function, \
+        packed_sequence_mask_function, sliding_window_causal_mask_function
+
+    def form(ids, base=causal_mask_function, attention_mask=None, local_size=None):
+        ids = torch.tensor(ids)
+        fn = and_masks(base, packed_sequence_mask_function(ids))
+        return rt.relpos_mask(ids.shape[0], ids.shape[1], ids.shape[1], mask_function=fn,
+                              attention_mask=attention_mask, local_size=local_size)
+
+    docs = form([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+    assert docs.dtype == torch.int32 and docs.shape == (2, 1, 1, 6)
+    assert docs.view(2, 6).tolist() == [[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]]
+    windowed = form([[0, 0, 0, 0, 1, 1]], base=sliding_window_causal_mask_function(2),
+                    local_size=2)  # as HF passes a sliding window
+    assert windowed.dtype == torch.int32 and windowed.view(-1).tolist() == [0, 0, 0, 0, 1, 1]
+    for mask in (form([[0, 0, 1, 1, 0, 0]]),  # id 0 in two runs: rows 4, 5 see keys 0, 1
+                 form([[0, 0, 0, 0, 1, 1]], base=sliding_window_causal_mask_function(2)),
+                 form([[0, 0, 0, 1, 1, 1]], base=lambda b, h, i, j: j <= i + 1),  # not causal
+                 form([[0, 0, 0, 1, 1, 1]], attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]]).bool())):
+        assert mask.dtype == torch.bool and mask.shape == (1, 1, 6, 6)
 
 
 def test_torch_compile_runs_a_forward():
@@ -578,6 +630,24 @@ def test_generate_benchmark_runs_and_checks_tokens():
     bad = subprocess.run([sys.executable, str(script), "--kv-heads", "3"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "--kv-heads" in bad.stderr
+
+
+def test_packed_benchmark_runs_and_checks_gradients():
+    """bench/bench_hf_packed.py at a toy size: it checks the loss and gradients of the switched
+    model (kernel and materialised paths) against HF's before timing, one row per heads case."""
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_hf_packed.py"
+    r = subprocess.run([sys.executable, str(script), "--tokens", "40", "--docs", "3",
+                        "--kv-heads", "8,2", "--rounds", "1", "--layers", "1", "--hidden", "64",
+                        "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if re.match(r"\| 8:\d \|", line)]
+    assert len(rows) == 2, r.stdout
+    bad = subprocess.run([sys.executable, str(script), "--docs", "50", "--tokens", "40"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--docs" in bad.stderr
 
 
 def test_grouped_transform_names_bad_positions():
