@@ -614,40 +614,37 @@ def test_doc_fine_tuning_example_runs():
     exec(compile(_doc_block("fine-tune"), "docs/transformers.md", "exec"), {})
 
 
-def test_generate_benchmark_runs_and_checks_tokens():
-    """bench/bench_hf_generate.py at a toy size: it checks the switched model generates HF's
-    tokens before timing, and prints one row per (ctx, heads) case."""
+def _bench_rows(script, toy_args, row_pattern, bad_args, bad_option):
+    """Runs bench/<script> at a toy size (`toy_args`): exit 0; returns its table rows matching
+    `row_pattern`. `bad_args` must be refused by the parser (exit 2, `bad_option` named)."""
     import subprocess
     import sys
 
-    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_hf_generate.py"
-    r = subprocess.run([sys.executable, str(script), "--ctx", "24,40", "--kv-heads", "8,2",
-                        "--new", "2", "--rounds", "1", "--layers", "1", "--hidden", "64",
-                        "--threads", "1"], capture_output=True, text=True, timeout=300)
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / script
+    r = subprocess.run([sys.executable, str(path), *toy_args, "--rounds", "1", "--layers", "1",
+                        "--hidden", "64", "--threads", "1"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
-    rows = [line for line in r.stdout.splitlines() if re.match(r"\| \d+ \| 8:\d \|", line)]
-    assert len(rows) == 4, r.stdout
-    bad = subprocess.run([sys.executable, str(script), "--kv-heads", "3"], capture_output=True,
-                         text=True, timeout=300)
-    assert bad.returncode == 2 and "--kv-heads" in bad.stderr
+    bad = subprocess.run([sys.executable, str(path), *bad_args], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and bad_option in bad.stderr
+    return [line for line in r.stdout.splitlines() if re.match(row_pattern, line)]
+
+
+def test_generate_benchmark_runs_and_checks_tokens():
+    """bench/bench_hf_generate.py at a toy size: it checks the switched model generates HF's
+    tokens before timing, and prints one row per (ctx, heads) case."""
+    rows = _bench_rows("bench_hf_generate.py", ["--ctx", "24,40", "--kv-heads", "8,2", "--new", "2"],
+                       r"\| \d+ \| 8:\d \|", ["--kv-heads", "3"], "--kv-heads")
+    assert len(rows) == 4, rows
 
 
 def test_packed_benchmark_runs_and_checks_gradients():
     """bench/bench_hf_packed.py at a toy size: it checks the loss and gradients of the switched
     model (kernel and materialised paths) against HF's before timing, one row per heads case."""
-    import subprocess
-    import sys
-
-    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_hf_packed.py"
-    r = subprocess.run([sys.executable, str(script), "--tokens", "40", "--docs", "3",
-                        "--kv-heads", "8,2", "--rounds", "1", "--layers", "1", "--hidden", "64",
-                        "--threads", "1"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    rows = [line for line in r.stdout.splitlines() if re.match(r"\| 8:\d \|", line)]
-    assert len(rows) == 2, r.stdout
-    bad = subprocess.run([sys.executable, str(script), "--docs", "50", "--tokens", "40"],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "--docs" in bad.stderr
+    rows = _bench_rows("bench_hf_packed.py", ["--tokens", "40", "--docs", "3", "--kv-heads", "8,2"],
+                       r"\| 8:\d \|", ["--docs", "50", "--tokens", "40"], "--docs")
+    assert len(rows) == 2, rows
 
 
 def test_grouped_transform_names_bad_positions():
