@@ -4,6 +4,7 @@ engineer runs it: `model.generate()`, in one process, each case once per round i
 
     .venv/bin/python bench/bench_hf_generate.py [--ctx 1024,4096] [--kv-heads 8,2] [--new 32]
         [--rounds 5] [--threads 2] [--layers 8] [--hidden 512] [--dtype float32] [--spec SPEC]
+        [--hole]
 
 The model: a randomly initialised Llama (`--layers`, `--hidden`, 8 query heads of D = hidden / 8,
 `--kv-heads` key/value heads each: 8 is MHA, 2 is GQA 8:2, MLP 2 x hidden, vocabulary 512).
@@ -14,7 +15,8 @@ generate the same tokens (checked before timing: greedy decoding, 8 tokens), or 
 mechanism (no token check: a different model).
 
 Per context length (the prompt: random tokens 1-511 with an all-ones attention mask, as a
-tokenizer returns it; batch 1) each model runs `generate` for 1 + `--new` tokens once per round.
+tokenizer returns it, or with `--hole` token ctx/2 masked out; batch 1) each model runs
+`generate` for 1 + `--new` tokens once per round.
 A logits processor stamps the time at every step: the prefill is the time from the call to the
 first stamp (the prompt's forward), the decode time per token the mean interval between the first
 and the last stamp (`--new` steps, each a one-token forward over the cache). Prints medians (ms),
@@ -51,6 +53,9 @@ def main():
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--spec", default=None,
                     help="a relpos mechanism instead of the model's own RoPE (no token check)")
+    ap.add_argument("--hole", action="store_true",
+                    help="a hole in the attention mask (token ctx/2 masked: relpos's "
+                         "materialised path for the prefill)")
     a = ap.parse_args()
     if (min(a.ctx) < 1 or a.new < 1 or a.rounds < 1 or a.hidden % 16
             or any(8 % h for h in a.kv_heads)):
@@ -76,9 +81,12 @@ def main():
 
     def generate(model, prompt, new, stamps=None):
         # as a tokenizer's output: the ids and an all-ones attention mask (token 0, the pad
-        # token, never occurs in the prompt)
+        # token, never occurs in the prompt), or with --hole one token masked in the middle
+        mask = torch.ones_like(prompt)
+        if a.hole:
+            mask[:, prompt.shape[1] // 2] = 0
         with torch.no_grad():
-            return model.generate(prompt, attention_mask=torch.ones_like(prompt),
+            return model.generate(prompt, attention_mask=mask,
                                   max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                   pad_token_id=0,
                                   logits_processor=transformers.LogitsProcessorList(
@@ -121,7 +129,8 @@ def main():
     timed_rounds(cases, a.rounds)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {a.threads} "
           f"threads, Llama {a.layers} layers, hidden {a.hidden}, 8 heads of "
-          f"{a.hidden // 8}, {a.dtype}, {a.spec or 'its own RoPE'}; {a.rounds} rounds in random "
+          f"{a.hidden // 8}, {a.dtype}, {a.spec or 'its own RoPE'}"
+          f"{', a hole in the mask' if a.hole else ''}; {a.rounds} rounds in random "
           "order (medians, ms; per-round ratio in brackets)")
     print()
     print("| ctx | heads q:kv | HF prefill | relpos prefill | relpos / HF | HF per token | "

@@ -101,7 +101,8 @@ def relpos_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
       position_ids that restart, without a cache or padding mask), document ids of the tokens,
       which the kernel runs with ``q_segments`` / ``k_segments``;
     - a boolean tensor ``[B, 1, Tq, Tk]`` (HF's sdpa mask) for any other pattern (holes in the
-      padding, custom mask functions), which the layer runs on a slower materialised path.
+      padding, custom mask functions), which the layer runs on a slower materialised path
+      (SDPA with an additive mask).
 
     The shape is 4-D so that masks prepared in advance (``generate`` with a compileable cache)
     pass through HF's mask creation untouched; the dtype tells the forms apart.
@@ -330,28 +331,30 @@ def _padded_attention(q, k, v, ranges, kw):
 
 
 def _masked_attention(q, k, v, visible, qslot, kslot, kw):
-    """Any boolean mask ``visible [B, Tq, Tk]``: softmax attention materialised in plain torch
-    (the kernel's formula: ``q k^T * scale - slope_h (p_i - p_j) + table_h[p_i - p_j]``, rows
-    without a visible key give zeros). Slower than the kernel; differentiable."""
+    """Any boolean mask ``visible [B, Tq, Tk]``: torch's SDPA with the mask and the kernel's biases
+    (``- slope_h (p_i - p_j) + table_h[p_i - p_j]``) as one additive mask, as HF runs such masks.
+    Rows without a visible key give zeros (SDPA sees every key there, and the rows are zeroed:
+    no NaN in the output or the gradients). Slower than the kernel; differentiable."""
     B, Hq, Tq, D = q.shape
-    if qslot is None:  # the default geometry
-        Tk = k.shape[2]
-        kslot = torch.arange(Tk, dtype=torch.float64)
-        qslot = kslot[Tk - Tq:]
-    g = Hq // k.shape[1]
-    kk, vv = (k, v) if g == 1 else (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
-    scores = (q @ kk.transpose(-1, -2)) * kw["scale"]
-    lag = qslot[:, None] - kslot[None, :]
-    if "slopes" in kw:
-        scores = scores - kw["slopes"][:, None, None] * lag.to(q.dtype)
-    if "lag_table" in kw:
-        table = kw["lag_table"]
-        idx = lag.round().clamp(0, table.shape[1] - 1).long()
-        scores = scores + table[:, idx]
-    vis = visible[:, None]
-    scores = scores.masked_fill(~vis, torch.finfo(q.dtype).min)
-    probs = torch.softmax(scores, -1) * vis
-    return probs @ vv
+    Tk = k.shape[2]
+    empty = ~visible.any(-1)  # [B, Tq]
+    vis = (visible | empty[..., None])[:, None]  # [B, 1, Tq, Tk]
+    mask = vis
+    if "slopes" in kw or "lag_table" in kw:
+        if qslot is None:  # the default geometry
+            kslot = torch.arange(Tk, dtype=torch.float64)
+            qslot = kslot[Tk - Tq:]
+        lag = qslot[:, None] - kslot[None, :]
+        bias = torch.zeros(Hq, Tq, Tk, dtype=q.dtype)
+        if "slopes" in kw:
+            bias = bias - kw["slopes"][:, None, None] * lag.to(q.dtype)
+        if "lag_table" in kw:
+            table = kw["lag_table"]
+            bias = bias + table[:, lag.round().clamp(0, table.shape[1] - 1).long()]
+        mask = bias.masked_fill(~vis, float("-inf"))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=kw["scale"], enable_gqa=Hq != k.shape[1])
+    return out.masked_fill(empty[:, None, :, None], 0) if bool(empty.any()) else out
 
 
 # ---------------------------------------------------------------------------------------------
