@@ -83,9 +83,9 @@ def _documents(full: torch.Tensor, standard: torch.Tensor) -> torch.Tensor | Non
     starts = torch.ones(B, T, dtype=torch.int32, device=full.device)
     starts[:, 1:] = (~full[:, 0].diagonal(-1, -2, -1)).to(torch.int32)
     ids = starts.cumsum(-1, dtype=torch.int32) - 1
-    same = ids[:, :, None] == ids[:, None, :]
-    if not torch.equal(full[:, 0], standard[None] & same):
-        return None
+    for b in range(B):  # a row at a time: one more [T, T] mask at most beside HF's
+        if not torch.equal(full[b, 0], standard & (ids[b, :, None] == ids[b, None, :])):
+            return None
     return ids.view(B, 1, 1, T)
 
 
