@@ -12,7 +12,8 @@ transforms (a :class:`relpos.PositionEncoding` over the key/value heads, registe
 ``relpos`` submodule so its parameters train and are saved) on q and k at the model's positions,
 stores the transformed keys in Hugging Face's own cache (``DynamicCache``), and scores them with
 :func:`relpos.fused_attention` (causal, grouped-query heads, sliding windows, ALiBi slopes and
-learned lag tables, padding). docs/transformers.md.
+learned lag tables, padding, packed documents). Mechanisms with runtime state run through
+:class:`relpos.Attention` instead, without decoding steps. docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import nn
 from . import mechanism
 from .attention import fused_attention
 from .encoding import InputError, PositionEncoding, rope_parameters_spec
+from .engine import Attention
 
 __all__ = ["apply", "spec_for", "supported", "RelposAttention"]
 
@@ -156,22 +158,26 @@ AttentionInterface.register(IMPLEMENTATION, _unswitched_attention)
 
 
 def _spec_refusal(info: dict) -> str | None:
-    """Why the HF layers cannot run this mechanism (they take position transforms of q and k,
-    ALiBi slopes and learned lag tables), or None."""
+    """Why the HF layers cannot run this mechanism at all, or None."""
     for t in info["transforms"]:
         if t["kind"] == "vector_rotation":
             return (f"{info['spec']!r} rotates by vector positions [T, d_c]; a language model's "
                     "tokens have scalar positions")
+    return None
+
+
+def _runtime_state(info: dict) -> str | None:
+    """What of this mechanism lives in relpos.Attention's runtime rather than in a position
+    transform of q and k plus ALiBi slopes and lag tables (None: nothing). Such layers run
+    through relpos.Attention, without decoding steps."""
+    for t in info["transforms"]:
         if t.get("learned_frequencies") or t.get("basis", "none") != "none":
-            return (f"{info['spec']!r} learns its frequencies or basis in the layer "
-                    "(relpos.Attention's runtime); not available in relpos.transformers yet")
+            return "learns its frequencies or basis in the layer"
         if t.get("values") or t.get("outputs"):
-            return (f"{info['spec']!r} turns values and outputs by frames (journey); not available "
-                    "in relpos.transformers yet")
+            return "turns values and outputs by frames along the sequence (journey)"
     for b in info["biases"]:
         if b["shape"] != "lag_table":
-            return (f"{info['spec']!r}: bias {b['name']!r} ({b['shape'].replace('_', '-')}) is "
-                    "computed from the tokens; not available in relpos.transformers yet")
+            return f"computes bias {b['name']!r} ({b['shape'].replace('_', '-')}) from the tokens"
     return None
 
 
@@ -187,29 +193,44 @@ class RelposAttention(nn.Module):
     visibility. The kernel scores at the cache slots (HF's causal and sliding-window masks are
     defined on them), so ALiBi slopes and lag tables see the slot lag, which is the position lag
     whenever each row's visible tokens are consecutive (padding on either side, packed documents).
+
+    A mechanism with runtime state (``runtime_state`` says which) owns ``engine`` instead, a
+    :class:`relpos.Attention` (``<layer>.relpos.engine.<name>``), and ``forward(...,
+    inputs=hidden_states)`` runs it over the call's own tokens: no decoding steps.
     """
 
     def __init__(self, spec: str, head_dim: int, num_heads: int, num_kv_heads: int, *,
                  scale: float, window: float = 0.0, dropout: float = 0.0, slope_scale: float = 1.0,
-                 pair_layout: str = "half_split", check_finite: bool = True) -> None:
+                 pair_layout: str = "half_split", check_finite: bool = True,
+                 model_dim: int | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise InputError(f"key/value heads ({num_kv_heads}) must divide query heads ({num_heads})")
-        self.encoding = PositionEncoding(spec, head_dim, num_kv_heads, pair_layout=pair_layout,
-                                         check_finite=check_finite)
-        self.spec = self.encoding.spec
+        encoding = PositionEncoding(spec, head_dim, num_kv_heads, pair_layout=pair_layout,
+                                    check_finite=check_finite)
+        self.spec = encoding.spec
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         info = mechanism(self.spec, head_dim, num_heads)
         why = _spec_refusal(info) or torch.ops.relpos.attention_refusal(
             self.spec, head_dim, num_kv_heads, num_heads)
         if why:
             raise InputError(why)
+        self.runtime_state = _runtime_state(info)
+        self.scale, self.window, self.dropout = float(scale), float(window or 0.0), float(dropout)
+        if self.runtime_state is not None:
+            # the engine's layer: its encoding, gates, probes and frames (parameters under
+            # ``<layer>.relpos.engine.``), the hidden states as its inputs
+            self.engine = Attention(self.spec, head_dim, num_heads, num_kv_heads,
+                                    pair_layout=pair_layout, window=self.window, scale=self.scale,
+                                    check_finite=check_finite, model_dim=model_dim)
+            return
+        self.engine = None
+        self.encoding = encoding
         self._has_transform = bool(info["transforms"])
         self._center_mid = info["center"] == "mid"
         slopes = [s for b in info["biases"] if b["slopes"] for s in b["slopes"]]
         self._slopes = ([float(s) * slope_scale for s in slopes] if slopes else None)
         self._lag_table = any(b["learned"] for b in info["biases"])
-        self.scale, self.window, self.dropout = float(scale), float(window or 0.0), float(dropout)
 
     def extra_repr(self) -> str:
         return (f"spec={self.spec!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
@@ -239,10 +260,13 @@ class RelposAttention(nn.Module):
         tq, tk = self.encoding(both, both, pos)
         return tq[:, :, : g * T].reshape(B, Hq, T, D), tk[:, :, g * T:]
 
-    def forward(self, q, k, v, cache=None, layer_idx: int = 0, position_ids=None, mask=None):
+    def forward(self, q, k, v, cache=None, layer_idx: int = 0, position_ids=None, mask=None,
+                inputs=None):
         if self.training and self.dropout > 0:
             raise InputError(f"attention dropout {self.dropout:g}: the fused kernel has none; set "
                              "the config's attention dropout to 0 to train through relpos")
+        if self.engine is not None:
+            return self._engine_forward(q, k, v, cache, layer_idx, position_ids, mask, inputs)
         B, Hq, T, D = q.shape
         q_offset = kv_offset = 0
         if cache is not None:
@@ -274,6 +298,40 @@ class RelposAttention(nn.Module):
         qslot = torch.arange(q_offset, q_offset + T, dtype=torch.float64)
         kslot = torch.arange(kv_offset, kv_offset + Tk, dtype=torch.float64)
         return self.attend(q, k, v, qslot, kslot, mask)
+
+    def _engine_forward(self, q, k, v, cache, layer_idx, position_ids, mask, inputs):
+        """A mechanism with runtime state (``runtime_state``) through relpos.Attention over the
+        call's own tokens: training and scoring (no cache, or a prompt into an empty one), with
+        HF's padding and packed documents as the kernel's masks. A decoding step would need the
+        runtime's per-token state of the cached tokens, which HF's cache does not keep: refused."""
+        if cache is not None and int(cache.get_seq_length(layer_idx)) > 0:
+            raise InputError(
+                f"{self.spec!r} {self.runtime_state}: its per-token state is not kept in Hugging "
+                "Face's cache, so relpos.transformers runs it without decoding steps; call the "
+                "model with use_cache=False (training, scoring), or decode with relpos.Attention "
+                "and relpos.KVCache")
+        B, _, T, _ = q.shape
+        pos = None if position_ids is None else position_ids.to(torch.float64)
+        if pos is not None and pos.dim() == 2 and pos.shape[0] == 1:
+            pos = pos[0]
+        kw = {}
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.int64 and tuple(mask.shape) == (B, 1, 1, 2):
+            ranges = mask.view(B, 2)
+            if bool((ranges[:, 0] > 0).any()):
+                kw["key_start"] = ranges[:, 0].contiguous()
+            kw["key_len"] = ranges[:, 1].contiguous()
+        elif isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and tuple(mask.shape) == (B, 1, 1, T):
+            kw["segments"] = mask.view(B, T).to(torch.int64)
+        elif mask is not None:
+            got = (f"a {mask.dtype} {list(mask.shape)} mask" if isinstance(mask, torch.Tensor)
+                   else type(mask).__name__)
+            raise InputError(f"{self.spec!r} {self.runtime_state}, so it runs through the kernel "
+                             f"only; {got} (a hole in the padding, a custom mask) needs the "
+                             "materialised path")
+        out = self.engine(q, k, v, positions=pos, inputs=inputs, **kw)
+        if cache is not None:  # HF counts the prompt's tokens (a later step is refused above)
+            cache.update(k, v, layer_idx)
+        return out
 
     # -- scoring
 
@@ -373,7 +431,8 @@ def _projected_forward(self, hidden_states, attention_mask, cache, kwargs, out_p
     v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     if qk_norm is not None:
         q, k = qk_norm(q, k)
-    out = self.relpos(q, k, v, cache, self.layer_idx, kwargs.get("position_ids"), attention_mask)
+    out = self.relpos(q, k, v, cache, self.layer_idx, kwargs.get("position_ids"), attention_mask,
+                      hidden_states)
     out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
     return out_proj(out), None
 
@@ -394,7 +453,8 @@ def _neox_forward(self, hidden_states, attention_mask=None, layer_past=None,
     input_shape = hidden_states.shape[:-1]
     qkv = self.query_key_value(hidden_states).view(*input_shape, -1, 3 * self.head_size).transpose(1, 2)
     q, k, v = qkv.chunk(3, dim=-1)
-    out = self.relpos(q, k, v, layer_past, self.layer_idx, kwargs.get("position_ids"), attention_mask)
+    out = self.relpos(q, k, v, layer_past, self.layer_idx, kwargs.get("position_ids"), attention_mask,
+                      hidden_states)
     out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
     return self.dense(out), None
 
@@ -405,7 +465,7 @@ def _bloom_forward(self, hidden_states, residual, attention_mask=None, layer_pas
 
     B, T, _ = hidden_states.shape
     q, k, v = self._reshape(self.query_key_value(hidden_states))
-    out = self.relpos(q, k, v, layer_past, self.layer_idx, None, attention_mask)
+    out = self.relpos(q, k, v, layer_past, self.layer_idx, None, attention_mask, hidden_states)
     context = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
     if self.pretraining_tp > 1 and self.slow_but_exact:  # as BloomAttention
         slices = self.hidden_size / self.pretraining_tp
@@ -433,7 +493,8 @@ def _falcon_forward(self, hidden_states, attention_mask=None, position_ids=None,
         qkv = fused.view(B, T, self.num_heads + 2, self.head_dim)
         q, k, v = qkv[:, :, :-2], qkv[:, :, -2:-1], qkv[:, :, -1:]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = self.relpos(q, k, v, layer_past, self.layer_idx, position_ids, attention_mask)
+    out = self.relpos(q, k, v, layer_past, self.layer_idx, position_ids, attention_mask,
+                      hidden_states)
     out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
     return self.dense(out), None
 
@@ -586,10 +647,13 @@ def apply(model, spec: str | None = None, **options):
     HF's rotate_half pairs (j, j + D/2)) and ``check_finite`` (default True) of
     :class:`relpos.PositionEncoding`.
 
-    Raises InputError for an unsupported model, a mechanism the layers cannot run (content
-    biases, learned frequencies, journey frames, vector positions; a learned lag table with
-    grouped-query heads), an unknown option. bfloat16 and float16 models run with half storage
-    and float32 compute (docs/engine.md, "Half precision").
+    Mechanisms with runtime state (content biases, learned frequencies, journey frames) run
+    through :class:`relpos.Attention` (``<layer>.relpos.engine``) without decoding steps.
+
+    Raises InputError for an unsupported model, a mechanism the layers cannot run (vector
+    positions; a learned lag table or a per-token bias with grouped-query heads), an unknown
+    option. bfloat16 and float16 models run with half storage and float32 compute
+    (docs/engine.md, "Half precision").
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"apply() takes a transformers model (torch.nn.Module), got "
@@ -620,7 +684,8 @@ def apply(model, spec: str | None = None, **options):
         D, Hq, Hk = family["heads"](m, config)
         window = family["window"](m, config)
         state = RelposAttention(spec, D, Hq, Hk, scale=family["scale"](m), window=window or 0.0,
-                                dropout=family["dropout"](m), slope_scale=slope_scale, **options)
+                                dropout=family["dropout"](m), slope_scale=slope_scale,
+                                model_dim=config.hidden_size, **options)
         if dtype in (torch.float32, torch.float64):
             state.to(dtype)
         states.append(state)
