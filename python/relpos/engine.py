@@ -96,6 +96,25 @@ class KVCache:
         self.lengths.zero_()
         self._phase = None
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Row i becomes the old row ``rows[i]`` (int64 ``[n]``, any n >= 1, rows may repeat):
+        beam search reorders its beams so, and repeats a prompt's rows for them."""
+        if (not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.numel() < 1
+                or rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool):
+            raise InputError("KVCache.select_rows: rows must be a 1-D integer tensor of row indices")
+        rows = rows.to(device="cpu", dtype=torch.int64)
+        if int(rows.min()) < 0 or int(rows.max()) >= self.batch:
+            raise InputError(f"KVCache.select_rows: rows must be in [0, {self.batch}), got "
+                             f"{int(rows.min())}..{int(rows.max())}")
+        here = rows.to(self._keys.device)
+        self._keys, self._values = self._keys.index_select(0, here), self._values.index_select(0, here)
+        self._content = [c.index_select(0, rows.to(c.device)) for c in self._content]
+        if self._phase is not None:
+            self._phase = self._phase.index_select(0, rows.to(self._phase.device))
+        self._positions = self._positions.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+        self.batch = rows.numel()
+
     def next_positions(self, n: int) -> torch.Tensor:
         """The default positions of n new tokens per row: ``lengths[b] + 0..n-1``, ``[B, n]``."""
         return self._step(None, None, _integer(n, "n"))[0]

@@ -13,7 +13,7 @@ transforms (a :class:`relpos.PositionEncoding` over the key/value heads, registe
 stores the transformed keys in Hugging Face's own cache (``DynamicCache``), and scores them with
 :func:`relpos.fused_attention` (causal, grouped-query heads, sliding windows, ALiBi slopes and
 learned lag tables, padding, packed documents). Mechanisms with runtime state run through
-:class:`relpos.Attention` instead, without decoding steps. docs/transformers.md.
+:class:`relpos.Attention` instead, decoding through its cache inside HF's. docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import math
 try:
     import transformers
     from transformers import AttentionInterface
+    from transformers.cache_utils import CacheLayerMixin
     from transformers.masking_utils import (
         AttentionMaskInterface,
         causal_mask_function,
@@ -41,9 +42,9 @@ from torch import nn
 from . import mechanism
 from .attention import fused_attention
 from .encoding import InputError, PositionEncoding, rope_parameters_spec
-from .engine import Attention
+from .engine import Attention, KVCache
 
-__all__ = ["apply", "spec_for", "supported", "RelposAttention"]
+__all__ = ["apply", "spec_for", "supported", "RelposAttention", "EngineCacheLayer"]
 
 if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - an old install
     raise ImportError(f"relpos.transformers needs transformers >= 5 (its AttentionMaskInterface and "
@@ -169,7 +170,7 @@ def _spec_refusal(info: dict) -> str | None:
 def _runtime_state(info: dict) -> str | None:
     """What of this mechanism lives in relpos.Attention's runtime rather than in a position
     transform of q and k plus ALiBi slopes and lag tables (None: nothing). Such layers run
-    through relpos.Attention, without decoding steps."""
+    through relpos.Attention and decode through an EngineCacheLayer."""
     for t in info["transforms"]:
         if t.get("learned_frequencies") or t.get("basis", "none") != "none":
             return "learns its frequencies or basis in the layer"
@@ -179,6 +180,71 @@ def _runtime_state(info: dict) -> str | None:
         if b["shape"] != "lag_table":
             return f"computes bias {b['name']!r} ({b['shape'].replace('_', '-')}) from the tokens"
     return None
+
+
+class EngineCacheLayer(CacheLayerMixin):
+    """One layer of a Hugging Face cache for a mechanism with runtime state: the layer's decode
+    state is a :class:`relpos.KVCache` (transformed keys, values, positions and the runtime's
+    per-token state, e.g. FoX's forget-gate sums), with each row's first visible slot
+    (``key_start``, left padding). HF's cache holds it in place of its own layer for that index
+    (RelposAttention installs it into an empty cache), so HF's bookkeeping (lengths for masks and
+    positions, beam reordering, batch expansion) reaches relpos's state. Cropping (assisted
+    decoding) is refused: the runtime's scanned state cannot be rewound."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, kv: KVCache, key_start: torch.Tensor | None):
+        super().__init__()
+        self.kv, self.key_start, self.tokens = kv, key_start, 0
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise InputError("this cache layer holds a relpos mechanism's decode state; only its "
+                         "relpos attention layer appends to it")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reset(self) -> None:
+        self.kv.reset()
+        self.tokens = 0
+
+    def _select(self, rows: torch.Tensor) -> None:
+        self.kv.select_rows(rows)
+        if self.key_start is not None:
+            self.key_start = self.key_start.index_select(0, rows.to(self.key_start.device))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx.to(torch.int64))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(torch.arange(self.kv.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        rows = indices.nonzero().flatten() if indices.dtype == torch.bool else indices
+        self._select(rows.to(torch.int64))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise InputError("a relpos mechanism with runtime state cannot drop cached tokens "
+                             "(crop: assisted or speculative decoding); generate without them")
 
 
 class RelposAttention(nn.Module):
@@ -196,7 +262,8 @@ class RelposAttention(nn.Module):
 
     A mechanism with runtime state (``runtime_state`` says which) owns ``engine`` instead, a
     :class:`relpos.Attention` (``<layer>.relpos.engine.<name>``), and ``forward(...,
-    inputs=hidden_states)`` runs it over the call's own tokens: no decoding steps.
+    inputs=hidden_states)`` runs it; with a cache its decode state is an
+    :class:`EngineCacheLayer` in HF's cache.
     """
 
     def __init__(self, spec: str, head_dim: int, num_heads: int, num_kv_heads: int, *,
@@ -300,16 +367,9 @@ class RelposAttention(nn.Module):
         return self.attend(q, k, v, qslot, kslot, mask)
 
     def _engine_forward(self, q, k, v, cache, layer_idx, position_ids, mask, inputs):
-        """A mechanism with runtime state (``runtime_state``) through relpos.Attention over the
-        call's own tokens: training and scoring (no cache, or a prompt into an empty one), with
-        HF's padding and packed documents as the kernel's masks. A decoding step would need the
-        runtime's per-token state of the cached tokens, which HF's cache does not keep: refused."""
-        if cache is not None and int(cache.get_seq_length(layer_idx)) > 0:
-            raise InputError(
-                f"{self.spec!r} {self.runtime_state}: its per-token state is not kept in Hugging "
-                "Face's cache, so relpos.transformers runs it without decoding steps; call the "
-                "model with use_cache=False (training, scoring), or decode with relpos.Attention "
-                "and relpos.KVCache")
+        """A mechanism with runtime state (``runtime_state``) through relpos.Attention, with HF's
+        padding and packed documents as the kernel's masks. With a cache, the layer's decode state
+        lives in an :class:`EngineCacheLayer` installed into HF's cache at the prompt."""
         B, _, T, _ = q.shape
         pos = None if position_ids is None else position_ids.to(torch.float64)
         if pos is not None and pos.dim() == 2 and pos.shape[0] == 1:
@@ -328,10 +388,55 @@ class RelposAttention(nn.Module):
             raise InputError(f"{self.spec!r} {self.runtime_state}, so it runs through the kernel "
                              f"only; {got} (a hole in the padding, a custom mask) needs the "
                              "materialised path")
-        out = self.engine(q, k, v, positions=pos, inputs=inputs, **kw)
-        if cache is not None:  # HF counts the prompt's tokens (a later step is refused above)
-            cache.update(k, v, layer_idx)
+        if cache is None:
+            return self.engine(q, k, v, positions=pos, inputs=inputs, **kw)
+        if getattr(cache, "is_compileable", False):
+            raise InputError(f"{type(cache).__name__}: relpos.transformers decodes with "
+                             "DynamicCache (generate's default), not a static cache")
+        layer = self._engine_layer(cache, layer_idx, q, k, kw, pos)
+        past = layer.tokens
+        # the keys this call sees are the cache's slots 0..past+T-1: HF's mask must be the
+        # causal one over them with each row's first visible slot the prompt's
+        start = layer.key_start
+        if "segments" in kw or int(kw.get("key_len", torch.tensor([past + T])).min()) != past + T or (
+                past and not torch.equal(kw.get("key_start", torch.zeros(B, dtype=torch.int64)),
+                                         torch.zeros(B, dtype=torch.int64) if start is None else start)):
+            raise InputError(f"{self.spec!r} {self.runtime_state}: with a cache it takes left "
+                             "padding set at the prompt and causal masks after it (no right "
+                             "padding, packed documents or a changed padding mask)")
+        if past == 0 and start is not None:
+            # the padding's positions, below each row's first real one (HF gives them 1): the
+            # cache's positions must increase along a row; the padding stays hidden
+            pos = (pos if pos.dim() == 2 else pos.expand(B, T)).clone()
+            for b, s0 in enumerate(start.tolist()):
+                if s0 > 0:
+                    first = float(pos[b, s0]) if s0 < T else 0.0
+                    pos[b, :s0] = first - torch.arange(s0, 0, -1, dtype=torch.float64)
+        out = self.engine(q, k, v, positions=pos, inputs=inputs, cache=layer.kv,
+                          **({} if start is None else {"key_start": start}))
+        layer.tokens += T
         return out
+
+    def _engine_layer(self, cache, layer_idx, q, k, kw, pos):
+        """This layer's EngineCacheLayer in HF's cache, installed into an empty slot at the
+        prompt (a cache that HF or another user filled otherwise is refused)."""
+        layers = cache.layers
+        if layer_idx < len(layers) and isinstance(layers[layer_idx], EngineCacheLayer):
+            return layers[layer_idx]
+        if layer_idx < len(layers) and layers[layer_idx].get_seq_length() > 0:
+            raise InputError(f"{self.spec!r} {self.runtime_state}: this cache already holds keys "
+                             "that were not cached through relpos; start from an empty cache")
+        make = getattr(cache, "layer_class_to_replicate", None)
+        while len(layers) <= layer_idx:
+            if make is None:
+                raise InputError(f"{type(cache).__name__} has no layer {layer_idx}")
+            layers.append(make())
+        B = q.shape[0]
+        kv = KVCache(B, k.shape[1], k.shape[3], dtype=k.dtype, device=k.device,
+                     capacity=q.shape[2])
+        layer = EngineCacheLayer(kv, kw.get("key_start"))
+        layers[layer_idx] = layer
+        return layer
 
     # -- scoring
 
@@ -648,7 +753,8 @@ def apply(model, spec: str | None = None, **options):
     :class:`relpos.PositionEncoding`.
 
     Mechanisms with runtime state (content biases, learned frequencies, journey frames) run
-    through :class:`relpos.Attention` (``<layer>.relpos.engine``) without decoding steps.
+    through :class:`relpos.Attention` (``<layer>.relpos.engine``); they decode through its
+    :class:`relpos.KVCache`, kept in HF's cache (:class:`EngineCacheLayer`).
 
     Raises InputError for an unsupported model, a mechanism the layers cannot run (vector
     positions; a learned lag table or a per-token bias with grouped-query heads), an unknown

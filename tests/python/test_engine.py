@@ -164,6 +164,29 @@ def test_decode_through_the_cache_is_the_full_forward(spec, grad):
 
 
 @pytest.mark.parametrize("spec", DECODED)
+def test_selecting_cache_rows_commutes_with_decoding(spec):
+    """KVCache.select_rows (beam search's reorder, a prompt repeated for beams) then more steps
+    equals decoding the selected rows from the start, bit for bit; bad rows are refused."""
+    a = module(spec)
+    q, k, v = qkv(spec)
+    rows = torch.tensor([1, 0, 1])
+    cache, picked = (relpos.KVCache(n, HK, DIMS[spec], dtype=torch.float64) for n in (2, 3))
+    for t in range(6):
+        x = [y[:, :, t: t + 1] for y in (q, k, v)]
+        if t == 3:
+            cache.select_rows(rows)
+        out = a(*(y[rows] if t >= 3 else y for y in x), cache=cache)
+        want = a(*(y[rows] for y in x), cache=picked)
+        if t >= 3:
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert torch.equal(cache.keys, picked.keys) and torch.equal(cache.lengths, picked.lengths)
+    for bad in (torch.tensor([3]), torch.tensor([-1]), torch.tensor([[0]]), torch.tensor([0.0]),
+                torch.tensor([], dtype=torch.int64)):
+        with pytest.raises(relpos.InputError, match="select_rows"):
+            cache.select_rows(bad)
+
+
+@pytest.mark.parametrize("spec", DECODED)
 def test_the_one_call_decode_step_is_the_general_path(spec):
     a = module(spec, torch.float32)
     q, k, v = qkv(spec, dtype=torch.float32)

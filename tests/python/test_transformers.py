@@ -286,14 +286,17 @@ def test_jordan_from_a_rope_checkpoint_equals_rope_at_initialisation(monkeypatch
 
 
 MECHANISMS = ["jordan(m=2, regime=scaled, c=1)", "rope + alibi", "t5_bias", "xpos",
-              "rope(theta=500000) + yarn(factor=4, original=64)"]
+              "rope(theta=500000) + yarn(factor=4, original=64)",
+              # runtime state: relpos.Attention's decode cache inside HF's
+              "fox", "grape_a", "grape_ap", "grape_m", "journey"]
+MHA_ONLY = {"t5_bias", "fox", "grape_a", "grape_ap"}  # a row per key/value or per query head
 
 
 @pytest.mark.parametrize("spec", MECHANISMS)
 def test_decoding_a_left_padded_batch_equals_the_full_forward(spec):
     """Each generated token's logits (prefill, then one token per step through HF's cache, rows
     left-padded) equal the full forward of the finished sequences."""
-    model = _model("llama", num_key_value_heads=4 if spec == "t5_bias" else 2)
+    model = _model("llama", num_key_value_heads=4 if spec in MHA_ONLY else 2)
     rt.apply(model, spec)
     ids, mask = _left_padded()
     cache = transformers.DynamicCache(config=model.config)
@@ -311,6 +314,47 @@ def test_decoding_a_left_padded_batch_equals_the_full_forward(spec):
     T = ids.shape[1]
     for i, step in enumerate(steps):
         assert (step - full[:, T - 1 + i]).abs().max() < 1e-10, i
+
+
+@pytest.mark.parametrize("spec", ["fox", "grape_ap", "grape_m", "journey"])
+def test_beam_search_reorders_the_runtime_state(spec):
+    """Beam search through HF's cache reorders the EngineCacheLayer's state with HF's beams: the
+    same sequences as beam search without a cache (it fails for all of these when reorder_cache
+    leaves the state as it was)."""
+    model = _model("llama", num_key_value_heads=4)
+    rt.apply(model, spec)
+    ids, mask = _left_padded()
+    kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+              num_beams=3)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+def test_runtime_state_refusals():
+    """What a mechanism with runtime state cannot do with a cache is refused by name: dropping
+    cached tokens, right padding at the prompt, a hole; a cache filled elsewhere."""
+    model = _model("llama", num_key_value_heads=4)
+    rt.apply(model, "fox")
+    ids, mask = _left_padded()
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids, attention_mask=mask, cache=cache)
+        assert isinstance(cache.layers[0], rt.EngineCacheLayer) and cache.get_seq_length() == 12
+        cache.crop(0)  # HF's no-op crop passes
+        with pytest.raises(relpos.InputError, match="crop"):
+            cache.crop(-1)
+        right = torch.ones_like(mask)
+        right[1, 9:] = 0
+        with pytest.raises(relpos.InputError, match="right"):
+            model(ids, attention_mask=right, cache=transformers.DynamicCache(config=model.config))
+        holed = torch.ones_like(mask)
+        holed[0, 4] = 0
+        with pytest.raises(relpos.InputError, match="hole"):
+            model(ids, attention_mask=holed, use_cache=False)
+        filled = transformers.DynamicCache(config=model.config)
+        filled.update(torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16), 0)
+        with pytest.raises(relpos.InputError, match="empty cache"):
+            model(ids, attention_mask=mask, cache=filled)
 
 
 @pytest.mark.parametrize("spec", ["jordan(m=2, regime=scaled, c=1)", "t5_bias", "kerple"])
@@ -495,9 +539,11 @@ STRUCTURAL = r"vector positions|no rotary term to extend"
 def test_every_mechanism_switches_a_model_and_pads_exactly(name):
     """Every mechanism of `relpos list` (its default spec) switches a Llama (MHA, head dim 24)
     unless it cannot by its nature (STRUCTURAL): each left-padded row's logits equal the row run
-    alone, and documents packed in a row each document run alone (fp64 1e-9); the loss backpropagates to finite gradients of the mechanism's
-    parameters (some nonzero). Mechanisms with runtime state (content biases, learned frequencies, journey
-    frames) run through relpos.Attention: their decoding steps are refused by name."""
+    alone, and documents packed in a row each document run alone (fp64 1e-9); the loss
+    backpropagates to finite gradients of the mechanism's parameters (some nonzero); greedy
+    `generate` through HF's cache gives the tokens of `generate` without one. Mechanisms with
+    runtime state (content biases, learned frequencies, journey frames) run through
+    relpos.Attention and decode through an EngineCacheLayer."""
     model = _model("llama", hidden_size=96, head_dim=24, num_key_value_heads=4)
     try:
         rt.apply(model, name)
@@ -526,11 +572,18 @@ def test_every_mechanism_switches_a_model_and_pads_exactly(name):
     # (a parameter of a part the spec leaves off, e.g. pj_bias's light-cone sector, gets none)
     assert all(torch.isfinite(g).all() for g in grads if g is not None)
     assert not grads or any(g is not None and g.abs().max() > 0 for g in grads)
-    layer = model.model.layers[0].self_attn.relpos
-    if layer.engine is not None:
-        model.eval()
-        with pytest.raises(relpos.InputError, match="use_cache=False"):
-            model.generate(ids[:1, -3:], max_new_tokens=2, do_sample=False)
+    # greedy decoding through HF's cache gives the tokens of decoding without one (each step a
+    # full forward), unless the mechanism cannot decode by its nature (a centre per call, a
+    # context-extension rule that changes with the length)
+    model.eval()
+    kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        try:
+            cached = model.generate(ids, **kw)
+        except relpos.InputError as e:
+            assert re.search(r"center=mid|dynamic", str(e)), str(e)
+            return
+        assert torch.equal(cached, model.generate(ids, use_cache=False, **kw))
 
 
 def test_unsupported_models_and_mechanisms_are_refused():
