@@ -404,7 +404,7 @@ class RelposAttention(nn.Module):
             raise InputError(f"{self.spec!r} {self.runtime_state}: with a cache it takes left "
                              "padding set at the prompt and causal masks after it (no right "
                              "padding, packed documents or a changed padding mask)")
-        if past == 0 and start is not None:
+        if past == 0 and start is not None and pos is not None:
             # the padding's positions, below each row's first real one (HF gives them 1): the
             # cache's positions must increase along a row; the padding stays hidden
             pos = (pos if pos.dim() == 2 else pos.expand(B, T)).clone()
@@ -507,13 +507,14 @@ def _masked_attention(q, k, v, visible, qslot, kslot, kw):
         if qslot is None:  # the default geometry
             kslot = torch.arange(Tk, dtype=torch.float64)
             qslot = kslot[Tk - Tq:]
-        lag = qslot[:, None] - kslot[None, :]
-        bias = torch.zeros(Hq, Tq, Tk, dtype=q.dtype)
+        lag = (qslot[:, None] - kslot[None, :]).to(q.device)
+        bias = torch.zeros(Hq, Tq, Tk, dtype=q.dtype, device=q.device)
         if "slopes" in kw:
-            bias = bias - kw["slopes"][:, None, None] * lag.to(q.dtype)
+            bias = bias - kw["slopes"].to(q.device)[:, None, None] * lag.to(q.dtype)
         if "lag_table" in kw:
             table = kw["lag_table"]
-            bias = bias + table[:, lag.round().clamp(0, table.shape[1] - 1).long()]
+            idx = lag.round().clamp(0, table.shape[1] - 1).long().to(table.device)
+            bias = bias + table[:, idx].to(q.device)
         mask = bias.masked_fill(~vis, float("-inf"))
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=kw["scale"], enable_gqa=Hq != k.shape[1])

@@ -330,6 +330,19 @@ def test_beam_search_reorders_the_runtime_state(spec):
         assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
+@pytest.mark.parametrize("family", ["bloom", "gpt_neox", "falcon_alibi", "phi"])
+def test_runtime_mechanisms_generate_in_every_family(family):
+    """A mechanism with runtime state in each family's layer (its own q/k/v layout, Bloom without
+    position_ids): greedy generate on a left-padded batch through HF's cache gives the tokens of
+    generate without one."""
+    model = _model(family, num_key_value_heads=4) if family == "phi" else _model(family)
+    rt.apply(model, "journey" if family == "phi" else "fox")
+    ids, mask = _left_padded()
+    kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
+
+
 def test_runtime_state_refusals():
     """What a mechanism with runtime state cannot do with a cache is refused by name: dropping
     cached tokens, right padding at the prompt, a hole; a cache filled elsewhere."""
