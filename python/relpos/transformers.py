@@ -395,6 +395,16 @@ class RelposAttention(nn.Module):
                              "DynamicCache (generate's default), not a static cache")
         layer = self._engine_layer(cache, layer_idx, q, k, kw, pos)
         past = layer.tokens
+        # relpos's cache keeps detached keys (it is for inference): a step over cached tokens
+        # would lose their gradients, and a prompt's gradients come from a call without it
+        grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, v, *self.engine.parameters(),
+                                      *([inputs] if isinstance(inputs, torch.Tensor) else [])))
+        if past and grad:
+            raise InputError(f"{self.spec!r} {self.runtime_state}: a step over cached tokens with "
+                             "autograd on would lose the cached tokens' gradients (relpos's cache "
+                             "keeps detached keys); decode under torch.no_grad(), or train on whole "
+                             "sequences (use_cache=False)")
         # the keys this call sees are the cache's slots 0..past+T-1: HF's mask must be the
         # causal one over them with each row's first visible slot the prompt's
         start = layer.key_start
@@ -412,8 +422,13 @@ class RelposAttention(nn.Module):
                 if s0 > 0:
                     first = float(pos[b, s0]) if s0 < T else 0.0
                     pos[b, :s0] = first - torch.arange(s0, 0, -1, dtype=torch.float64)
-        out = self.engine(q, k, v, positions=pos, inputs=inputs, cache=layer.kv,
-                          **({} if start is None else {"key_start": start}))
+        padding = {} if start is None else {"key_start": start}
+        if grad:  # the output with its gradients, then the decode state without them
+            out = self.engine(q, k, v, positions=pos, inputs=inputs, **padding)
+            with torch.no_grad():
+                self.engine(q, k, v, positions=pos, inputs=inputs, cache=layer.kv, **padding)
+        else:
+            out = self.engine(q, k, v, positions=pos, inputs=inputs, cache=layer.kv, **padding)
         layer.tokens += T
         return out
 

@@ -345,7 +345,8 @@ def test_runtime_mechanisms_generate_in_every_family(family):
 
 def test_runtime_state_refusals():
     """What a mechanism with runtime state cannot do with a cache is refused by name: dropping
-    cached tokens, right padding at the prompt, a hole; a cache filled elsewhere."""
+    cached tokens, right padding at the prompt, a hole; a cache filled elsewhere; a step over
+    cached tokens with autograd on."""
     model = _model("llama", num_key_value_heads=4)
     rt.apply(model, "fox")
     ids, mask = _left_padded()
@@ -368,6 +369,10 @@ def test_runtime_state_refusals():
         filled.update(torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16), 0)
         with pytest.raises(relpos.InputError, match="empty cache"):
             model(ids, attention_mask=mask, cache=filled)
+    # a step over cached tokens with autograd on (their gradients would be lost)
+    step = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    with pytest.raises(relpos.InputError, match="torch.no_grad"):
+        model(ids[:, -1:], attention_mask=step, cache=cache)
 
 
 @pytest.mark.parametrize("spec", ["jordan(m=2, regime=scaled, c=1)", "t5_bias", "kerple"])
@@ -580,11 +585,22 @@ def test_every_mechanism_switches_a_model_and_pads_exactly(name):
             assert (packed[start: start + len(d)] - alone).abs().max() < 1e-9, start
             start += len(d)
     model.train()
-    _loss(model, ids, mask, _labels(ids, mask)).backward()
+    labels = _labels(ids, mask)
+    _loss(model, ids, mask, labels).backward()  # HF's default use_cache=True: a cache at the prompt
     grads = [p.grad for n, p in model.named_parameters() if ".relpos." in n]
     # (a parameter of a part the spec leaves off, e.g. pj_bias's light-cone sector, gets none)
     assert all(torch.isfinite(g).all() for g in grads if g is not None)
     assert not grads or any(g is not None and g.abs().max() > 0 for g in grads)
+    # every parameter's gradient as without a cache
+    with_cache = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    logits = model(ids, attention_mask=mask, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                      labels[:, 1:].reshape(-1), ignore_index=-100).backward()
+    without = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert with_cache.keys() == without.keys()
+    for n, g in without.items():
+        torch.testing.assert_close(with_cache[n], g, rtol=1e-9, atol=1e-12, msg=n)
     # greedy decoding through HF's cache gives the tokens of decoding without one (each step a
     # full forward), unless the mechanism cannot decode by its nature (a centre per call, a
     # context-extension rule that changes with the length)
