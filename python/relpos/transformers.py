@@ -223,8 +223,9 @@ class EngineCacheLayer(CacheLayerMixin):
         pass
 
     def reset(self) -> None:
+        """Empties the layer; the next prompt builds a new one for its own rows."""
         self.kv.reset()
-        self.tokens = 0
+        self.tokens, self.key_start = 0, None
 
     def _select(self, rows: torch.Tensor) -> None:
         self.kv.select_rows(rows)
@@ -308,6 +309,9 @@ class RelposAttention(nn.Module):
         (``[T]`` or ``[B, T]``, float64), every query head through its key/value head's map (HF's
         grouping: query head h uses key/value head h // (Hq / Hk)); one call, so one centre and
         one context length for both."""
+        if self.engine is not None:
+            raise InputError(f"{self.spec!r} {self.runtime_state}: its transform runs inside "
+                             "relpos.Attention (this layer's engine), not alone")
         if not self._has_transform:
             return q, k
         B, Hq, T, D = q.shape
@@ -374,14 +378,12 @@ class RelposAttention(nn.Module):
         pos = None if position_ids is None else position_ids.to(torch.float64)
         if pos is not None and pos.dim() == 2 and pos.shape[0] == 1:
             pos = pos[0]
-        kw = {}
+        start = end = segments = None  # each row's visible keys [start, end) (host int64)
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.int64 and tuple(mask.shape) == (B, 1, 1, 2):
-            ranges = mask.view(B, 2)
-            if bool((ranges[:, 0] > 0).any()):
-                kw["key_start"] = ranges[:, 0].contiguous()
-            kw["key_len"] = ranges[:, 1].contiguous()
+            ranges = mask.view(B, 2).to("cpu")
+            start, end = ranges[:, 0].clone(), ranges[:, 1].clone()
         elif isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and tuple(mask.shape) == (B, 1, 1, T):
-            kw["segments"] = mask.view(B, T).to(torch.int64)
+            segments = mask.view(B, T).to(torch.int64)
         elif mask is not None:
             got = (f"a {mask.dtype} {list(mask.shape)} mask" if isinstance(mask, torch.Tensor)
                    else type(mask).__name__)
@@ -389,11 +391,14 @@ class RelposAttention(nn.Module):
                              f"only; {got} (a hole in the padding, a custom mask) needs the "
                              "materialised path")
         if cache is None:
-            return self.engine(q, k, v, positions=pos, inputs=inputs, **kw)
+            return self.engine(q, k, v, positions=self._padded_positions(pos, start, 0, B, T),
+                               inputs=inputs, segments=segments,
+                               key_start=None if start is None or not bool((start > 0).any()) else start,
+                               key_len=end)
         if getattr(cache, "is_compileable", False):
             raise InputError(f"{type(cache).__name__}: relpos.transformers decodes with "
                              "DynamicCache (generate's default), not a static cache")
-        layer = self._engine_layer(cache, layer_idx, q, k, kw, pos)
+        layer = self._engine_layer(cache, layer_idx, q, k)
         past = layer.tokens
         # relpos's cache keeps detached keys (it is for inference): a step over cached tokens
         # would lose their gradients, and a prompt's gradients come from a call without it
@@ -405,24 +410,22 @@ class RelposAttention(nn.Module):
                              "autograd on would lose the cached tokens' gradients (relpos's cache "
                              "keeps detached keys); decode under torch.no_grad(), or train on whole "
                              "sequences (use_cache=False)")
-        # the keys this call sees are the cache's slots 0..past+T-1: HF's mask must be the
-        # causal one over them with each row's first visible slot the prompt's
-        start = layer.key_start
-        if "segments" in kw or int(kw.get("key_len", torch.tensor([past + T])).min()) != past + T or (
-                past and not torch.equal(kw.get("key_start", torch.zeros(B, dtype=torch.int64)),
-                                         torch.zeros(B, dtype=torch.int64) if start is None else start)):
+        Tk = past + T
+        if start is None:
+            start, end = torch.zeros(B, dtype=torch.int64), torch.full((B,), Tk, dtype=torch.int64)
+        if past == 0:
+            empty = end == 0  # a row of padding only: all of it hidden, later tokens visible
+            start, end = torch.where(empty, Tk, start), torch.where(empty, Tk, end)
+            layer.key_start = start
+        # the keys this call sees are the cache's slots 0..Tk-1: HF's mask must be the causal one
+        # over them with each row's first visible slot the prompt's
+        if segments is not None or not bool((end == Tk).all()) or not torch.equal(start, layer.key_start):
             raise InputError(f"{self.spec!r} {self.runtime_state}: with a cache it takes left "
                              "padding set at the prompt and causal masks after it (no right "
                              "padding, packed documents or a changed padding mask)")
-        if past == 0 and start is not None and pos is not None:
-            # the padding's positions, below each row's first real one (HF gives them 1): the
-            # cache's positions must increase along a row; the padding stays hidden
-            pos = (pos if pos.dim() == 2 else pos.expand(B, T)).clone()
-            for b, s0 in enumerate(start.tolist()):
-                if s0 > 0:
-                    first = float(pos[b, s0]) if s0 < T else 0.0
-                    pos[b, :s0] = first - torch.arange(s0, 0, -1, dtype=torch.float64)
-        padding = {} if start is None else {"key_start": start}
+        left = bool((layer.key_start > 0).any())
+        pos = self._padded_positions(pos, layer.key_start if left else None, past, B, T)
+        padding = {"key_start": layer.key_start} if left else {}
         if grad:  # the output with its gradients, then the decode state without them
             out = self.engine(q, k, v, positions=pos, inputs=inputs, **padding)
             with torch.no_grad():
@@ -432,13 +435,38 @@ class RelposAttention(nn.Module):
         layer.tokens += T
         return out
 
-    def _engine_layer(self, cache, layer_idx, q, k, kw, pos):
+    def _padded_positions(self, pos, start, past, B, T):
+        """The positions of a call's tokens at slots past..past+T-1 for the engine, with left
+        padding up to ``start [B]``: HF's where given (the padding's, which HF sets to 1, moved
+        below each row's first real position, so that they increase along the row as a cache
+        requires; the padding stays hidden), else each slot minus its row's padding (the
+        model's own count, as Bloom's ALiBi counts unmasked tokens)."""
+        if start is None or not bool((start > 0).any()):
+            return pos
+        if self.engine._rotation is not None and self.engine._rotation["reads_inputs"]:
+            raise InputError(f"{self.spec!r}: its per-token phases are scanned along the row and "
+                             "would run through the left padding; run rows without it (right "
+                             "padding without a cache)")
+        slots = torch.arange(past, past + T, dtype=torch.float64)
+        if pos is None:
+            return slots[None, :] - start[:, None].to(torch.float64)
+        pos = (pos if pos.dim() == 2 else pos.expand(B, T)).clone()
+        for b, s0 in enumerate((start - past).tolist()):
+            if s0 > 0:
+                first = float(pos[b, s0]) if s0 < T else 0.0
+                pos[b, : min(s0, T)] = first - torch.arange(min(s0, T), 0, -1, dtype=torch.float64)
+        return pos
+
+    def _engine_layer(self, cache, layer_idx, q, k):
         """This layer's EngineCacheLayer in HF's cache, installed into an empty slot at the
-        prompt (a cache that HF or another user filled otherwise is refused)."""
+        prompt (a cache that HF or another user filled otherwise is refused; an emptied one, e.g.
+        by ``cache.reset()``, is built anew for the new prompt's rows)."""
         layers = cache.layers
-        if layer_idx < len(layers) and isinstance(layers[layer_idx], EngineCacheLayer):
+        if (layer_idx < len(layers) and isinstance(layers[layer_idx], EngineCacheLayer)
+                and layers[layer_idx].tokens > 0):
             return layers[layer_idx]
-        if layer_idx < len(layers) and layers[layer_idx].get_seq_length() > 0:
+        if layer_idx < len(layers) and not isinstance(layers[layer_idx], EngineCacheLayer) and (
+                layers[layer_idx].get_seq_length() > 0):
             raise InputError(f"{self.spec!r} {self.runtime_state}: this cache already holds keys "
                              "that were not cached through relpos; start from an empty cache")
         make = getattr(cache, "layer_class_to_replicate", None)
@@ -446,10 +474,9 @@ class RelposAttention(nn.Module):
             if make is None:
                 raise InputError(f"{type(cache).__name__} has no layer {layer_idx}")
             layers.append(make())
-        B = q.shape[0]
-        kv = KVCache(B, k.shape[1], k.shape[3], dtype=k.dtype, device=k.device,
+        kv = KVCache(q.shape[0], k.shape[1], k.shape[3], dtype=k.dtype, device=k.device,
                      capacity=q.shape[2])
-        layer = EngineCacheLayer(kv, kw.get("key_start"))
+        layer = EngineCacheLayer(kv, None)
         layers[layer_idx] = layer
         return layer
 

@@ -310,7 +310,8 @@ def test_decoding_a_left_padded_batch_equals_the_full_forward(spec):
             seq, m = torch.cat([seq, token], 1), torch.cat([m, torch.ones_like(token)], 1)
             out = model(token, attention_mask=m, position_ids=m.sum(1, keepdim=True) - 1, cache=cache)
         assert cache.get_seq_length() == seq.shape[1]
-        full = model(seq, attention_mask=m, position_ids=(m.cumsum(1) - 1).clamp_min(0)).logits
+        full = model(seq, attention_mask=m, position_ids=(m.cumsum(1) - 1).clamp_min(0),
+                     use_cache=False).logits
     T = ids.shape[1]
     for i, step in enumerate(steps):
         assert (step - full[:, T - 1 + i]).abs().max() < 1e-10, i
@@ -330,23 +331,30 @@ def test_beam_search_reorders_the_runtime_state(spec):
         assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
-@pytest.mark.parametrize("family", ["bloom", "gpt_neox", "falcon_alibi", "phi"])
-def test_runtime_mechanisms_generate_in_every_family(family):
-    """A mechanism with runtime state in each family's layer (its own q/k/v layout, Bloom without
-    position_ids): greedy generate on a left-padded batch through HF's cache gives the tokens of
-    generate without one."""
+@pytest.mark.parametrize("family,spec", [("bloom", "grape_ap"), ("gpt_neox", "fox"),
+                                         ("falcon_alibi", "grape_a"), ("phi", "journey")])
+def test_runtime_mechanisms_generate_in_every_family(family, spec):
+    """A mechanism with runtime state in each family's layer (its own q/k/v layout; Bloom
+    passes no position_ids, so positions count each row's tokens after its padding, which
+    GRAPE-AP's probes are not invariant to): each left-padded row's logits equal the row alone,
+    and greedy generate through HF's cache gives the tokens of generate without one."""
     model = _model(family, num_key_value_heads=4) if family == "phi" else _model(family)
-    rt.apply(model, "journey" if family == "phi" else "fox")
+    rt.apply(model, spec)
     ids, mask = _left_padded()
     kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     with torch.no_grad():
+        padded = model(ids, attention_mask=mask, use_cache=False).logits
+        for b, n in enumerate(mask.sum(1).tolist()):
+            alone = model(ids[b:b + 1, -n:], use_cache=False).logits[0]
+            assert (padded[b, -n:] - alone).abs().max() < 1e-9, b
         assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
 def test_runtime_state_refusals():
     """What a mechanism with runtime state cannot do with a cache is refused by name: dropping
     cached tokens, right padding at the prompt, a hole; a cache filled elsewhere; a step over
-    cached tokens with autograd on."""
+    cached tokens with autograd on. What it can: a reset cache takes a new prompt of other rows,
+    a row of padding only decodes beside the others."""
     model = _model("llama", num_key_value_heads=4)
     rt.apply(model, "fox")
     ids, mask = _left_padded()
@@ -373,6 +381,17 @@ def test_runtime_state_refusals():
     step = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
     with pytest.raises(relpos.InputError, match="torch.no_grad"):
         model(ids[:, -1:], attention_mask=step, cache=cache)
+    with torch.no_grad():
+        # an emptied cache (reset) takes a new prompt of other rows
+        cache.reset()
+        other = ids[:2, 3:]
+        assert (model(other, cache=cache).logits
+                - model(other, use_cache=False).logits).abs().max() < 1e-10
+        # a row of padding only decodes beside the others
+        empty = mask.clone()
+        empty[2] = 0
+        kw = dict(attention_mask=empty, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
 @pytest.mark.parametrize("spec", ["jordan(m=2, regime=scaled, c=1)", "t5_bias", "kerple"])
