@@ -539,7 +539,8 @@ def _masked_attention(q, k, v, visible, qslot, kslot, kw):
     """Any boolean mask ``visible [B, Tq, Tk]``: torch's SDPA with the mask and the kernel's biases
     (``- slope_h (p_i - p_j) + table_h[p_i - p_j]``) as one additive mask, as HF runs such masks.
     Rows without a visible key give zeros (SDPA sees every key there, and the rows are zeroed:
-    no NaN in the output or the gradients). Slower than the kernel; differentiable."""
+    no NaN in the output or the gradients). A NaN or Inf in a key or value makes the rows that see
+    it NaN and no other. Slower than the kernel; differentiable."""
     B, Hq, Tq, D = q.shape
     Tk = k.shape[2]
     empty = ~visible.any(-1)  # [B, Tq]
@@ -558,8 +559,21 @@ def _masked_attention(q, k, v, visible, qslot, kslot, kw):
             idx = lag.round().clamp(0, table.shape[1] - 1).long().to(table.device)
             bias = bias + table[:, idx].to(q.device)
         mask = bias.masked_fill(~vis, float("-inf"))
+    # a NaN or Inf in a key or value would reach rows that do not see it (a masked score is
+    # NaN + -inf, a zero weight times NaN is NaN): SDPA takes them as zeros, and the rows that
+    # see one become NaN (in every column for a key, in its column for a value)
+    bad_k, bad_v = ~torch.isfinite(k).all(-1), ~torch.isfinite(v)  # [B, Hk, Tk], [B, Hk, Tk, D]
+    nonfinite = bool(bad_k.any()) or bool(bad_v.any())
+    if nonfinite:
+        k, v = k.masked_fill(bad_k[..., None], 0), v.masked_fill(bad_v, 0)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=kw["scale"], enable_gqa=Hq != k.shape[1])
+    if nonfinite:
+        g = Hq // k.shape[1]
+        seen = visible[:, None].to(q.dtype)  # [B, 1, Tq, Tk]
+        rows = ((seen @ bad_k.to(q.dtype)[..., None]) > 0).repeat_interleave(g, 1)
+        cols = ((seen @ bad_v.to(q.dtype)) > 0).repeat_interleave(g, 1)
+        out = out.masked_fill(rows | cols, float("nan"))
     return out.masked_fill(empty[:, None, :, None], 0) if bool(empty.any()) else out
 
 

@@ -477,6 +477,29 @@ def test_materialised_path_equals_a_plain_reference():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+def test_materialised_path_keeps_nonfinite_values_to_the_rows_that_see_them():
+    """A NaN in a key and an Inf in a value, each visible to some rows only (a hole mask with
+    grouped heads): those rows are non-finite, every other row equals the clean call."""
+    g = torch.Generator().manual_seed(8)
+    B, Hq, Hk, T, D = 1, 4, 2, 8, 8
+    q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hk, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    visible = torch.ones(T, T, dtype=torch.bool).tril()[None].clone()
+    visible[:, :, 2] = False  # a hole: key 2 seen by no row
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k[0, 1, 2, 3] = float("nan")  # the hole's key: seen by no row
+    bad_k[0, 0, 5, 0] = float("nan")  # key 5 of head 0: rows 5.. of query heads 0, 1
+    bad_v[0, 1, 6, 4] = float("inf")  # value 6 of head 1: rows 6.. of query heads 2, 3, column 4
+    kw = dict(scale=0.35, slopes=torch.rand(Hq, generator=g, dtype=torch.float64))
+    clean = rt._masked_attention(q, k, v, visible, None, None, kw)
+    out = rt._masked_attention(q, bad_k, bad_v, visible, None, None, kw)
+    sees = torch.zeros_like(out, dtype=torch.bool)
+    sees[0, :2, 5:] = True
+    sees[0, 2:, 6:, 4] = True
+    assert not torch.isfinite(out[sees]).any()
+    torch.testing.assert_close(out[~sees], clean[~sees], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("family,spec", [("llama", "rope + alibi"), ("mistral", None),
                                          ("qwen2", None), ("gpt_neox", "rope + kerple")])
 def test_packed_sequences_equal_separate_documents(family, spec, monkeypatch):
