@@ -92,6 +92,18 @@ def _documents(full: torch.Tensor, standard: torch.Tensor) -> torch.Tensor | Non
     return ids.view(B, 1, 1, T)
 
 
+def _compact_form(mask, B: int, Tk: int):
+    """The compact forms relpos_mask returns, read back by a layer: ``("ranges", [B, 2])`` for
+    int64 ``[B, 1, 1, 2]``, ``("documents", [B, Tk] int64)`` for int32 ``[B, 1, 1, Tk]``; None for
+    anything else."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and tuple(mask.shape[:3]) == (B, 1, 1):
+        if mask.dtype == torch.int64 and mask.shape[3] == 2:
+            return "ranges", mask.view(B, 2)
+        if mask.dtype == torch.int32 and mask.shape[3] == Tk:
+            return "documents", mask.view(B, Tk).to(torch.int64)
+    return None
+
+
 def relpos_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                 mask_function=causal_mask_function, attention_mask=None, local_size=None,
                 use_vmap=False, device="cpu", **kwargs):
@@ -379,11 +391,12 @@ class RelposAttention(nn.Module):
         if pos is not None and pos.dim() == 2 and pos.shape[0] == 1:
             pos = pos[0]
         start = end = segments = None  # each row's visible keys [start, end) (host int64)
-        if isinstance(mask, torch.Tensor) and mask.dtype == torch.int64 and tuple(mask.shape) == (B, 1, 1, 2):
-            ranges = mask.view(B, 2).to("cpu")
+        form = _compact_form(mask, B, T)
+        if form is not None and form[0] == "ranges":
+            ranges = form[1].to("cpu")
             start, end = ranges[:, 0].clone(), ranges[:, 1].clone()
-        elif isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and tuple(mask.shape) == (B, 1, 1, T):
-            segments = mask.view(B, T).to(torch.int64)
+        elif form is not None:
+            segments = form[1]
         elif mask is not None:
             got = (f"a {mask.dtype} {list(mask.shape)} mask" if isinstance(mask, torch.Tensor)
                    else type(mask).__name__)
@@ -511,14 +524,14 @@ class RelposAttention(nn.Module):
                              f"layers' masks) or a boolean [B, 1, Tq, Tk] mask, got {got}")
         B, _, Tq, _ = q.shape
         Tk = k.shape[2]
-        if mask.dtype == torch.int64 and tuple(mask.shape) == (B, 1, 1, 2):
-            return _padded_attention(q, k, v, mask.view(B, 2), kw)
-        if mask.dtype == torch.int32:  # packed documents (relpos_mask): queries at the keys' slots
-            if tuple(mask.shape) != (B, 1, 1, Tk) or Tq != Tk:
-                raise InputError(f"attention mask: document ids [B, 1, 1, T] = [{B}, 1, 1, {Tk}] "
-                                 f"for {Tq} queries over {Tk} keys, got {list(mask.shape)}")
-            documents = mask.view(B, Tk).to(torch.int64)
-            return fused_attention(q, k, v, q_segments=documents, k_segments=documents, **kw)[0]
+        form = _compact_form(mask, B, Tk)
+        if form is not None and form[0] == "ranges":
+            return _padded_attention(q, k, v, form[1], kw)
+        if form is not None:  # packed documents: queries at the keys' slots
+            if Tq != Tk:
+                raise InputError(f"attention mask: document ids [B, 1, 1, T] for {Tq} queries "
+                                 f"over {Tk} keys (they take queries and keys at the same slots)")
+            return fused_attention(q, k, v, q_segments=form[1], k_segments=form[1], **kw)[0]
         if mask.dtype != torch.bool:
             raise InputError(f"attention mask: a {mask.dtype} 4-D mask is not read (additive masks "
                              "may carry biases); pass a boolean one (True: visible)")
