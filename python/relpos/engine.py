@@ -23,6 +23,12 @@ from .encoding import (_HALF, _STORABLE, InputError, PositionEncoding, _compute_
 from .frames import rotate_pairs
 
 
+_CACHED_GRADIENTS = (
+    "a cached call with autograd on would give partial gradients (the cache stores keys and "
+    "values detached): run it under torch.no_grad() or torch.inference_mode(), or with k, v, "
+    "inputs and the module's parameters not requiring grad; train without a cache")
+
+
 class KVCache:
     """The decode state of :class:`Attention`: transformed keys, values (rotated into their
     frames for journey mechanisms) and their float64 positions, per sequence; for a content bias
@@ -370,6 +376,13 @@ class Attention(nn.Module):
                         key_len is not None and bool((key_len != q.shape[2]).any())):
                     raise InputError(f"{self.spec!r}: a path-integral bias decodes rows of one "
                                      "length; the cache rows differ or key_len leaves tokens out")
+            if torch.is_grad_enabled() and (
+                    k.requires_grad or v.requires_grad
+                    or (isinstance(inputs, torch.Tensor) and inputs.requires_grad)
+                    or any(p.requires_grad for p in self.parameters())):
+                # the cache keeps its keys and values detached: this call's gradients of k, v,
+                # inputs and the parameters would miss their paths through the stored keys
+                raise InputError(_CACHED_GRADIENTS)
 
     def _rotate(self, q, k, pos, inputs, phase):
         """q and k turned by the rotation runtime (frames, learned frequencies, basis, vector

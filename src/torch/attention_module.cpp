@@ -563,6 +563,15 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
             "new token",
             mechanism().spec));
     }
+    // the cache keeps its keys and values detached: this call's gradients of k, v, inputs and
+    // the parameters would miss their paths through the stored keys
+    if (torch::GradMode::is_enabled() &&
+        (k.requires_grad() || v.requires_grad() ||
+         (call.inputs.defined() && call.inputs.requires_grad()) || trains_parameters()))
+      throw InputError(
+          "a cached call with autograd on would give partial gradients (the cache stores keys "
+          "and values detached): run it under torch::NoGradGuard or c10::InferenceMode, or with "
+          "k, v, inputs and the module's parameters not requiring grad; train without a cache");
   }
 }
 

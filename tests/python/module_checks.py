@@ -44,14 +44,16 @@ def check_decoding(attn, q, k, v, x, positions=None):
 
 def decode_in_chunks(attn, q, k, v, x, chunks, capacity=2, positions=None):
     """The module's outputs for q, k, v (inputs x, positions [B, T, ...] or none) fed through a
-    fresh cache `chunks` tokens at a time, concatenated along time."""
+    fresh cache `chunks` tokens at a time, concatenated along time (without autograd: the
+    cache is for inference)."""
     cache = relpos.KVCache(q.shape[0], k.shape[1], k.shape[3], dtype=q.dtype, capacity=capacity)
     outs, t = [], 0
     for n in chunks:
         sl = slice(t, t + n)
         pos = None if positions is None else positions[:, sl]
-        outs.append(attn(q[:, :, sl], k[:, :, sl], v[:, :, sl], inputs=x[:, sl], positions=pos,
-                         cache=cache))
+        with torch.no_grad():
+            outs.append(attn(q[:, :, sl], k[:, :, sl], v[:, :, sl], inputs=x[:, sl],
+                             positions=pos, cache=cache))
         t += n
     return torch.cat(outs, 2)
 

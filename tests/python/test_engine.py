@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import relpos
-from module_checks import CATALOG_SPECS, head_dim_for
+from module_checks import CATALOG_SPECS, grouped_qkv, head_dim_for, jittered
 
 # every mechanism; a context-extension rule (kind "scaling") on RoPE
 SPECS = CATALOG_SPECS
@@ -157,17 +157,18 @@ def one_call(info):
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("spec", DECODED)
 def test_decode_through_the_cache_is_the_full_forward(spec, grad):
-    # without autograd (and for mechanisms without parameters) a cached step is one op call
-    # (Attention._decode); with it the general path: both against the same full forward
+    # without autograd a cached step is one op call (Attention._decode); with it (q recording
+    # gradients, the parameters frozen: test_a_cached_call_refuses_the_gradients_it_would_lose)
+    # the general path: both against the same full forward
     with torch.set_grad_enabled(grad):
-        check_decode(spec)
+        check_decode(spec, grad)
 
 
 @pytest.mark.parametrize("spec", DECODED)
 def test_selecting_cache_rows_commutes_with_decoding(spec):
     """KVCache.select_rows (beam search's reorder, a prompt repeated for beams) then more steps
     equals decoding the selected rows from the start, bit for bit; bad rows are refused."""
-    a = module(spec)
+    a = module(spec).requires_grad_(False)
     q, k, v = qkv(spec)
     rows = torch.tensor([1, 0, 1])
     cache, picked = (relpos.KVCache(n, HK, DIMS[spec], dtype=torch.float64) for n in (2, 3))
@@ -188,7 +189,7 @@ def test_selecting_cache_rows_commutes_with_decoding(spec):
 
 @pytest.mark.parametrize("spec", DECODED)
 def test_the_one_call_decode_step_is_the_general_path(spec):
-    a = module(spec, torch.float32)
+    a = module(spec, torch.float32).requires_grad_(False)
     q, k, v = qkv(spec, dtype=torch.float32)
     calls = []
     decode = a._decode
@@ -209,17 +210,74 @@ def test_the_one_call_decode_step_is_the_general_path(spec):
     assert len(calls) == (6 if one_call(INFO[spec]) else 0)
 
 
+def cacheable(spec):
+    """Every spec a cache decodes, built with as many key/value heads as query heads (runtime
+    biases take no grouped heads) and a model width for the runtimes that read inputs."""
+    D = head_dim_for(spec, HK)
+    a = relpos.Attention(spec, D, HK, HK, model_dim=8)
+    return a._cache_refusal is None
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if cacheable(s)])
+def test_a_cached_call_refuses_the_gradients_it_would_lose(spec):
+    """The cache keeps its keys and values detached. A cached call with autograd on is refused
+    when k, v, inputs or a parameter would record gradients (they would miss their paths through
+    the stored keys), and appends nothing; when only q records them, its output and q's gradient
+    are the full forward's."""
+    D = head_dim_for(spec, HK)
+    torch.manual_seed(3)
+    a = jittered(relpos.Attention(spec, D, HK, HK, model_dim=8).double(), 0.2)
+    g = torch.Generator().manual_seed(1)
+    B, T, P = 2, 5, 3  # a prompt of P tokens under no_grad, then the rest
+    q, k, v = grouped_qkv(g, B, T, D, HK, HK)
+    x = torch.randn(B, T, 8, generator=g, dtype=torch.float64)
+    vector = [t["vector_dims"] for t in INFO[spec]["transforms"] if t["time"] == "vector_position"]
+    pos = torch.randn(B, T, vector[0], generator=g, dtype=torch.float64) if vector else None
+
+    def call(qq, kk, vv, xx, sl, cache=None):
+        return a(qq[:, :, sl], kk[:, :, sl], vv[:, :, sl], inputs=xx[:, sl], cache=cache,
+                 positions=None if pos is None else pos[:, sl])
+
+    cache = relpos.KVCache(B, HK, D, dtype=torch.float64)
+    with torch.no_grad():
+        call(q, k, v, x, slice(0, P), cache)
+    rest = slice(P, T)
+    recording = {"k": (q, k.clone().requires_grad_(), v, x),
+                 "v": (q, k, v.clone().requires_grad_(), x),
+                 "inputs": (q, k, v, x.clone().requires_grad_())}
+    for name, args in recording.items():
+        with pytest.raises(relpos.InputError, match="partial gradients"):
+            call(*args, rest, cache)
+    for p in a.parameters():  # each parameter alone
+        a.requires_grad_(False)
+        p.requires_grad_(True)
+        with pytest.raises(relpos.InputError, match="partial gradients"):
+            call(q, k, v, x, rest, cache)
+    assert cache.length == P
+    a.requires_grad_(False)
+    qg = q.clone().requires_grad_()
+    full = call(qg, k, v, x, slice(0, T))[:, :, rest]
+    w = torch.randn(full.shape, generator=g, dtype=torch.float64)
+    (want,) = torch.autograd.grad((full * w).sum(), qg)
+    qg = q.clone().requires_grad_()
+    out = call(qg, k, v, x, rest, cache)
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
+    (got,) = torch.autograd.grad((out * w).sum(), qg)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_the_one_call_decode_step_reads_parameters_written_through_data():
     # an EMA swap writes parameters through .data, which bumps no version counter: the step's
     # cached kernel parameters must follow the values
-    a = relpos.Attention("jordan(m=2)", 16, 2, 2)
+    a = relpos.Attention("jordan(m=2)", 16, 2, 2).requires_grad_(False)
     q, k, v = (torch.randn(1, 2, 1, 16) for _ in range(3))
 
     def step(grad):
         cache = relpos.KVCache(1, 2, 16)
+        x = q.clone().requires_grad_(grad)
         with torch.set_grad_enabled(grad):  # no grad: the one-call step; grad: the general path
-            a(q, k, v, cache=cache)
-            return a(q, k, v, cache=cache).detach()
+            a(x, k, v, cache=cache)
+            return a(x, k, v, cache=cache).detach()
 
     before = step(False)
     for p in a.parameters():
@@ -229,10 +287,11 @@ def test_the_one_call_decode_step_reads_parameters_written_through_data():
     torch.testing.assert_close(after, step(True), rtol=0, atol=0)
 
 
-def check_decode(spec):
+def check_decode(spec, grad=False):
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
-        a = module(spec, dtype)
+        a = module(spec, dtype).requires_grad_(not grad)
         q, k, v = qkv(spec, dtype=dtype)
+        q.requires_grad_(grad)
         for prefill, window in ((1, 0.0), (3, 2.5)):  # token by token; a prefill, then decode
             a.window = window
             full = a(q, k, v)

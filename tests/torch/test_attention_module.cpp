@@ -22,9 +22,9 @@ std::vector<std::string> catalog_specs() {
   return out;
 }
 
-int head_dim_for(const std::string& spec) {
+int head_dim_for(const std::string& spec, int64_t heads = kHq) {
   for (int d = 8; d <= 48; d += 2) try {
-      build_mechanism(spec, d, kHq);
+      build_mechanism(spec, d, heads);
       return d;
     } catch (const InputError&) {
     }
@@ -120,18 +120,22 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
       continue;
     }
     ++decoded;
-    // with autograd the general path; without it (and a mechanism one_call_decode_refusal
-    // accepts) each cached step is one decode_step: both against the same full forward
+    // with autograd (q recording gradients, the parameters frozen:
+    // CachedCallsRefuseTheGradientsTheyWouldLose) the general path; without it (and a mechanism
+    // one_call_decode_refusal accepts) each cached step is one decode_step: both against the
+    // same full forward
     for (const bool grad : {true, false}) {
       SCOPED_TRACE(grad ? "grad" : "no grad");
       const torch::AutoGradMode mode(grad);
+      for (auto& p : a->parameters()) p.requires_grad_(!grad);
+      const auto q = grad ? x.q.clone().requires_grad_() : x.q;
       // a prefill of 3 tokens, then one token at a time
       nn::DecodeCache cache(B, kHk, D, torch::kDouble, 2);
       std::vector<torch::Tensor> outs = {
-          a->forward(x.q.narrow(2, 0, 3), x.k.narrow(2, 0, 3), x.v.narrow(2, 0, 3),
+          a->forward(q.narrow(2, 0, 3), x.k.narrow(2, 0, 3), x.v.narrow(2, 0, 3),
                      {.positions = tokens(P, 0, 3), .cache = &cache})};
       for (int64_t t = 3; t < T; ++t)
-        outs.push_back(a->forward(x.q.narrow(2, t, 1), x.k.narrow(2, t, 1), x.v.narrow(2, t, 1),
+        outs.push_back(a->forward(q.narrow(2, t, 1), x.k.narrow(2, t, 1), x.v.narrow(2, t, 1),
                                   {.positions = tokens(P, t, 1), .cache = &cache}));
       EXPECT_LT(max_diff(torch::cat(outs, 2).detach(), full.detach()), 1e-12);
       EXPECT_EQ(cache.length(), T);
@@ -146,6 +150,67 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
 // rounds once, the kernel takes the words as they come): the same bits as transforming float32
 // copies and rounding them for the kernel, with grouped-query heads, ALiBi slopes that bf16 would
 // round (12 query heads) and a learned lag table.
+// The cache keeps its keys and values detached. A cached call with autograd on is refused when
+// k, v, inputs or a parameter would record gradients (they would miss their paths through the
+// stored keys), and appends nothing; when only q records them, its output and q's gradient are
+// the full forward's. Every mechanism a cache decodes, with as many key/value heads as query
+// heads (runtime biases take no grouped heads) and inputs for the runtimes that read them.
+TEST(AttentionModule, CachedCallsRefuseTheGradientsTheyWouldLose) {
+  int checked = 0;
+  for (const auto& spec : catalog_specs()) {
+    SCOPED_TRACE(spec);
+    const int64_t H = 2, B = 2, T = 5, P = 3, W = 8;  // a prompt of P tokens, then the rest
+    const int D = head_dim_for(spec, H);
+    ASSERT_GT(D, 0);
+    nn::Attention a(spec, D, H, nn::AttentionOptions{.num_kv_heads = H, .model_dim = W});
+    a->to(torch::kDouble);
+    if (a->mechanism().center == CenterMode::Mid || a->mechanism().rope_scaling.dynamic())
+      continue;  // refused with a cache (DecodeThroughTheCacheEqualsTheFullForward)
+    ++checked;
+    torch::manual_seed(9);
+    {
+      const torch::NoGradGuard no_grad;
+      for (auto& p : a->parameters()) p.add_(0.2 * torch::randn_like(p));
+    }
+    const auto q = torch::randn({B, H, T, D}, torch::kDouble);
+    const auto k = torch::randn({B, H, T, D}, torch::kDouble);
+    const auto v = torch::randn({B, H, T, D}, torch::kDouble);
+    const auto x = torch::randn({B, T, W}, torch::kDouble);
+    const auto pos = call_positions(a->mechanism(), B, T);
+    const auto call = [&](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv,
+                          const torch::Tensor& xx, int64_t t, int64_t n, nn::DecodeCache* c) {
+      return a->forward(qq.narrow(2, t, n), kk.narrow(2, t, n), vv.narrow(2, t, n),
+                        {.positions = tokens(pos, t, n), .inputs = xx.narrow(1, t, n), .cache = c});
+    };
+    nn::DecodeCache cache(B, H, D, torch::kDouble);
+    {
+      const torch::NoGradGuard no_grad;
+      call(q, k, v, x, 0, P, &cache);
+    }
+    const auto rec = [](const torch::Tensor& t) { return t.clone().requires_grad_(); };
+    EXPECT_THROW(call(q, rec(k), v, x, P, T - P, &cache), InputError);
+    EXPECT_THROW(call(q, k, rec(v), x, P, T - P, &cache), InputError);
+    EXPECT_THROW(call(q, k, v, rec(x), P, T - P, &cache), InputError);
+    for (auto& p : a->parameters()) {  // each parameter alone
+      for (auto& other : a->parameters()) other.requires_grad_(false);
+      p.requires_grad_(true);
+      EXPECT_THROW(call(q, k, v, x, P, T - P, &cache), InputError);
+    }
+    EXPECT_EQ(cache.length(), P);
+    for (auto& p : a->parameters()) p.requires_grad_(false);
+    auto qg = rec(q);
+    const auto full = call(qg, k, v, x, 0, T, nullptr).narrow(2, P, T - P);
+    const auto w = torch::randn(full.sizes(), torch::kDouble);
+    const auto want = torch::autograd::grad({(full * w).sum()}, {qg})[0];
+    qg = rec(q);
+    const auto out = call(qg, k, v, x, P, T - P, &cache);
+    EXPECT_LT(max_diff(out.detach(), full.detach()), 1e-12);
+    const auto got = torch::autograd::grad({(out * w).sum()}, {qg})[0];
+    EXPECT_LT(max_diff(got, want), 1e-12);
+  }
+  EXPECT_GT(checked, 20);
+}
+
 TEST(AttentionModule, Bf16CallTransformsAsStored) {
   for (const std::string spec : {"rope", "rope + alibi", "jordan(m=2)", "rope + t5_bias"}) {
     SCOPED_TRACE(spec);
