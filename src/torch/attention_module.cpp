@@ -32,11 +32,6 @@ std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_hea
         "query heads, {} key/value heads) is not supported with it",
         m.spec, num_heads, m.heads);
   if (const BiasTerm* b = m.content_bias()) {
-    if (num_heads != m.heads)
-      return fmt::format(
-          "'{}': bias '{}' has per-token terms per query head; grouped-query attention ({} query "
-          "heads, {} key/value heads) is not supported with it",
-          m.spec, b->name, num_heads, m.heads);
     for (const auto& c : m.biases)
       if (&c != b && c.content_dependent())
         return fmt::format("'{}' has two content-dependent biases ({}, {}); a layer takes one",
@@ -428,7 +423,10 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
                                    EncodingOptions{options.layout, options.check_finite}));
   const Mechanism& m = encoding->mechanism();
   if (auto why = attention_refusal(m, num_heads_)) throw InputError(*why);
-  if ((content_ = m.content_bias())) {
+  if (m.content_bias()) {
+    content_mechanism_ = std::make_shared<const Mechanism>(
+        build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(num_heads_)));
+    content_ = content_mechanism_->content_bias();
     const ContentRuntime& r = content_runtime(*content_);
     if (r.reads_inputs && options.model_dim < 1)
       throw InputError(fmt::format(

@@ -13,6 +13,7 @@
 
 #include <torch/torch.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -173,7 +174,11 @@ class AttentionImpl : public torch::nn::Module {
   int64_t num_heads_, num_kv_heads_;
   AttentionOptions options_;
   std::optional<std::string> cache_refusal_;
-  const BiasTerm* content_ = nullptr;          // the content-dependent bias term, if any
+  // the content-dependent bias term, if any, of the mechanism built for the query heads (its
+  // per-token terms and slopes are per query head; with grouped heads a query head's gates read
+  // its key/value head's keys)
+  std::shared_ptr<const Mechanism> content_mechanism_;
+  const BiasTerm* content_ = nullptr;
   std::vector<torch::Tensor> content_params_;  // its parameters (registered on this module)
   const TransformTerm* rotation_ = nullptr;    // a transform with learned frequencies, if any
   std::vector<torch::Tensor> rotation_params_;

@@ -9,9 +9,9 @@
 //                    CompositeImplicitAutograd, so autograd runs through the runtime's ops
 //   content_keys     [gk, ck, path_k] from the side tensors of every key the call scores
 // and likewise for a rotation with learned frequencies (GRAPE-M): `rotation_params`,
-// `rotation_initial`, `rotate_learned` ([q, k, phase after the last token or None, frames of values and outputs or None]),
-// and `attention_refusal`: why relpos.Attention cannot run a mechanism ("" when it can);
-// `cpp_attention_module`: the C++ nn::Attention on one call, for the parity tests.
+// `rotation_initial`, `rotate_learned` ([q, k, phase after the last token or None, frames of values
+// and outputs or None]), and `attention_refusal`: why relpos.Attention cannot run a mechanism (""
+// when it can); `cpp_attention_module`: the C++ nn::Attention on one call, for the parity tests.
 #include <fmt/format.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -63,8 +63,8 @@ std::vector<torch::Tensor> content_initial_op(const std::string& spec, int64_t h
   });
 }
 
-std::vector<torch::Tensor> content_bias_op(const std::string& spec, int64_t head_dim,
-                                           int64_t heads, at::TensorList params,
+std::vector<torch::Tensor> content_bias_op(const std::string& spec, int64_t head_dim, int64_t heads,
+                                           at::TensorList params,
                                            const std::optional<torch::Tensor>& inputs,
                                            const torch::Tensor& q, const torch::Tensor& k,
                                            const torch::Tensor& positions, at::TensorList past,
@@ -72,10 +72,13 @@ std::vector<torch::Tensor> content_bias_op(const std::string& spec, int64_t head
   return op_util::value_errors([&] {
     const Mechanism m = content_mechanism(spec, head_dim, heads);
     const BiasTerm& b = content_term(m);
-    if (q.dim() != 4 || k.sizes() != q.sizes() || q.size(1) != heads || q.size(3) != head_dim)
-      throw InputError(fmt::format("content_bias: q and k must be [B, {}, T, {}]", heads,
-                                   head_dim));
-    ContentCall c{inputs.value_or(torch::Tensor()), q, k, positions, past.vec(),
+    if (q.dim() != 4 || k.dim() != 4 || q.size(1) != heads || q.size(3) != head_dim ||
+        k.size(0) != q.size(0) || k.size(2) != q.size(2) || k.size(3) != head_dim ||
+        k.size(1) < 1 || heads % k.size(1))
+      throw InputError(fmt::format(
+          "content_bias: q must be [B, {}, T, {}] and k [B, Hk, T, {}] with Hk dividing {}", heads,
+          head_dim, head_dim, heads));
+    ContentCall c{inputs.value_or(torch::Tensor()),      q, k, positions, past.vec(),
                   past_lengths.value_or(torch::Tensor())};
     AttentionArgs a;
     const auto side = content_side(b, params.vec(), c, a);
@@ -86,8 +89,8 @@ std::vector<torch::Tensor> content_bias_op(const std::string& spec, int64_t head
   });
 }
 
-std::vector<torch::Tensor> content_keys_op(const std::string& spec, int64_t head_dim,
-                                           int64_t heads, at::TensorList keys) {
+std::vector<torch::Tensor> content_keys_op(const std::string& spec, int64_t head_dim, int64_t heads,
+                                           at::TensorList keys) {
   return op_util::value_errors([&] {
     const Mechanism m = content_mechanism(spec, head_dim, heads);
     const BiasTerm& b = content_term(m);
@@ -130,13 +133,10 @@ std::vector<torch::Tensor> rotation_initial_op(const std::string& spec, int64_t 
   });
 }
 
-std::vector<torch::Tensor> rotate_learned_op(const std::string& spec, int64_t head_dim,
-                                             int64_t heads, at::TensorList params,
-                                             const std::optional<torch::Tensor>& inputs,
-                                             const torch::Tensor& q, const torch::Tensor& k,
-                                             const torch::Tensor& positions,
-                                             const std::optional<torch::Tensor>& phase,
-                                             int64_t layout) {
+std::vector<torch::Tensor> rotate_learned_op(
+    const std::string& spec, int64_t head_dim, int64_t heads, at::TensorList params,
+    const std::optional<torch::Tensor>& inputs, const torch::Tensor& q, const torch::Tensor& k,
+    const torch::Tensor& positions, const std::optional<torch::Tensor>& phase, int64_t layout) {
   return op_util::value_errors([&] {
     const Mechanism m = content_mechanism(spec, head_dim, heads);
     if (q.dim() != 4 || k.dim() != 4 || q.size(3) != head_dim || k.size(3) != head_dim)
@@ -172,11 +172,13 @@ std::tuple<torch::Tensor, std::string, std::vector<torch::Tensor>> cpp_attention
       names.push_back(p.key());
       values.push_back(p.value().detach().clone());
     }
-    const torch::Tensor x = inputs.value_or(torch::Tensor()), p = positions.value_or(torch::Tensor());
+    const torch::Tensor x = inputs.value_or(torch::Tensor()),
+                        p = positions.value_or(torch::Tensor());
     torch::Tensor out;
     if (chunks.empty()) {
       out = a->forward(q, k, v, {.positions = p, .inputs = x});
     } else {
+      const torch::NoGradGuard no_grad;  // (a cache is for inference)
       DecodeCache cache(q.size(0), k.size(1), k.size(3), q.scalar_type(), 1);
       std::vector<torch::Tensor> outs;
       int64_t t = 0;
@@ -213,8 +215,7 @@ std::string favor_refusal_op(const std::string& spec, int64_t head_dim, int64_t 
 }  // namespace relpos::nn
 
 TORCH_LIBRARY_FRAGMENT(relpos, m) {
-  m.def("content_params(str spec, int head_dim, int heads) -> str",
-        relpos::nn::content_params_op);
+  m.def("content_params(str spec, int head_dim, int heads) -> str", relpos::nn::content_params_op);
   m.def("content_initial(str spec, int head_dim, int heads, int model_dim) -> Tensor[]",
         relpos::nn::content_initial_op);
   m.def(

@@ -18,9 +18,9 @@ H, MODEL_DIM = 2, 12
 CATALOG = [m["name"] for m in relpos.mechanisms() if m["kind"] != "scaling"]
 
 
-def content_bias_of(spec, d=8):
+def content_bias_of(spec, d=8, heads=H):
     try:
-        info = relpos.mechanism(spec, d, H)
+        info = relpos.mechanism(spec, d, heads)
     except relpos.InputError:
         return None
     return next((b for b in info["biases"] if b["shape"] != "lag_table"), None)
@@ -36,18 +36,19 @@ D = 8
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def module(spec, jitter=0.3):
+def module(spec, jitter=0.3, heads=H, kv_heads=None):
     torch.manual_seed(5)
-    a = relpos.Attention(spec, D, H, model_dim=MODEL_DIM).double()
+    a = relpos.Attention(spec, D, heads, kv_heads, model_dim=MODEL_DIM).double()
     with torch.no_grad():
         for p in a.parameters():
             p.add_(jitter * torch.randn_like(p))
     return a
 
 
-def tensors(B=2, T=7, dtype=torch.float64, seed=0):
+def tensors(B=2, T=7, dtype=torch.float64, seed=0, heads=H, kv_heads=H):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    q, k, v = (torch.randn(B, h, T, D, generator=g, dtype=torch.float64).to(dtype)
+               for h in (heads, kv_heads, kv_heads))
     x = torch.randn(B, T, MODEL_DIM, generator=g, dtype=torch.float64).to(dtype)
     return q, k, v, x
 
@@ -60,7 +61,7 @@ def rms(x):
 def content_reference(attn, qt, kt, x, pos):
     """The bias [B, H, T, T] of the mechanism's content term from its shape's formula (GRAPE
     spec grape-joformer.md 2.5-2.8): parameters in the runtime's order, options from the JSON."""
-    b = content_bias_of(attn.spec, D)
+    b = content_bias_of(attn.spec, D, attn.num_heads)
     params = attn._content_params()
     m = torch.tensor(b["slopes"], dtype=torch.float64)
     lag = pos[:, None, :, None] - pos[:, None, None, :]
@@ -78,7 +79,7 @@ def content_reference(attn, qt, kt, x, pos):
     assert b["shape"] == "path_integral"  # sum_{l=j+1..i} beta log sigmoid(p_i . R_l p^_l / P)
     B, T = x.shape[:2]
     P = b["probe_dim"]
-    p = (x @ params[0].T).view(B, T, H, P).transpose(1, 2)  # [B, H, T, P]
+    p = (x @ params[0].T).view(B, T, attn.num_heads, P).transpose(1, 2)  # [B, H, T, P]
     half = P // 2
     c, s = pos.cos()[:, None, :, None], pos.sin()[:, None, :, None]
     pk = rms(p)
@@ -86,7 +87,7 @@ def content_reference(attn, qt, kt, x, pos):
     pq = rms(p) if b["paper_form"] else p
     beta = F.softplus(params[1]) if b["paper_form"] else m
     edge = beta[None, :, None, None] * F.logsigmoid(pq @ pk.transpose(-1, -2) / P)  # [B, H, i, l]
-    out = torch.zeros(B, H, T, T, dtype=x.dtype)
+    out = torch.zeros(B, attn.num_heads, T, T, dtype=x.dtype)
     for i in range(T):
         for j in range(i):
             out[:, :, i, j] = edge[:, :, i, j + 1 : i + 1].sum(-1)
@@ -94,12 +95,19 @@ def content_reference(attn, qt, kt, x, pos):
 
 
 def reference(attn, q, k, v, x, pos):
-    B, _, T, _ = q.shape
+    """Each query head through its key/value head's map and against its keys and values (g
+    query heads a group); the per-token terms per query head."""
+    B, Hq, T, _ = q.shape
+    g = Hq // k.shape[1]
     pos = pos.expand(B, T).to(torch.float64)
-    qt, kt = attn.encoding(q, k, pos)
+    # q [B, Hk g, ...] as g rows of Hk heads, each beside its row's keys
+    qg = q.unflatten(1, (-1, g)).transpose(1, 2).flatten(0, 1)
+    qt, kt = attn.encoding(qg, k.repeat_interleave(g, 0), pos.repeat_interleave(g, 0))
+    qt = qt.unflatten(0, (B, g)).transpose(1, 2).flatten(1, 2)
+    kt, v = kt[::g].repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = qt @ kt.transpose(-1, -2) / math.sqrt(D) + content_reference(attn, qt, kt, x, pos)
     lag = pos[:, None, :, None] - pos[:, None, None, :]
-    info = relpos.mechanism(attn.spec, D, H)
+    info = relpos.mechanism(attn.spec, D, Hq)
     for b in info["biases"]:
         if b["shape"] == "lag_table" and b["slopes"]:
             s = s - torch.tensor(b["slopes"], dtype=s.dtype)[None, :, None, None] * lag
@@ -118,6 +126,21 @@ def test_forward_is_the_formula(spec):
     q32, k32, v32, x32 = tensors(dtype=torch.float32)
     torch.testing.assert_close(a32(q32, k32, v32, inputs=x32).double(),
                                reference(attn, q, k, v, x, pos), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_grouped_heads_are_the_formula(spec):
+    """4 query heads on 2 key/value heads: the per-token terms per query head, a query head's
+    key gates from its key/value head's keys: the formula, every parameter's gradient against
+    finite differences, and decoding through the cache."""
+    attn = module(spec, heads=4, kv_heads=2)
+    q, k, v, x = tensors(heads=4, kv_heads=2)
+    pos = torch.arange(q.shape[2], dtype=torch.float64)
+    torch.testing.assert_close(attn(q, k, v, inputs=x), reference(attn, q, k, v, x, pos),
+                               rtol=0, atol=1e-11)
+    check_decoding(attn, *tensors(T=9, heads=4, kv_heads=2))
+    check_parameter_gradients(attn, *(t[:1, :, :4] if t.dim() == 4 else t[:1, :4]
+                                      for t in (q, k, v, x)))
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -165,8 +188,6 @@ def test_bad_calls_raise_input_errors():
     q, k, v, x = tensors()
     with pytest.raises(relpos.InputError, match="model_dim"):
         relpos.Attention("fox", D, H)
-    with pytest.raises(relpos.InputError, match="grouped-query"):
-        relpos.Attention("fox", D, 4, 2, model_dim=MODEL_DIM)
     fox = relpos.Attention("fox", D, H, model_dim=MODEL_DIM).double()
     with pytest.raises(relpos.InputError, match="inputs="):
         fox(q, k, v)

@@ -332,18 +332,23 @@ def test_beam_search_reorders_the_runtime_state(spec):
 
 
 @pytest.mark.parametrize("family,spec", [("bloom", "grape_ap"), ("gpt_neox", "fox"),
-                                         ("falcon_alibi", "grape_a"), ("phi", "journey")])
+                                         ("falcon_alibi", "grape_a"), ("phi", "journey"),
+                                         ("llama", "fox"), ("mistral", "grape_ap"),
+                                         ("qwen2", "grape_a")])
 def test_runtime_mechanisms_generate_in_every_family(family, spec):
     """A mechanism with runtime state in each family's layer (its own q/k/v layout; Bloom
     passes no position_ids, so positions count each row's tokens after its padding, which
-    GRAPE-AP's probes are not invariant to): each left-padded row's logits equal the row alone,
-    and greedy generate through HF's cache gives the tokens of generate without one."""
+    GRAPE-AP's probes are not invariant to; the others get each row's positions after its padding
+    as generate gives them; Llama, Mistral and Qwen2 with grouped heads, two query heads a
+    key/value head): each left-padded row's logits equal the row alone, and greedy generate
+    through HF's cache gives the tokens of generate without one."""
     model = _model(family, num_key_value_heads=4) if family == "phi" else _model(family)
     rt.apply(model, spec)
     ids, mask = _left_padded()
     kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    pos = {} if family == "bloom" else {"position_ids": (mask.cumsum(1) - 1).clamp_min(0)}
     with torch.no_grad():
-        padded = model(ids, attention_mask=mask, use_cache=False).logits
+        padded = model(ids, attention_mask=mask, use_cache=False, **pos).logits
         for b, n in enumerate(mask.sum(1).tolist()):
             alone = model(ids[b:b + 1, -n:], use_cache=False).logits[0]
             assert (padded[b, -n:] - alone).abs().max() < 1e-9, b
@@ -668,7 +673,7 @@ def test_unsupported_models_and_mechanisms_are_refused():
         rt.spec_for(gpt2.config)
     model = _model("llama")
     for spec, why in (("structured(dims=2, basis=axial)", "vector positions"),
-                      ("fox", "grouped-query"), ("t5_bias", "grouped-query"),
+                      ("t5_bias", "grouped-query"),
                       ("nonsense", "nonsense")):
         with pytest.raises(relpos.InputError, match=why):
             rt.apply(model, spec)

@@ -31,11 +31,13 @@ int head_dim_for(const std::string& spec, int64_t heads = kHq) {
   return 0;
 }
 
-// the module in float64 with its learnable parameters moved off their initial values
+// the module in float64 with its learnable parameters moved off their initial values (the
+// same values for every module of the spec: the runtimes draw their initial values from torch's
+// generator)
 nn::Attention module(const std::string& spec, int D) {
+  torch::manual_seed(5);
   nn::Attention a(spec, D, kHq, nn::AttentionOptions{.num_kv_heads = kHk});
   a->to(torch::kDouble);
-  torch::manual_seed(5);
   const torch::NoGradGuard no_grad;
   for (auto& p : a->parameters()) p.add_(0.2 * torch::randn_like(p));
   return a;
@@ -62,6 +64,16 @@ torch::Tensor call_positions(const Mechanism& m, int64_t B, int64_t T) {
   if (!s) return {};
   const auto g = at::detail::createCPUGenerator(13);
   return 3.0 * torch::randn({B, T, s->vector_dims}, g, torch::kDouble);
+}
+// Whether the mechanism reads the layer's hidden states (a content bias projecting them,
+// phases scanned from them): ContentBiasesRunFromInputs and LearnedRotationsRunWithTheirParameters
+// run those; the catalog-wide tests without inputs skip them.
+bool reads_inputs(const std::string& spec, int D) {
+  const Mechanism m = build_mechanism(spec, D, kHk);
+  if (const BiasTerm* b = m.content_bias(); b && nn::content_runtime(*b).reads_inputs) return true;
+  for (const auto& t : m.transforms)
+    if (t.time == TimeSource::ContentPhase) return true;
+  return false;
 }
 torch::Tensor tokens(const torch::Tensor& positions, int64_t t, int64_t n) {
   return positions.defined() ? positions.narrow(1, t, n) : positions;
@@ -97,8 +109,9 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
     try {
       made = module(spec, D);
     } catch (const InputError& e) {
-      // refused exactly when the mechanism needs more than positions
-      EXPECT_TRUE(nn::attention_refusal(build_mechanism(spec, D, kHk), kHq).has_value())
+      // refused exactly when the module cannot run the mechanism, or it needs model_dim
+      EXPECT_TRUE(nn::attention_refusal(build_mechanism(spec, D, kHk), kHq).has_value() ||
+                  reads_inputs(spec, D))
           << e.what();
       continue;
     }
@@ -242,7 +255,8 @@ TEST(AttentionModule, HalfStorageIsWithinRoundingOfFloat64) {
     for (const auto& spec : catalog_specs()) {
       SCOPED_TRACE(spec + " " + c10::toString(dtype));
       const int D = head_dim_for(spec);
-      if (nn::attention_refusal(build_mechanism(spec, D, kHk), kHq)) continue;
+      if (nn::attention_refusal(build_mechanism(spec, D, kHk), kHq) || reads_inputs(spec, D))
+        continue;
       nn::Attention ref = module(spec, D), half = module(spec, D);
       half->to(torch::kFloat);
       const int64_t B = 2, T = 7;
@@ -411,57 +425,81 @@ TEST(AttentionModule, LearnedLagTablesDecodeWithoutGroupedHeads) {
   EXPECT_GE(seen, 3);  // pj_bias, t5_bias, kerple
 }
 
-// Content-dependent biases (every catalog mechanism with one, without grouped heads): the
-// parameters are the runtime's (names shared with Python), the gradient reaches each, decoding
-// in chunks equals the full forward, and a later token leaves earlier outputs unchanged.
+// Content-dependent biases (every catalog mechanism with one), with as many key/value heads as
+// query heads and grouped (4:2): the parameters are the runtime's (names shared with Python), the
+// gradient reaches each, decoding in chunks equals the full forward, and a later token leaves
+// earlier outputs unchanged. Grouped heads are the module with every query head's own copy of its
+// key/value head (the same parameters; the per-token terms are per query head).
 TEST(AttentionModule, ContentBiasesRunFromInputs) {
-  const int64_t H = 2, model_dim = 12, B = 2, T = 7;
+  const int64_t model_dim = 12, B = 2, T = 7;
   const int D = 8;
-  int content = 0;
+  int content = 0, grouped = 0;
   auto specs = catalog_specs();
   for (const char* composed : {"rope + fox", "alibi + grape_a", "rope + grape_ap(form=paper)",
                                "grape_m(context=true) + fox", "grape_m + grape_a(gate=k)"})
     specs.emplace_back(composed);
-  for (const auto& spec : specs) {
-    std::optional<Mechanism> m;
-    try {
-      m = build_mechanism(spec, D, static_cast<int>(H));
-    } catch (const InputError&) {
-      continue;  // needs another head dim: not a content bias (those take any even D)
+  for (const auto& spec : specs)
+    for (const auto& [H, Hk] : {std::pair<int64_t, int64_t>{2, 2}, {4, 2}}) {
+      std::optional<Mechanism> m;
+      try {
+        m = build_mechanism(spec, D, static_cast<int>(Hk));
+      } catch (const InputError&) {
+        continue;  // needs another head dim: not a content bias (those take any even D)
+      }
+      const BiasTerm* term = m->content_bias();
+      if (!term) continue;
+      SCOPED_TRACE(spec + " " + std::to_string(H) + ":" + std::to_string(Hk));
+      ++content;
+      const auto made = [&](int64_t kv) {
+        torch::manual_seed(5);
+        nn::Attention a(spec, D, H,
+                        nn::AttentionOptions{.num_kv_heads = kv, .model_dim = model_dim});
+        a->to(torch::kDouble);
+        const torch::NoGradGuard no_grad;
+        for (auto& p : a->parameters()) p.add_(0.3 * torch::randn_like(p));
+        return a;
+      };
+      nn::Attention a = made(Hk);
+      for (const auto& name : nn::content_runtime(*term).names(*term))
+        EXPECT_TRUE(a->named_parameters().contains(name)) << name;
+      torch::manual_seed(9);
+      const auto q = torch::randn({B, H, T, D}, torch::kDouble),
+                 k = torch::randn({B, Hk, T, D}, torch::kDouble),
+                 v = torch::randn({B, Hk, T, D}, torch::kDouble),
+                 x = torch::randn({B, T, model_dim}, torch::kDouble);
+      const auto full = a->forward(q, k, v, {.inputs = x});
+      (full * torch::randn_like(full)).sum().backward();
+      for (const auto& p : a->named_parameters())
+        EXPECT_GT(p.value().grad().abs().max().item<double>(), 0.0) << p.key();
+      EXPECT_LT(max_diff(decode_in_chunks(a, q, k, v, x), full), 1e-12);
+      auto x2 = x.clone();
+      x2.select(1, T - 1).add_(3.0);
+      EXPECT_EQ(max_diff(a->forward(q, k, v, {.inputs = x2}).narrow(2, 0, T - 1),
+                         full.narrow(2, 0, T - 1)),
+                0.0);
+      if (nn::content_runtime(*term).reads_inputs) {
+        EXPECT_THROW(a->forward(q, k, v), InputError);
+      }
+      if (H == Hk) continue;
+      // the module with every query head's own key/value head, where the parameters have the
+      // same shapes (per-key/value-head rotations do not)
+      nn::Attention own = made(H);
+      const auto params = a->named_parameters();
+      bool same = true;
+      for (const auto& p : own->named_parameters())
+        same = same && params.contains(p.key()) && params[p.key()].sizes() == p.value().sizes();
+      if (!same) continue;
+      ++grouped;
+      {
+        const torch::NoGradGuard no_grad;
+        for (auto& p : own->named_parameters()) p.value().copy_(params[p.key()]);
+      }
+      const auto want = own->forward(q, k.repeat_interleave(H / Hk, 1),
+                                     v.repeat_interleave(H / Hk, 1), {.inputs = x});
+      EXPECT_LT(max_diff(full.detach(), want.detach()), 1e-12);
     }
-    const BiasTerm* term = m->content_bias();
-    if (!term) continue;
-    SCOPED_TRACE(spec);
-    ++content;
-    torch::manual_seed(5);
-    nn::Attention a(spec, D, H, nn::AttentionOptions{.model_dim = model_dim});
-    a->to(torch::kDouble);
-    {
-      const torch::NoGradGuard no_grad;
-      for (auto& p : a->parameters()) p.add_(0.3 * torch::randn_like(p));
-    }
-    for (const auto& name : nn::content_runtime(*term).names(*term))
-      EXPECT_TRUE(a->named_parameters().contains(name)) << name;
-    torch::manual_seed(9);
-    const auto q = torch::randn({B, H, T, D}, torch::kDouble),
-               k = torch::randn({B, H, T, D}, torch::kDouble),
-               v = torch::randn({B, H, T, D}, torch::kDouble),
-               x = torch::randn({B, T, model_dim}, torch::kDouble);
-    const auto full = a->forward(q, k, v, {.inputs = x});
-    (full * torch::randn_like(full)).sum().backward();
-    for (const auto& p : a->named_parameters())
-      EXPECT_GT(p.value().grad().abs().max().item<double>(), 0.0) << p.key();
-    EXPECT_LT(max_diff(decode_in_chunks(a, q, k, v, x), full), 1e-12);
-    auto x2 = x.clone();
-    x2.select(1, T - 1).add_(3.0);
-    EXPECT_EQ(
-        max_diff(a->forward(q, k, v, {.inputs = x2}).narrow(2, 0, T - 1), full.narrow(2, 0, T - 1)),
-        0.0);
-    if (nn::content_runtime(*term).reads_inputs) {
-      EXPECT_THROW(a->forward(q, k, v), InputError);
-    }
-  }
-  EXPECT_GE(content, 3);
+  EXPECT_GE(content, 6);
+  EXPECT_GE(grouped, 3);
 }
 
 // Rotations with learned frequencies (every catalog transform with a rotation runtime, also with

@@ -129,7 +129,9 @@ std::vector<torch::Tensor> gated_prepare(const BiasTerm& t, const std::vector<to
   };
   size_t i = 0;
   std::vector<torch::Tensor> side;
-  if (t.gate != "q") side.push_back(gates(p[i++], c.k));
+  // grouped heads: query head h's key gates read its key/value head's keys
+  const int64_t g = H / c.k.size(1);
+  if (t.gate != "q") side.push_back(gates(p[i++], g == 1 ? c.k : c.k.repeat_interleave(g, 1)));
   if (t.gate != "k") a.gq = gates(p[i++], c.q);
   return side;
 }
