@@ -160,10 +160,10 @@ def _check_biases(spec: str, head_dim: int, heads: int, *, cq, ck, lag_table):
 def _learned_lag_table(enc, qpos, kpos, Hq, Hk, dtype):
     """The encoding's learned lag table over every lag of the call (differentiable in its
     parameters), bounded as the C++ nn::attention bounds it."""
-    if Hq != Hk:
+    if Hq != enc.bias_heads:
         raise InputError(
-            f"{enc.spec!r} has a learned lag table per head; grouped-query attention ({Hq} query "
-            f"heads, {Hk} key heads) is not supported with it"
+            f"{enc.spec!r} has a learned lag table of {enc.bias_heads} rows, one per query head; "
+            f"q has {Hq} heads (an encoding for {Hk} key/value heads takes bias_heads={Hq})"
         )
     if qpos.numel() == 0 or kpos.numel() == 0:
         return None

@@ -140,6 +140,9 @@ class PositionEncoding(nn.Module):
             its context-extension rule is added to the spec (docs/rope-scaling.md); the same as
             writing the spec term, e.g. ``"rope + yarn(factor=4, original=4096)"``.
         max_position_embeddings: the config's value, where the dictionary relies on it.
+        bias_heads: rows of a learned lag table (default num_heads): a grouped-query layer's
+            query heads, each with its own row, while the transforms act on its key/value heads
+            (``relpos.Attention`` passes them); a multiple of num_heads.
 
     ``forward(q, k, positions=None)`` returns ``(q~, k~)``; positions are ``[T]`` or ``[B, T]``
     (real values within +-2^53; float64 and int64 keep them exact), default ``0..T-1``. Warns
@@ -157,6 +160,7 @@ class PositionEncoding(nn.Module):
         check_finite: bool = True,
         rope_scaling: dict | None = None,
         max_position_embeddings: float | None = None,
+        bias_heads: int | None = None,
     ) -> None:
         super().__init__()
         if pair_layout not in _LAYOUTS:
@@ -174,6 +178,7 @@ class PositionEncoding(nn.Module):
         self.spec = info["spec"]
         self.head_dim = head_dim
         self.num_heads = num_heads
+        self.bias_heads = num_heads if bias_heads is None else _integer(bias_heads, "bias_heads")
         self.layout = _LAYOUTS[pair_layout]
         self.tensor_layout = tensor_layout
         self.check_finite = check_finite
@@ -196,7 +201,8 @@ class PositionEncoding(nn.Module):
         # the C++ module's parameters and buffers as it creates them (fixed maps fixed<i>_m, the
         # schema's raw_<name> / <name>_fixed / _bound / _learn, a learned lag table's tensors drawn
         # from torch's generator in the same order): the same names and bits
-        state, values = _op(torch.ops.relpos.encoding_state, self.spec, head_dim, num_heads)
+        state, values = _op(torch.ops.relpos.encoding_state, self.spec, head_dim, num_heads,
+                            self.bias_heads)
         state = json.loads(state)
         learnable = set(state["parameters"])
         for name, t in zip(state["names"], values):
@@ -219,7 +225,8 @@ class PositionEncoding(nn.Module):
                                for b in info["biases"] if b.get("learned")] or [0])
 
     def extra_repr(self) -> str:
-        return f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}"
+        rows = f", bias_heads={self.bias_heads}" if self.bias_heads != self.num_heads else ""
+        return f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}{rows}"
 
     def kernel_params(self) -> dict[str, torch.Tensor]:
         """gamma, eta, alpha0 [H, NB] and gates [rows, H, NB] as the kernels take them: the C++
@@ -252,7 +259,7 @@ class PositionEncoding(nn.Module):
         return self._inference_cache[2]
 
     def lag_table(self, length: int) -> torch.Tensor | None:
-        """The learned lag table ``b_h(d)``, ``d = 0..length-1``: float64 ``[H, length]``,
+        """The learned lag table ``b_h(d)``, ``d = 0..length-1``: float64 ``[bias_heads, length]``,
         differentiable in its parameters (built by the C++ runtime's LibTorch ops); None when the
         mechanism has no learned lag table."""
         if not self._lag_names:
@@ -260,7 +267,8 @@ class PositionEncoding(nn.Module):
         length = _integer(length, "length")
         try:
             return torch.ops.relpos.lag_table(
-                self.spec, self.head_dim, self.num_heads, [getattr(self, n) for n in self._lag_names], length
+                self.spec, self.head_dim, self.bias_heads, [getattr(self, n) for n in self._lag_names],
+                length
             )
         except ValueError as e:
             raise InputError(str(e)) from None

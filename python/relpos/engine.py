@@ -229,14 +229,15 @@ class Attention(nn.Module):
         if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise InputError(f"num_kv_heads ({self.num_kv_heads}) must be >= 1 and divide "
                              f"num_heads ({self.num_heads})")
+        # a learned lag table has a row per query head (bias_heads)
         self.encoding = PositionEncoding(spec, head_dim, self.num_kv_heads, pair_layout=pair_layout,
                                          check_finite=check_finite, rope_scaling=rope_scaling,
-                                         max_position_embeddings=max_position_embeddings)
+                                         max_position_embeddings=max_position_embeddings,
+                                         bias_heads=self.num_heads)
         info = self.encoding._info
         self.spec = self.encoding.spec
         self.head_dim = self.encoding.head_dim
-        why = _op(torch.ops.relpos.attention_refusal, self.spec, self.head_dim, self.num_kv_heads,
-                  self.num_heads)
+        why = _op(torch.ops.relpos.attention_refusal, self.spec, self.head_dim, self.num_kv_heads)
         if why:
             raise InputError(why)
         # a content-dependent bias: its runtime's parameters, registered under its names

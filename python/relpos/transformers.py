@@ -286,13 +286,14 @@ class RelposAttention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads:
             raise InputError(f"key/value heads ({num_kv_heads}) must divide query heads ({num_heads})")
+        # a learned lag table: a row per query head
         encoding = PositionEncoding(spec, head_dim, num_kv_heads, pair_layout=pair_layout,
-                                    check_finite=check_finite)
+                                    check_finite=check_finite, bias_heads=num_heads)
         self.spec = encoding.spec
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         info = mechanism(self.spec, head_dim, num_heads)
         why = _spec_refusal(info) or torch.ops.relpos.attention_refusal(
-            self.spec, head_dim, num_kv_heads, num_heads)
+            self.spec, head_dim, num_kv_heads)
         if why:
             raise InputError(why)
         self.runtime_state = _runtime_state(info)

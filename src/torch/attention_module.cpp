@@ -25,12 +25,7 @@ std::string shape_of(const torch::Tensor& t) {
 
 }  // namespace
 
-std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_heads) {
-  if (m.learned_lag_bias() && num_heads != m.heads)
-    return fmt::format(
-        "'{}': a learned lag table has one row per key/value head; grouped-query attention ({} "
-        "query heads, {} key/value heads) is not supported with it",
-        m.spec, num_heads, m.heads);
+std::optional<std::string> attention_refusal(const Mechanism& m) {
   if (const BiasTerm* b = m.content_bias()) {
     for (const auto& c : m.biases)
       if (&c != b && c.content_dependent())
@@ -419,10 +414,11 @@ AttentionImpl::AttentionImpl(const std::string& spec, int64_t head_dim, int64_t 
     throw InputError(fmt::format("num_kv_heads ({}) must be >= 1 and divide num_heads ({})",
                                  num_kv_heads_, num_heads_));
   encoding = register_module(
-      "encoding", PositionEncoding(spec, head_dim, num_kv_heads_,
-                                   EncodingOptions{options.layout, options.check_finite}));
+      "encoding",
+      PositionEncoding(spec, head_dim, num_kv_heads_,
+                       EncodingOptions{options.layout, options.check_finite, num_heads_}));
   const Mechanism& m = encoding->mechanism();
-  if (auto why = attention_refusal(m, num_heads_)) throw InputError(*why);
+  if (auto why = attention_refusal(m)) throw InputError(*why);
   if (m.content_bias()) {
     content_mechanism_ = std::make_shared<const Mechanism>(
         build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(num_heads_)));
@@ -737,7 +733,7 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   if (m.slope_bias())
     a.slopes = torch::tensor(slopes_for_heads(m, num_heads_), torch::kDouble)
                    .to(op_util::compute_type(q.scalar_type()));
-  if (encoding->has_lag_table()) {  // (one row per head: no GQA, attention_refusal)
+  if (encoding->has_lag_table()) {  // (one row per query head: EncodingOptions::bias_heads)
     const double span = (pos.max() - a.k_positions.min()).item<double>();
     a.lag_table = encoding->lag_table(kernels::lag_table_length(m, span))
                       .to(op_util::compute_type(q.scalar_type()));

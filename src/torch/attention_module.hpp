@@ -187,9 +187,9 @@ class AttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-// Why Attention cannot run this mechanism (built for the key/value heads) with `num_heads` query
-// heads from positions alone (empty: it can).
-std::optional<std::string> attention_refusal(const Mechanism& m, int64_t num_heads);
+// Why Attention cannot run this mechanism (built for the key/value heads; any number of query
+// heads they divide) (empty: it can).
+std::optional<std::string> attention_refusal(const Mechanism& m);
 // Why the favor backend cannot run this mechanism (empty: it can): it takes maps of q and k only,
 // not logit biases nor frames of values and outputs.
 std::optional<std::string> favor_refusal(const Mechanism& m);

@@ -721,11 +721,11 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   }
   if (enc.has_lag_table() && q.numel() && k.numel()) {
     // the learned table over every lag of the call (its gradient flows to its parameters)
-    if (Hq != m.heads)
+    if (Hq != enc.bias_heads())
       throw InputError(fmt::format(
-          "attention: mechanism '{}' has a learned lag table per head; grouped-query attention "
-          "({} query heads, {} key heads) is not supported with it",
-          m.spec, Hq, Hk));
+          "attention: mechanism '{}' has a learned lag table of {} rows, one per query head; q "
+          "has {} heads (an encoding for {} key/value heads takes bias_heads = its query heads)",
+          m.spec, enc.bias_heads(), Hq, Hk));
     if (args.lag_table.defined())
       throw InputError(
           "attention: an explicit lag_table together with the mechanism's own "
@@ -745,11 +745,12 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                         const std::string& spec, const AttentionArgs& args, Layout layout) {
   if (!k.defined() || k.dim() != 4 || !q.defined() || q.dim() != 4)
     throw InputError("attention: q and k must be [B, H, T, D]");
-  PositionEncoding enc(spec, k.size(3), k.size(1), EncodingOptions{layout, true});
+  // a learned lag table: one row per query head
+  PositionEncoding enc(spec, k.size(3), k.size(1), EncodingOptions{layout, true, q.size(1)});
   if (const BiasTerm* b = enc->mechanism().learned_lag_bias()) {
     // a spec string names fixed parameters: the learned table's initial values of the core
     // kernel (seeded), not a runtime's fresh torch draw per call (which made two calls differ)
-    const auto init = initial_lag_values(*b->learned, enc->mechanism().heads);
+    const auto init = initial_lag_values(*b->learned, static_cast<int>(enc->bias_heads()));
     const torch::NoGradGuard no_grad;
     const auto& params = enc->lag_parameters();
     for (size_t i = 0; i < params.size(); ++i)

@@ -130,8 +130,8 @@ std::vector<torch::Tensor> composed_transform_qk(const Mechanism& m, Layout layo
   torch::Tensor qq = q, kk = k;
   for (const auto& t : m.transforms) {
     if (t.vector_positions())
-      throw InputError(fmt::format("composed: '{}' rotates by vector positions, not scalar ones",
-                                   t.name));
+      throw InputError(
+          fmt::format("composed: '{}' rotates by vector positions, not scalar ones", t.name));
     if (t.position_driven()) {
       auto out = jordan_qk(m, layout, kp, qq, kk, positions, center);
       qq = out[0];

@@ -196,11 +196,9 @@ std::tuple<torch::Tensor, std::string, std::vector<torch::Tensor>> cpp_attention
   });
 }
 
-std::string attention_refusal_op(const std::string& spec, int64_t head_dim, int64_t kv_heads,
-                                 int64_t num_heads) {
+std::string attention_refusal_op(const std::string& spec, int64_t head_dim, int64_t kv_heads) {
   return op_util::value_errors([&] {
-    return attention_refusal(content_mechanism(spec, head_dim, kv_heads), num_heads)
-        .value_or(std::string());
+    return attention_refusal(content_mechanism(spec, head_dim, kv_heads)).value_or(std::string());
   });
 }
 
@@ -235,7 +233,7 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "Tensor? positions=None, str backend=\"softmax\") -> (Tensor, str, Tensor[])",
       relpos::nn::cpp_attention_module_op);
   m.def("favor_refusal(str spec, int head_dim, int heads) -> str", relpos::nn::favor_refusal_op);
-  m.def("attention_refusal(str spec, int head_dim, int kv_heads, int num_heads) -> str",
+  m.def("attention_refusal(str spec, int head_dim, int kv_heads) -> str",
         relpos::nn::attention_refusal_op);
 }
 

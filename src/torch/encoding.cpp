@@ -59,7 +59,13 @@ PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head
     : mech_(build_mechanism(spec, checked_int(head_dim, kMaxHeadDim, "head dim"),
                             checked_int(heads, kMaxHeads, "head count"))),
       plan_(kernels::TransformPlan::from(mech_, options.layout)),
-      options_(options) {
+      options_(options),
+      bias_heads_(options.bias_heads
+                      ? checked_int(options.bias_heads, kMaxHeads, "lag table row count")
+                      : mech_.heads) {
+  if (bias_heads_ % mech_.heads)
+    throw InputError(fmt::format("encoding: the heads ({}) must divide bias_heads ({})",
+                                 mech_.heads, bias_heads_));
   // fixed linear terms: M and M^{-T} as buffers (they move with .to(dtype))
   for (size_t i = 0; i < mech_.transforms.size(); ++i) {
     const auto& t = mech_.transforms[i];
@@ -105,8 +111,8 @@ PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head
   // a learned lag table: its parameters as its runtime initialises them, learnable, under the
   // kernel's names
   if (const BiasTerm* b = mech_.learned_lag_bias()) {
-    const auto params = b->learned->params(mech_.heads);
-    auto init = initial_lag_tensors(*b->learned, mech_.heads);
+    const auto params = b->learned->params(static_cast<int>(bias_heads_));
+    auto init = initial_lag_tensors(*b->learned, static_cast<int>(bias_heads_));
     for (size_t i = 0; i < params.size(); ++i)
       lag_params_.push_back(register_parameter(params[i].name, init[i]));
   }
@@ -145,9 +151,10 @@ torch::Tensor PositionEncodingImpl::lag_table(int64_t len) const {
   if (!b) return {};
   if (len < 1) throw InputError("encoding: a lag table needs at least one lag");
   auto key = memo_key(lag_params_, len);
-  if (!key) return nn::lag_table(*b->learned, mech_.heads, lag_params_, len);
+  const int heads = static_cast<int>(bias_heads_);
+  if (!key) return nn::lag_table(*b->learned, heads, lag_params_, len);
   if (*key != lag_memo_.key)
-    lag_memo_ = {std::move(*key), nn::lag_table(*b->learned, mech_.heads, lag_params_, len)};
+    lag_memo_ = {std::move(*key), nn::lag_table(*b->learned, heads, lag_params_, len)};
   return lag_memo_.value;
 }
 
@@ -520,7 +527,8 @@ torch::Tensor PositionEncodingImpl::logit_bias(const torch::Tensor& qp,
   if (mech_.slope_bias()) {
     const auto lag =
         (qp.to(torch::kFloat).unsqueeze(1) - kp.to(torch::kFloat).unsqueeze(0)).clamp_min(0);
-    out = -alibi_slopes().view({-1, 1, 1}) * lag.unsqueeze(0);
+    const auto slopes = torch::tensor(slopes_for_heads(mech_, bias_heads_), torch::kDouble);
+    out = -slopes.to(torch::kFloat).view({-1, 1, 1}) * lag.unsqueeze(0);
   }
   if (has_lag_table()) {
     // the table gathered at the rounded, clamped lags (the kernel's rule)

@@ -26,6 +26,9 @@ struct EncodingWarnings {
 struct EncodingOptions {
   Layout layout = Layout::Interleaved;
   bool check_finite = true;  // reject NaN / Inf inputs with an error (checked by the kernel)
+  // rows of a learned lag table (0: the encoding's heads): a grouped-query layer's query heads,
+  // each with its own row, while the transforms act on the key/value heads
+  int64_t bias_heads = 0;
 };
 
 // Parameters as the kernels see them (differentiable functions of the raw parameters):
@@ -63,11 +66,13 @@ class PositionEncodingImpl : public torch::nn::Module {
   ParamValues param_values() const;  // float64 snapshot of kernel_params()
   // ALiBi slopes [H] (undefined tensor when the mechanism has no ALiBi term).
   torch::Tensor alibi_slopes() const;
-  // The learned lag table b_h(d), d = 0..len-1, float64 [H, len], differentiable in its
+  // The learned lag table b_h(d), d = 0..len-1, float64 [bias_heads(), len], differentiable in its
   // parameters (undefined tensor when the mechanism has none). Built by the family's runtime
   // (torch/mechanisms/lag_runtime.hpp); without autograd memoised as kernel_params() (read only).
   torch::Tensor lag_table(int64_t len) const;
   bool has_lag_table() const { return mech_.learned_lag_bias() != nullptr; }
+  // The lag table's rows (EncodingOptions::bias_heads; the heads by default).
+  int64_t bias_heads() const { return bias_heads_; }
   // The learned table's parameters, in the kernel's params() order (state-dict names from it).
   const std::vector<torch::Tensor>& lag_parameters() const { return lag_params_; }
   // Their float64 snapshot (InputError without a learned table).
@@ -76,7 +81,7 @@ class PositionEncodingImpl : public torch::nn::Module {
   // learned table or where the runtime has none).
   std::vector<std::pair<std::string, double>> lag_stats() const;
   // Materialised additive bias [H, Tq, Tk]: -slope_h (i - j) and the lag table (reference
-  // attention only).
+  // attention only); H = bias_heads() (the slopes of that many heads).
   torch::Tensor logit_bias(const torch::Tensor& q_positions,
                            const torch::Tensor& k_positions) const;
 
@@ -92,6 +97,7 @@ class PositionEncodingImpl : public torch::nn::Module {
   Mechanism mech_;
   kernels::TransformPlan plan_;
   EncodingOptions options_;
+  int64_t bias_heads_;
   Output position_forward(const torch::Tensor& q, const torch::Tensor& k,
                           const torch::Tensor& positions, const torch::Tensor& pos,
                           bool check_finite);

@@ -1,6 +1,7 @@
 // The encoding operators of TORCH_LIBRARY(relpos) for the Python PositionEncoding, so that it
 // holds no copy of the C++ module's construction or reparameterisation:
-//   encoding_state(spec, head_dim, heads)        the C++ PositionEncoding's parameters and buffers
+//   encoding_state(spec, head_dim, heads, bias_heads=0)
+//                                                the C++ PositionEncoding's parameters and buffers
 //       -> (json, Tensor[])                      as created (names, which are parameters, values:
 //                                                the schema's raw tensors inverted from the
 //                                                initial values, fixed maps, learned lag tables
@@ -24,9 +25,10 @@ namespace {
 
 std::tuple<std::string, std::vector<torch::Tensor>> encoding_state_op(const std::string& spec,
                                                                       int64_t head_dim,
-                                                                      int64_t heads) {
+                                                                      int64_t heads,
+                                                                      int64_t bias_heads) {
   return op_util::value_errors([&] {
-    PositionEncoding enc(spec, head_dim, heads);
+    PositionEncoding enc(spec, head_dim, heads, EncodingOptions{.bias_heads = bias_heads});
     nlohmann::json names = nlohmann::json::array(), params = nlohmann::json::array();
     std::vector<torch::Tensor> values;
     for (const auto& p : enc->named_parameters(false)) {
@@ -59,7 +61,7 @@ std::vector<torch::Tensor> encoding_kernel_params_op(const std::string& spec, in
 }  // namespace relpos::nn
 
 TORCH_LIBRARY_FRAGMENT(relpos, m) {
-  m.def("encoding_state(str spec, int head_dim, int heads) -> (str, Tensor[])",
+  m.def("encoding_state(str spec, int head_dim, int heads, int bias_heads=0) -> (str, Tensor[])",
         relpos::nn::encoding_state_op);
   m.def("encoding_kernel_params(str spec, int head_dim, int heads, Tensor[] schema) -> Tensor[]");
 }

@@ -59,8 +59,8 @@ class GrapeAttentionImpl : public torch::nn::Module {
     torch::Tensor q, k, v;
     AttentionArgs args;
     std::vector<torch::Tensor> content;  // the new keys' content side tensors (args has them)
-    torch::Tensor phase_end;       // GRAPE-M-ctx: Phi after the last token [B, 1]
-    torch::Tensor last_k, last_v;  // raw projections of the last token (KV-shift state)
+    torch::Tensor phase_end;             // GRAPE-M-ctx: Phi after the last token [B, 1]
+    torch::Tensor last_k, last_v;        // raw projections of the last token (KV-shift state)
   };
   Parts parts(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& k,
               const torch::Tensor& v, const GrapeDecodeState* state = nullptr);
@@ -86,8 +86,8 @@ class GrapeAttentionImpl : public torch::nn::Module {
   PositionEncoding enc_{nullptr};  // fixed transforms (rope, ...) and ALiBi slopes
   torch::Tensor q_gain_, k_gain_;
   std::vector<torch::Tensor> rotation_params_;  // GRAPE-M (its runtime's; log_freq first)
-  std::vector<torch::Tensor> content_params_;  // GRAPE-A / FoX / GRAPE-AP (its runtime's)
-  torch::Tensor slopes_;                                   // ALiBi slopes m_h [H] (buffer)
+  std::vector<torch::Tensor> content_params_;   // GRAPE-A / FoX / GRAPE-AP (its runtime's)
+  torch::Tensor slopes_;                        // ALiBi slopes m_h [H] (buffer)
   torch::nn::Linear shift_k_{nullptr}, shift_v_{nullptr};  // KV-shift gates
 };
 TORCH_MODULE(GrapeAttention);

@@ -19,29 +19,17 @@ DIMS = {s: head_dim_for(s, HQ) for s in SPECS}
 
 
 def needs_more_than_positions(info):
-    """What the module refuses with grouped heads (HQ > HK), read from the model: a bias other
-    than slopes (content gates, path integrals, learned lag tables: one row per head), a transform not driven by positions alone, or one whose
-    frequencies or basis a model's layer learns (the encoding would keep their initial values)."""
-    return (any(not (b["shape"] == "lag_table" and b["slopes"]) for b in info["biases"])
+    """What the module's runtimes compute, tested in their own files: a bias computed from the
+    tokens (test_content_bias.py), a transform not driven by positions alone or whose frequencies
+    or basis a layer learns (test_learned_rotation.py, test_vector_positions.py,
+    test_token_frames.py). Slopes and learned lag tables (a row per query head) run here."""
+    return (any(b["shape"] != "lag_table" for b in info["biases"])
             or any(t["time"] != "position" or t["learned_frequencies"] or t["basis"] != "none"
                    for t in info["transforms"]))
 
 
-def learns_its_rotation(info):
-    """A rotation the module's runtime turns: frequencies it learns (test_learned_rotation.py) or
-    vector positions (test_vector_positions.py)."""
-    return any(t["learned_frequencies"] or t["time"] == "vector_position" for t in info["transforms"])
-
-
-def content_dependent(info):
-    """A bias computed from the tokens (test_content_bias.py, grouped heads included)."""
-    return any(b["shape"] not in ("lag_table",) for b in info["biases"])
-
-
 INFO = {s: relpos.mechanism(s, DIMS[s], HQ) for s in SPECS}
 ACCEPTED = [s for s in SPECS if not needs_more_than_positions(INFO[s])]
-REFUSED = [s for s in SPECS if needs_more_than_positions(INFO[s])
-           and not learns_its_rotation(INFO[s]) and not content_dependent(INFO[s])]
 
 
 def decodes(info):
@@ -85,9 +73,10 @@ def rotate(x, theta, inverse=False):
 
 
 def reference(attn, q, k, v, pos, key_len=None, window=0.0):
-    """softmax(q~ k~^T / sqrt(D) - slope (p_i - p_j)) v with the causal, window and length masks,
-    q~ and k~ from the module's encoding (query group i with the keys, one call each), slopes and
-    journey frames from the mechanism JSON; plain torch ops otherwise."""
+    """softmax(q~ k~^T / sqrt(D) - slope (p_i - p_j) + b_h(p_i - p_j)) v with the causal, window
+    and length masks, q~ and k~ from the module's encoding (query group i with the keys, one call
+    each), slopes and journey frames from the mechanism JSON, a learned table b_h (a row per query
+    head, at the rounded lag) from the encoding; plain torch ops otherwise."""
     B, Hq, T, D = q.shape
     Hk = k.shape[1]
     g = Hq // Hk
@@ -113,6 +102,10 @@ def reference(attn, q, k, v, pos, key_len=None, window=0.0):
     for b in info["biases"]:
         if b["slopes"]:
             s = s - torch.tensor(b["slopes"], dtype=s.dtype)[None, :, None, None] * lag.to(s.dtype)
+    table = attn.encoding.lag_table(int(lag.max()) + 1)  # a learned table: a row per query head
+    if table is not None:
+        idx = (lag + 0.5).floor().clamp(0, table.shape[1] - 1).long()  # [B, 1, T, T]
+        s = s + table[torch.arange(Hq)[None, :, None, None], idx].to(s.dtype)
     visible = lag >= 0
     if window > 0:
         visible = visible & (lag < window)
@@ -366,19 +359,13 @@ def test_gradcheck_q_k_v_and_parameters(spec):
     assert torch.autograd.gradcheck(f, vals, atol=1e-6, rtol=1e-5)
 
 
-def test_refused_specs_are_exactly_those_needing_more_than_positions():
-    assert REFUSED, "the catalog has learned-table mechanisms"
-    assert ACCEPTED
+def test_every_mechanism_builds_with_grouped_heads():
+    """Every mechanism of the catalog (given a width for the runtimes that read the hidden
+    states), with 4 query heads on 2 key/value heads; the ones this file runs include learned lag
+    tables."""
+    assert any(INFO[s]["biases"] and not INFO[s]["biases"][0]["slopes"] for s in ACCEPTED)
     for spec in SPECS:
-        info = INFO[spec]
-        if spec in REFUSED:
-            with pytest.raises(relpos.InputError) as e:
-                relpos.Attention(spec, DIMS[spec], HQ, HK)
-            named = [b["name"] for b in info["biases"]] + [t["name"] for t in info["transforms"]]
-            assert info["name"] in str(e.value) or any(n in str(e.value) for n in named), str(e.value)
-            assert "not yet in Attention" in str(e.value) or "not supported" in str(e.value)
-        else:  # (a width for the runtimes that read the layer's hidden states)
-            relpos.Attention(spec, DIMS[spec], HQ, HK, model_dim=8)
+        relpos.Attention(spec, DIMS[spec], HQ, HK, model_dim=8)
 
 
 def test_the_cache_refuses_per_call_centres_and_dynamic_rules():

@@ -93,9 +93,24 @@ def test_attention_applies_the_module_table(spec, params):
         a = torch.zeros_like(getattr(enc, n)) if a is None else a
         b = torch.zeros_like(getattr(enc, n)) if b is None else b
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=n)
-    # grouped-query attention with a per-head learned table is refused, naming it
+    # grouped-query attention needs a table row per query head: refused, naming it, unless the
+    # encoding has them (bias_heads); then each query head reads its own row
+    q2 = torch.randn(1, 2 * H, T, D, generator=g, dtype=torch.float64)
     with pytest.raises(relpos.InputError, match="learned lag table"):
-        relpos.attention(torch.cat([q, q], 1), k, v, enc)
+        relpos.attention(q2, k, v, enc)
+    grouped = relpos.PositionEncoding(spec, D, H, bias_heads=2 * H).double()
+    with torch.no_grad():
+        for p in params:
+            getattr(grouped, p["name"]).add_(torch.rand_like(getattr(grouped, p["name"])) - 0.5)
+    table = grouped.lag_table(T)
+    assert table.shape == (2 * H, T)
+    s = q2 @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(D) + table[:, lag][None]
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    torch.testing.assert_close(relpos.attention(q2, k, v, grouped),
+                               torch.softmax(s, -1) @ v.repeat_interleave(2, 1),
+                               rtol=1e-10, atol=1e-11)
+    with pytest.raises(relpos.InputError, match="divide"):
+        relpos.PositionEncoding(spec, D, H, bias_heads=H + 1)
 
 
 def test_journey_with_a_learned_table_applies_the_table():

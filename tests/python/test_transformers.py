@@ -602,14 +602,14 @@ STRUCTURAL = r"vector positions|no rotary term to extend"
 
 @pytest.mark.parametrize("name", CATALOG)
 def test_every_mechanism_switches_a_model_and_pads_exactly(name):
-    """Every mechanism of `relpos list` (its default spec) switches a Llama (MHA, head dim 24)
-    unless it cannot by its nature (STRUCTURAL): each left-padded row's logits equal the row run
+    """Every mechanism of `relpos list` (its default spec) switches a Llama (head dim 24, grouped
+    heads: two query heads a key/value head) unless it cannot by its nature (STRUCTURAL): each left-padded row's logits equal the row run
     alone, and documents packed in a row each document run alone (fp64 1e-9); the loss
     backpropagates to finite gradients of the mechanism's parameters (some nonzero); greedy
     `generate` through HF's cache gives the tokens of `generate` without one. Mechanisms with
     runtime state (content biases, learned frequencies, journey frames) run through
     relpos.Attention and decode through an EngineCacheLayer."""
-    model = _model("llama", hidden_size=96, head_dim=24, num_key_value_heads=4)
+    model = _model("llama", hidden_size=96, head_dim=24, num_key_value_heads=2)
     try:
         rt.apply(model, name)
     except relpos.InputError as e:
@@ -673,7 +673,6 @@ def test_unsupported_models_and_mechanisms_are_refused():
         rt.spec_for(gpt2.config)
     model = _model("llama")
     for spec, why in (("structured(dims=2, basis=axial)", "vector positions"),
-                      ("t5_bias", "grouped-query"),
                       ("nonsense", "nonsense")):
         with pytest.raises(relpos.InputError, match=why):
             rt.apply(model, spec)

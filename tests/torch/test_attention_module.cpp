@@ -110,7 +110,7 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
       made = module(spec, D);
     } catch (const InputError& e) {
       // refused exactly when the module cannot run the mechanism, or it needs model_dim
-      EXPECT_TRUE(nn::attention_refusal(build_mechanism(spec, D, kHk), kHq).has_value() ||
+      EXPECT_TRUE(nn::attention_refusal(build_mechanism(spec, D, kHk)).has_value() ||
                   reads_inputs(spec, D))
           << e.what();
       continue;
@@ -255,8 +255,7 @@ TEST(AttentionModule, HalfStorageIsWithinRoundingOfFloat64) {
     for (const auto& spec : catalog_specs()) {
       SCOPED_TRACE(spec + " " + c10::toString(dtype));
       const int D = head_dim_for(spec);
-      if (nn::attention_refusal(build_mechanism(spec, D, kHk), kHq) || reads_inputs(spec, D))
-        continue;
+      if (nn::attention_refusal(build_mechanism(spec, D, kHk)) || reads_inputs(spec, D)) continue;
       nn::Attention ref = module(spec, D), half = module(spec, D);
       half->to(torch::kFloat);
       const int64_t B = 2, T = 7;
@@ -393,36 +392,57 @@ TEST(AttentionModule, BadCallsAreInputErrors) {
   EXPECT_EQ(c2.length(), 0);
 }
 
-// A learned lag table (one row per key/value head) runs when every query head has its own
-// key/value head; decoding equals the full forward and the table's parameters get gradients.
-TEST(AttentionModule, LearnedLagTablesDecodeWithoutGroupedHeads) {
+// A learned lag table has one row per query head (EncodingOptions::bias_heads), with grouped
+// heads too (4:2): the table's parameters get a gradient, decoding equals the full forward, and
+// the grouped module is the one with every query head's own key/value head and the same table.
+TEST(AttentionModule, LearnedLagTablesHaveARowPerQueryHead) {
   int seen = 0;
   for (const auto& spec : catalog_specs()) {
     const int D = head_dim_for(spec);
     if (!D || !build_mechanism(spec, D, 2).learned_lag_bias()) continue;
-    SCOPED_TRACE(spec);
-    ++seen;
-    nn::Attention a(spec, D, 2, nn::AttentionOptions{.num_kv_heads = 2});
-    a->to(torch::kDouble);
-    torch::manual_seed(7);
-    const auto q = torch::randn({2, 2, 6, D}, torch::kDouble);
-    const auto k = torch::randn({2, 2, 6, D}, torch::kDouble);
-    const auto v = torch::randn({2, 2, 6, D}, torch::kDouble);
-    const auto full = a->forward(q, k, v);
-    full.square().sum().backward();
-    bool any_grad = false;
-    for (const auto& p : a->parameters())
-      any_grad = any_grad || (p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
-    EXPECT_TRUE(any_grad);
-    nn::DecodeCache cache(2, 2, D, torch::kDouble);
-    const torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> outs;
-    for (int64_t t = 0; t < 6; ++t)
-      outs.push_back(
-          a->forward(q.narrow(2, t, 1), k.narrow(2, t, 1), v.narrow(2, t, 1), {.cache = &cache}));
-    EXPECT_LT(max_diff(torch::cat(outs, 2), full.detach()), 1e-12);
+    for (const int64_t Hk : {4, 2}) {
+      SCOPED_TRACE(spec + " 4:" + std::to_string(Hk));
+      ++seen;
+      const auto made = [&](int64_t kv) {
+        torch::manual_seed(3);
+        nn::Attention a(spec, D, 4, nn::AttentionOptions{.num_kv_heads = kv});
+        a->to(torch::kDouble);
+        const torch::NoGradGuard no_grad;
+        for (auto& p : a->parameters()) p.add_(0.2 * torch::randn_like(p));
+        return a;
+      };
+      nn::Attention a = made(Hk);
+      EXPECT_EQ(a->encoding->bias_heads(), 4);
+      EXPECT_EQ(a->encoding->lag_table(5).size(0), 4);
+      torch::manual_seed(7);
+      const auto q = torch::randn({2, 4, 6, D}, torch::kDouble);
+      const auto k = torch::randn({2, Hk, 6, D}, torch::kDouble);
+      const auto v = torch::randn({2, Hk, 6, D}, torch::kDouble);
+      const auto full = a->forward(q, k, v);
+      full.square().sum().backward();
+      bool any_grad = false;
+      for (const auto& p : a->encoding->lag_parameters())
+        any_grad = any_grad || (p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
+      EXPECT_TRUE(any_grad);
+      nn::DecodeCache cache(2, Hk, D, torch::kDouble);
+      const torch::NoGradGuard no_grad;
+      std::vector<torch::Tensor> outs;
+      for (int64_t t = 0; t < 6; ++t)
+        outs.push_back(
+            a->forward(q.narrow(2, t, 1), k.narrow(2, t, 1), v.narrow(2, t, 1), {.cache = &cache}));
+      EXPECT_LT(max_diff(torch::cat(outs, 2), full.detach()), 1e-12);
+      if (Hk == 4) continue;
+      nn::Attention own = made(4);
+      const auto params = a->named_parameters();
+      for (auto& p : own->named_parameters()) {
+        ASSERT_EQ(params[p.key()].sizes(), p.value().sizes()) << p.key();
+        p.value().copy_(params[p.key()]);
+      }
+      const auto want = own->forward(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1));
+      EXPECT_LT(max_diff(full.detach(), want), 1e-12);
+    }
   }
-  EXPECT_GE(seen, 3);  // pj_bias, t5_bias, kerple
+  EXPECT_GE(seen, 6);  // pj_bias, t5_bias, kerple; MHA and GQA
 }
 
 // Content-dependent biases (every catalog mechanism with one), with as many key/value heads as
