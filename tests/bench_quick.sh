@@ -24,8 +24,9 @@ print(f"ok: {len(res)} cases, ratios {[(r['mode'], r['ours_over_sdpa']) for r in
 PY
 rc=$?
 [ "$rc" != 0 ] && exit "$rc"
-# relpos bench decode, quickly: every case of each mechanism and layout, a refusal by name
-"$relpos" bench decode --ctx 64,200 --specs 'rope;alibi;fox' --heads 4:4,4:2 --rounds 2 \
+# relpos bench decode, quickly: every case of each mechanism and layout, a refusal by name (a
+# dynamic context-extension rule has no decode cache)
+"$relpos" bench decode --ctx 64,200 --specs 'rope;alibi;fox;rope + dynamic_ntk' --heads 4:4,4:2 --rounds 2 \
   --warmup 1 --format json >"$tmp/decode.json" 2>"$tmp/err.txt"
 rc=$?
 if [ "$rc" != 0 ]; then echo "FAIL: relpos bench decode exited $rc: $(tail -n 5 "$tmp/err.txt")"; exit 1; fi
@@ -33,12 +34,14 @@ python3 - "$tmp/decode.json" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 seen = {(r["spec"], r["heads"], r.get("ctx")) for r in rows}
-for spec in ("rope", "alibi"):
+for spec in ("rope", "alibi", "fox"):
     for heads in ("4:4", "4:2"):
         for ctx in (64, 200):
             assert (spec, heads, ctx) in seen, (spec, heads, ctx, sorted(seen))
 refused = [r for r in rows if "note" in r]
-assert [(r["spec"], r["heads"]) for r in refused] == [("fox", "4:2")], refused
+assert [(r["spec"], r["heads"]) for r in refused] == [
+    ("rope + dynamic_ntk", "4:4"), ("rope + dynamic_ntk", "4:2")], refused
+assert all("dynamic" in r["note"] for r in refused), refused
 for r in rows:
     if "note" in r:
         continue

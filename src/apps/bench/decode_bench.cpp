@@ -111,10 +111,15 @@ std::vector<Row> bench_mechanism(const Args& a, const std::string& spec, int64_t
   const torch::NoGradGuard no_grad;
   const auto opts = torch::TensorOptions().dtype(dtype);
   // the key-side tensors the module stores for this mechanism (content biases), by a short call
+  // (a mechanism without a decode cache refuses it by name)
   nn::DecodeCache scratch(1, Hk, D, dtype);
-  (*module)->forward(torch::randn({1, Hq, 4, D}, opts), torch::randn({1, Hk, 4, D}, opts),
-                     torch::randn({1, Hk, 4, D}, opts),
-                     {.inputs = torch::randn({1, 4, model_dim}, opts), .cache = &scratch});
+  try {
+    (*module)->forward(torch::randn({1, Hq, 4, D}, opts), torch::randn({1, Hk, 4, D}, opts),
+                       torch::randn({1, Hk, 4, D}, opts),
+                       {.inputs = torch::randn({1, 4, model_dim}, opts), .cache = &scratch});
+  } catch (const InputError& e) {
+    return {Row{spec, heads, fmt::format("refused: {}", e.what())}};
+  }
   const bool biased = !(*module)->mechanism().biases.empty();
   // the cache: cap - 1 random tokens at positions 0..cap-2 (and room for the step's token)
   nn::DecodeCache cache(1, Hk, D, dtype, cap);
