@@ -13,7 +13,9 @@ cache, HF finds the documents from the restarting position_ids and builds a bloc
 mask. Cases:
 
 - `hf`: the model on `attn_implementation="sdpa"` (torch's SDPA with that boolean mask: HF's
-  fastest CPU path for packed rows);
+  fastest CPU path for packed rows; `"flex_attention"`, which would skip the blocks masked out
+  across documents, has no backward on the CPU: "FlexAttention does not support backward on
+  CPU", torch 2.15);
 - `relpos`: a deep copy after `relpos.transformers.apply(model)` (the model's own RoPE), the
   documents passed to the fused kernel as document ids;
 - `relpos_materialised`: the same switched model with the document detection turned off, as
