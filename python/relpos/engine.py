@@ -13,6 +13,7 @@ and every later query scores against them. docs/engine.md.
 from __future__ import annotations
 
 import json
+import weakref
 
 import torch
 from torch import nn
@@ -69,6 +70,7 @@ class KVCache:
         self._content: list[torch.Tensor] = []  # content-bias side tensors [B, H, capacity, ...]
         self._phase: torch.Tensor | None = None  # per-token phases: each row's after its last token
         self.lengths = torch.zeros(self.batch, dtype=torch.int64)
+        self._owner = None  # a weak reference to the Attention whose keys it holds
 
     @property
     def capacity(self) -> int:
@@ -98,9 +100,10 @@ class KVCache:
         return [c[:, :, : self.length] for c in self._content]
 
     def reset(self) -> None:
-        """Empties every row (the storage is kept)."""
+        """Empties every row (the storage is kept); any module may fill it next."""
         self.lengths.zero_()
         self._phase = None
+        self._owner = None
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Row i becomes the old row ``rows[i]`` (int64 ``[n]``, any n >= 1, rows may repeat):
@@ -368,6 +371,12 @@ class Attention(nn.Module):
                 raise InputError(f"{self.spec!r}: a cache decodes causal attention; this module "
                                  "is non-causal (causal=False)")
             cache._check(k)
+            if cache._owner is None or cache._owner() is not self:
+                # one cache per layer: another module's keys would be scored as this one's
+                if cache._owner is not None and cache.length > 0:
+                    raise InputError("this KVCache holds the keys of another relpos.Attention: "
+                                     "give each module (layer) its own cache, or reset() it")
+                cache._owner = weakref.ref(self)
             if (self._rotation is not None and self._rotation["reads_inputs"] and key_len is not None
                     and bool((key_len != q.shape[2]).any())):
                 raise InputError(f"{self.spec!r}: per-token phases continue from each row's last "

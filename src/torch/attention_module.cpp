@@ -244,6 +244,18 @@ std::vector<torch::Tensor> DecodeCache::content() const {
 void DecodeCache::reset() {
   lengths_.zero_();
   phase_ = torch::Tensor();
+  owner_ = nullptr;
+}
+
+void DecodeCache::claim(const void* module) {
+  if (module == owner_) return;
+  // another module's keys would be scored as this one's (a cache filled by append() alone has no
+  // module yet)
+  if (owner_ && length() > 0)
+    throw InputError(
+        "this DecodeCache holds the keys of another Attention module: give each module (layer) "
+        "its own cache, or reset() it");
+  owner_ = module;
 }
 
 void DecodeCache::check(const torch::Tensor& k) const {
@@ -538,6 +550,7 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
   if (call.cache) {
     if (cache_refusal_) throw InputError(*cache_refusal_);
     call.cache->check(k);
+    call.cache->claim(this);
     if (rotation_ && rotation_->time == TimeSource::ContentPhase && call.key_len.defined() &&
         !(call.key_len == q.size(2)).all().item<bool>())
       throw InputError(fmt::format(

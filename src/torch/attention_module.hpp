@@ -88,10 +88,13 @@ class DecodeCache {
   int64_t capacity() const { return keys_.size(2); }
   int64_t length() const;  // the longest row: the key columns a query scores against
   const torch::Tensor& lengths() const { return lengths_; }  // int64 [B]
-  torch::Tensor keys() const;                                // [B, Hk, length, D]
-  torch::Tensor values() const;                              // [B, Hk, length, D]
-  torch::Tensor positions() const;                           // [B, length] float64
-  void reset();                                              // empties every row
+  // One cache per layer: the module whose keys it holds (its address; reset() releases it).
+  // InputError when another module calls with a cache holding its tokens.
+  void claim(const void* module);
+  torch::Tensor keys() const;       // [B, Hk, length, D]
+  torch::Tensor values() const;     // [B, Hk, length, D]
+  torch::Tensor positions() const;  // [B, length] float64
+  void reset();                     // empties every row
 
   // for Attention: shape/dtype of a call's k, the step's positions and counts, the append
   void check(const torch::Tensor& k) const;
@@ -111,6 +114,7 @@ class DecodeCache {
   torch::Tensor keys_, values_, positions_, lengths_;
   std::vector<torch::Tensor> content_;
   torch::Tensor phase_;
+  const void* owner_ = nullptr;
 };
 
 struct AttentionOptions {

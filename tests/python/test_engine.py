@@ -426,8 +426,17 @@ def test_bad_calls_raise_input_errors():
     assert cache.length == 3  # refused calls append nothing
     out = a(q[:, :, :1], k[:, :, :1], v[:, :, :1], cache=cache, positions=torch.tensor([3.0]))
     assert out.shape == (1, 4, 1, 8) and cache.length == 4
+    # one cache per layer: another module's call on a cache holding this one's keys is refused;
+    # after reset() any module may fill it
+    other_layer = relpos.Attention("rope + alibi", 8, 4, 2)
+    with pytest.raises(relpos.InputError, match="another relpos.Attention"):
+        other_layer(q, k, v, cache=cache)
+    assert cache.length == 4
     cache.reset()
     assert cache.length == 0 and cache.capacity >= 4
+    other_layer(q, k, v, cache=cache)
+    with pytest.raises(relpos.InputError, match="another relpos.Attention"):
+        a(q, k, v, cache=cache)
     with pytest.raises(relpos.InputError, match="dtype"):
         relpos.KVCache(1, 2, 8, dtype=torch.int64)
     with pytest.raises(relpos.InputError, match="batch"):

@@ -390,6 +390,14 @@ TEST(AttentionModule, BadCallsAreInputErrors) {
   nn::DecodeCache c2(1, kHk, D, torch::kDouble);
   EXPECT_THROW(bidirectional->forward(x.q, x.k, x.v, {.cache = &c2}), InputError);
   EXPECT_EQ(c2.length(), 0);
+  // one cache per layer: another module's call on a cache holding this one's keys is refused
+  auto other_layer = module("rope", D);
+  EXPECT_THROW(other_layer->forward(x.q, x.k, x.v, {.cache = &cache}), InputError);
+  EXPECT_EQ(cache.length(), 3);
+  cache.reset();  // then any module may fill it
+  other_layer->forward(x.q, x.k, x.v, {.cache = &cache});
+  EXPECT_THROW(a->forward(x.q, x.k, x.v, {.cache = &cache}), InputError);
+  EXPECT_EQ(cache.length(), 3);
 }
 
 // A learned lag table has one row per query head (EncodingOptions::bias_heads), with grouped
