@@ -198,8 +198,8 @@ class Attention(nn.Module):
     (left padding). ``segments [B, T]`` packs several documents in a row (a document id per
     token, each document one contiguous run): a key is visible only to its document's queries,
     so packed documents give what separate calls give (pass positions restarting per document
-    for position-dependent state that is not relative); not with a cache, nor with phases
-    scanned from ``inputs`` (they would run across documents).
+    for position-dependent state that is not relative); not with a cache. Phases scanned from
+    ``inputs`` start at each row's first valid token and each document's first.
 
     Content-dependent biases (``fox``, ``grape_a``, ``grape_ap``) are computed by the mechanism's
     C++ runtime (the same as ``relpos::nn::Attention``'s, same parameter names and initial draws)
@@ -394,14 +394,16 @@ class Attention(nn.Module):
                 # inputs and the parameters would miss their paths through the stored keys
                 raise InputError(_CACHED_GRADIENTS)
 
-    def _rotate(self, q, k, pos, inputs, phase):
+    def _rotate(self, q, k, pos, inputs, phase, key_start=None, segments=None, lengths=None):
         """q and k turned by the rotation runtime (frames, learned frequencies, basis, vector
-        positions, phases from the inputs continuing from ``phase``); returns ``(q~, k~, phase
-        after the last token, frame angles that turn values and outputs or None)``."""
+        positions, phases from the inputs continuing from ``phase``, each scanned from its row's
+        first valid token and its packed document's first: ``key_start``, ``segments``, the
+        cache's ``lengths``); returns ``(q~, k~, phase after the last token, frame angles that
+        turn values and outputs or None)``."""
         params = [getattr(self, n) for n in self._rotation["names"]]
         qt, kt, phase_end, frames = _op(torch.ops.relpos.rotate_learned, self.spec, self.head_dim,
                                         self.num_kv_heads, params, inputs, q, k, pos, phase,
-                                        self.encoding.layout)
+                                        self.encoding.layout, key_start, segments, lengths)
         return qt, kt, phase_end, frames
 
     def _trains_parameters(self) -> bool:
@@ -427,18 +429,9 @@ class Attention(nn.Module):
                 and not torch.compiler.is_compiling() and not self._needs_grad(q, k, v)):
             return self._decode(q, k, v, positions, key_len, inputs, cache, return_lse)
         self._check(q, k, v, cache, key_len, positions, inputs)
-        if key_start is not None and self._rotation is not None and self._rotation["reads_inputs"]:
-            raise InputError(f"{self.spec!r}: its per-token phases are scanned along the row and "
-                             "would run through the left padding; pad on the right (key_len) "
-                             "instead")
-        if segments is not None:
-            if cache is not None:
-                raise InputError("segments (packed sequences) are a mask of full sequences; a "
-                                 "cache decodes one sequence per row")
-            if self._rotation is not None and self._rotation["reads_inputs"]:
-                raise InputError(f"{self.spec!r}: its per-token phases are scanned along the "
-                                 "whole row and would cross the packed documents' boundaries; "
-                                 "run the documents as separate rows")
+        if segments is not None and cache is not None:
+            raise InputError("segments (packed sequences) are a mask of full sequences; a cache "
+                             "decodes one sequence per row")
         stored_as = q.dtype
         # half storage: the mechanism computes in float32, the kernel's operands are rounded back
         # to half (below) and the output stored back (the cache keeps half). The transforms read
@@ -479,7 +472,8 @@ class Attention(nn.Module):
             pos = torch.arange(T, dtype=torch.float64) if positions is None else positions
             if self._rotation is not None:
                 pos = _op(torch.ops.relpos.encoding_positions, pos, B, T)
-                qt, kt, phase_end, frames = self._rotate(q, k, pos, inputs, None)
+                qt, kt, phase_end, frames = self._rotate(q, k, pos, inputs, None, key_start,
+                                                         segments)
                 qpos = kpos = pos
                 slopes = None if self._slopes is None else self._slopes.to(q.dtype)
             else:
@@ -488,7 +482,8 @@ class Attention(nn.Module):
         else:
             pos, counts = cache._step(positions, key_len, T)
             if self._rotation is not None:
-                qt, kt, phase_end, frames = self._rotate(q, k, pos, inputs, cache._phase)
+                qt, kt, phase_end, frames = self._rotate(q, k, pos, inputs, cache._phase,
+                                                         key_start, None, cache.lengths)
                 qpos = pos
                 slopes = None if self._slopes is None else self._slopes.to(q.dtype)
             else:

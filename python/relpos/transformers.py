@@ -457,10 +457,6 @@ class RelposAttention(nn.Module):
         model's own count, as Bloom's ALiBi counts unmasked tokens)."""
         if start is None or not bool((start > 0).any()):
             return pos
-        if self.engine._rotation is not None and self.engine._rotation["reads_inputs"]:
-            raise InputError(f"{self.spec!r}: its per-token phases are scanned along the row and "
-                             "would run through the left padding; run rows without it (right "
-                             "padding without a cache)")
         slots = torch.arange(past, past + T, dtype=torch.float64)
         if pos is None:
             return slots[None, :] - start[:, None].to(torch.float64)

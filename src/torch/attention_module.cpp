@@ -531,22 +531,10 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
     throw InputError(
         fmt::format("'{}': backend favor takes no key_len, key_start or segments (no padding mask)",
                     mechanism().spec));
-  if (call.key_start.defined() && rotation_ && rotation_->time == TimeSource::ContentPhase)
-    throw InputError(fmt::format(
-        "'{}': its per-token phases are scanned along the row and would run through the left "
-        "padding; pad on the right (key_len) instead",
-        mechanism().spec));
-  if (call.segments.defined()) {
-    if (call.cache)
-      throw InputError(
-          "segments (packed sequences) are a mask of full sequences; a cache decodes one sequence "
-          "per row");
-    if (rotation_ && rotation_->time == TimeSource::ContentPhase)
-      throw InputError(fmt::format(
-          "'{}': its per-token phases are scanned along the whole row and would cross the "
-          "packed documents' boundaries; run the documents as separate rows",
-          mechanism().spec));
-  }
+  if (call.segments.defined() && call.cache)
+    throw InputError(
+        "segments (packed sequences) are a mask of full sequences; a cache decodes one sequence "
+        "per row");
   if (call.cache) {
     if (cache_refusal_) throw InputError(*cache_refusal_);
     call.cache->check(k);
@@ -680,9 +668,13 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   torch::Tensor qt = q, kt = k, vt = v, frames;
   torch::Tensor phase_end;
   if (rotation_) {
-    const Rotated r = rotate_learned(*rotation_, rotation_params_,
-                                     {call.inputs, q, k, vector ? call.positions : pos,
-                                      cache ? cache->phase() : torch::Tensor(), options_.layout});
+    // per-token phases scanned from each row's first valid token and each document's first
+    const auto starts = scan_starts(call.key_start, call.segments,
+                                    cache ? cache->lengths() : torch::Tensor(), B, T);
+    const Rotated r =
+        rotate_learned(*rotation_, rotation_params_,
+                       {call.inputs, q, k, vector ? call.positions : pos,
+                        cache ? cache->phase() : torch::Tensor(), options_.layout, starts});
     qt = r.q;
     kt = r.k;
     phase_end = r.phase_end;

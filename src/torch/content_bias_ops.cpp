@@ -9,9 +9,11 @@
 //                    CompositeImplicitAutograd, so autograd runs through the runtime's ops
 //   content_keys     [gk, ck, path_k] from the side tensors of every key the call scores
 // and likewise for a rotation with learned frequencies (GRAPE-M): `rotation_params`,
-// `rotation_initial`, `rotate_learned` ([q, k, phase after the last token or None, frames of values
-// and outputs or None]), and `attention_refusal`: why relpos.Attention cannot run a mechanism (""
-// when it can); `cpp_attention_module`: the C++ nn::Attention on one call, for the parity tests.
+// `rotation_initial`, `rotate_learned` (per-token phases scanned from each row's first valid token
+// and each packed document's first: key_start, segments, a cache's lengths; returns [q, k, phase
+// after the last token or None, frames of values and outputs or None]), and `attention_refusal`:
+// why relpos.Attention cannot run a mechanism ("" when it can); `cpp_attention_module`: the C++
+// nn::Attention on one call, for the parity tests.
 #include <fmt/format.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -136,15 +138,21 @@ std::vector<torch::Tensor> rotation_initial_op(const std::string& spec, int64_t 
 std::vector<torch::Tensor> rotate_learned_op(
     const std::string& spec, int64_t head_dim, int64_t heads, at::TensorList params,
     const std::optional<torch::Tensor>& inputs, const torch::Tensor& q, const torch::Tensor& k,
-    const torch::Tensor& positions, const std::optional<torch::Tensor>& phase, int64_t layout) {
+    const torch::Tensor& positions, const std::optional<torch::Tensor>& phase, int64_t layout,
+    const std::optional<torch::Tensor>& key_start, const std::optional<torch::Tensor>& segments,
+    const std::optional<torch::Tensor>& lengths) {
   return op_util::value_errors([&] {
     const Mechanism m = content_mechanism(spec, head_dim, heads);
     if (q.dim() != 4 || k.dim() != 4 || q.size(3) != head_dim || k.size(3) != head_dim)
       throw InputError(fmt::format("rotate_learned: q and k must be [B, H, T, {}]", head_dim));
+    const auto opt = [](const std::optional<torch::Tensor>& t) {
+      return t.value_or(torch::Tensor());
+    };
     const Rotated r = rotate_learned(
         rotation_term(m), params.vec(),
-        {inputs.value_or(torch::Tensor()), q, k, positions, phase.value_or(torch::Tensor()),
-         layout == 1 ? Layout::HalfSplit : Layout::Interleaved});
+        {opt(inputs), q, k, positions, opt(phase),
+         layout == 1 ? Layout::HalfSplit : Layout::Interleaved,
+         scan_starts(opt(key_start), opt(segments), opt(lengths), q.size(0), q.size(2))});
     return std::vector<torch::Tensor>{r.q, r.k, r.phase_end, r.frames};
   });
 }
@@ -226,7 +234,8 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
         relpos::nn::rotation_initial_op);
   m.def(
       "rotate_learned(str spec, int head_dim, int heads, Tensor[] params, Tensor? inputs, "
-      "Tensor q, Tensor k, Tensor positions, Tensor? phase, int layout) -> Tensor[]");
+      "Tensor q, Tensor k, Tensor positions, Tensor? phase, int layout, Tensor? key_start=None, "
+      "Tensor? segments=None, Tensor? lengths=None) -> Tensor[]");
   m.def(
       "cpp_attention_module(str spec, int head_dim, int num_heads, int num_kv_heads, int layout, "
       "int model_dim, int seed, Tensor q, Tensor k, Tensor v, Tensor? inputs, int[] chunks, "

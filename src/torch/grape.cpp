@@ -161,9 +161,9 @@ GrapeAttentionImpl::Parts GrapeAttentionImpl::parts(const torch::Tensor& x, cons
   P.v = shift_v_ ? shift(shift_v_, v, state ? state->prev_v : torch::Tensor()) : v;
   // rotation, then QK-RMSNorm (this order: the gains act on rotated coordinates)
   if (learned_) {
-    const Rotated r =
-        rotate_learned(*learned_, rotation_params_,
-                       {x, qq, kk, pos, state ? state->phase : torch::Tensor(), Layout::HalfSplit});
+    const Rotated r = rotate_learned(
+        *learned_, rotation_params_,
+        {x, qq, kk, pos, state ? state->phase : torch::Tensor(), Layout::HalfSplit, {}});
     qq = r.q;
     kk = r.k;
     P.phase_end = r.phase_end;

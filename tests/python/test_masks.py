@@ -1,6 +1,7 @@
 """Masks besides causality over the whole catalog, with no per-mechanism code: packed sequences
 (segments) equal separate calls and left padding (key_start) equals the unpadded call, forward and
-every gradient; the refusals are decided from the mechanism JSON."""
+every gradient, also for phases scanned from the layer's inputs (each document's and each row's
+scan starts at its first valid token); the refusals are decided from the mechanism JSON."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ import torch
 import relpos
 from module_checks import CATALOG_SPECS, catalog_shapes, vector_dims
 
-SPECS = CATALOG_SPECS
+# and the rotations whose phases are scanned from the inputs (not a catalog default)
+SPECS = CATALOG_SPECS + ["grape_m(context=true)", "journey(angles=token)"]
 H, M = 2, 12  # heads (query = key/value: every mechanism runs), model_dim of the inputs
 DOCS = (5, 7, 4)  # packed document lengths
 
@@ -16,11 +18,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 DIMS, INFO = catalog_shapes(SPECS, H)
-
-
-def scans_inputs(spec):
-    """A rotation whose phases are scanned from the layer's inputs along the row."""
-    return any(t["time"] == "content_phase" for t in INFO[spec]["transforms"])
 
 
 def module(spec):
@@ -61,10 +58,6 @@ def test_packed_documents_equal_separate_calls(spec):
     q, k, v, x = data(spec, T)
     seg = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(DOCS)])[None]
     pos = positions(spec, DOCS, torch.Generator().manual_seed(1))
-    if scans_inputs(spec):
-        with pytest.raises(relpos.InputError, match="packed documents"):
-            attn(q, k, v, positions=torch.cat(pos), inputs=x, segments=seg)
-        return
     leaves = [t.requires_grad_() for t in (q, k, v, x)]
     packed = attn(q, k, v, positions=torch.cat(pos), inputs=x, segments=seg)
     w = torch.randn_like(packed)
@@ -93,10 +86,6 @@ def test_left_padding_equals_the_unpadded_call(spec):
     pos = (torch.arange(T, dtype=torch.float64)[None] - pads[:, None]).to(torch.float64)
     if dc is not None:
         pos = torch.randint(0, 6, (2, T, dc), generator=torch.Generator().manual_seed(3)).double()
-    if scans_inputs(spec):
-        with pytest.raises(relpos.InputError, match="left"):
-            attn(q, k, v, positions=pos, inputs=x, key_start=pads)
-        return
     leaves = [t.requires_grad_() for t in (q, k, v, x)]
     out = attn(q, k, v, positions=pos, inputs=x, key_start=pads)
     for b in range(2):

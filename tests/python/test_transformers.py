@@ -334,14 +334,16 @@ def test_beam_search_reorders_the_runtime_state(spec):
 @pytest.mark.parametrize("family,spec", [("bloom", "grape_ap"), ("gpt_neox", "fox"),
                                          ("falcon_alibi", "grape_a"), ("phi", "journey"),
                                          ("llama", "fox"), ("mistral", "grape_ap"),
-                                         ("qwen2", "grape_a")])
+                                         ("qwen2", "grape_a"), ("llama", "grape_m(context=true)"),
+                                         ("gpt_neox", "journey(angles=token)")])
 def test_runtime_mechanisms_generate_in_every_family(family, spec):
     """A mechanism with runtime state in each family's layer (its own q/k/v layout; Bloom
     passes no position_ids, so positions count each row's tokens after its padding, which
     GRAPE-AP's probes are not invariant to; the others get each row's positions after its padding
     as generate gives them; Llama, Mistral and Qwen2 with grouped heads, two query heads a
-    key/value head): each left-padded row's logits equal the row alone, and greedy generate
-    through HF's cache gives the tokens of generate without one."""
+    key/value head; phases scanned from the hidden states start at each row's first real token):
+    each left-padded row's logits equal the row alone, and greedy generate through HF's cache
+    gives the tokens of generate without one."""
     model = _model(family, num_key_value_heads=4) if family == "phi" else _model(family)
     rt.apply(model, spec)
     ids, mask = _left_padded()

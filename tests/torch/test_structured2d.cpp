@@ -100,7 +100,7 @@ TEST(Structured2d, AxialRotationMatchesAHandWrittenOneAndUIsTheIdentityAtInit) {
                         const torch::Tensor& x, const torch::Tensor& pos) {
     const Mechanism m = build_mechanism(spec, D, H);
     return nn::rotate_learned(*m.structured_term(), params,
-                              {{}, x, x, pos, {}, Layout::HalfSplit})
+                              {{}, x, x, pos, {}, Layout::HalfSplit, {}})
         .k;
   };
   const auto x = torch::randn({1, H, T, D}, torch::kDouble);

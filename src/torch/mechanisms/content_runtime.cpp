@@ -1,10 +1,13 @@
 #include "torch/mechanisms/content_runtime.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/types.hpp"
 #include "torch/scan.hpp"
@@ -85,14 +88,45 @@ RotationCall on_device(RotationCall c) {
 
 }  // namespace
 
-Phases continued_phases(const torch::Tensor& increments, const torch::Tensor& phase0) {
+Phases continued_phases(const torch::Tensor& increments, const torch::Tensor& phase0,
+                        const torch::Tensor& starts) {
   const int64_t B = increments.size(0), T = increments.size(1);
   const auto p0 = phase0.defined() ? phase0.to(increments.device())
                                    : torch::zeros({B, increments.size(2)},
                                                   increments.options().dtype(torch::kDouble));
-  const auto phi = causal_scan(increments, "exclusive");  // sum_{s<t} a_s
+  auto phi = causal_scan(increments, "exclusive");  // sum_{s<t} a_s
+  if (starts.defined())                             // minus sum_{s<start_t} a_s
+    phi = phi - phi.gather(1, starts.to(phi.device()).unsqueeze(-1).expand_as(phi));
   return {phi.to(torch::kDouble) + p0.unsqueeze(1),
           (p0 + (phi.select(1, T - 1) + increments.select(1, T - 1)).to(torch::kDouble)).detach()};
+}
+
+torch::Tensor scan_starts(const torch::Tensor& key_start, const torch::Tensor& segments,
+                          const torch::Tensor& lengths, int64_t B, int64_t T) {
+  if (!key_start.defined() && !segments.defined()) return {};
+  // (checked as the kernel checks them: it runs after the phases)
+  for (const auto& [t, name] : {std::pair{&key_start, "key_start"}, {&segments, "segments"}}) {
+    const auto shape = t == &key_start ? std::vector<int64_t>{B} : std::vector<int64_t>{B, T};
+    if (t->defined() && (t->sizes() != torch::IntArrayRef(shape) || t->is_floating_point() ||
+                         t->is_complex() || t->scalar_type() == torch::kBool))
+      throw InputError(fmt::format("attention: {} must be an integer tensor [{}], got [{}]", name,
+                                   fmt::join(shape, ", "), fmt::join(t->sizes(), ", ")));
+  }
+  const auto idx = torch::arange(T, torch::kLong).view({1, T}).expand({B, T});
+  auto start = torch::zeros({B, T}, torch::kLong);
+  if (segments.defined() && T > 1) {  // a document begins where the id changes
+    const auto s = segments.to(torch::kCPU).to(torch::kLong);
+    const auto fresh = torch::cat(
+        {torch::ones({B, 1}, torch::kBool), s.narrow(1, 1, T - 1) != s.narrow(1, 0, T - 1)}, 1);
+    start = std::get<0>(torch::cummax(torch::where(fresh, idx, torch::zeros_like(idx)), 1));
+  }
+  if (key_start.defined()) {
+    // the call's index of its row's first valid token (<= 0: before this call)
+    auto first = key_start.to(torch::kCPU).to(torch::kLong).view({B, 1});
+    if (lengths.defined()) first = first - lengths.to(torch::kCPU).to(torch::kLong).view({B, 1});
+    start = torch::where(idx >= first, torch::maximum(start, first.clamp_min(0)), idx);
+  }
+  return start.contiguous();
 }
 
 Rotated rotate_learned(const TransformTerm& t, const std::vector<torch::Tensor>& params,

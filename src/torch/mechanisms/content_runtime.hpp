@@ -52,12 +52,15 @@ struct ContentRuntime {
 // positions (structured rotations). The runtime owns the parameters and turns q and k; it is
 // found by the transform term's name.
 struct RotationCall {
-  torch::Tensor inputs;     // [B, T, model_dim] (per-token phases)
-  torch::Tensor q, k;       // [B, Hq, T, D], [B, Hk, T, D]
+  torch::Tensor inputs;  // [B, T, model_dim] (per-token phases)
+  torch::Tensor q, k;    // [B, Hq, T, D], [B, Hk, T, D]
   // [T] or [B, T], float64; vector positions (TimeSource::VectorPosition) [T, dc] or [B, T, dc]
   torch::Tensor positions;
   torch::Tensor phase;  // float64 [B, 1] or [B, P]: the phase before the first token (decode)
   Layout layout = Layout::HalfSplit;
+  // int64 [B, T]: the token where each token's scan of per-token phases begins (scan_starts:
+  // its row's first valid token, its packed document's first); undefined: the call's first
+  torch::Tensor starts;
 };
 struct Rotated {
   torch::Tensor q, k;
@@ -77,13 +80,24 @@ struct RotationRuntime {  // it reads inputs when the term's time is TimeSource:
                     const RotationCall& c) = nullptr;
 };
 
-// Per-token phases of a call continuing a cached row's: Phi_t = phase0 + sum_{s<t} a_s (exclusive)
-// for increments a [B, T, P] (phase0 float64 [B, P], zeros when undefined): the phases float64
-// [B, T, P] and the phase after the last token [B, P] (detached), what the cache keeps.
+// Per-token phases of a call continuing a cached row's: Phi_t = phase0 + sum_{start_t<=s<t} a_s
+// (exclusive) for increments a [B, T, P] (phase0 float64 [B, P], zeros when undefined; start_t
+// from `starts` [B, T], 0 when undefined): the phases float64 [B, T, P] and the phase after the
+// last token [B, P] (detached), what the cache keeps.
 struct Phases {
   torch::Tensor phases, end;
 };
-Phases continued_phases(const torch::Tensor& increments, const torch::Tensor& phase0);
+Phases continued_phases(const torch::Tensor& increments, const torch::Tensor& phase0,
+                        const torch::Tensor& starts = {});
+
+// Where each of a call's T tokens starts its scan, int64 [B, T] (undefined when neither mask is
+// given): the first token of its packed document (segments [B, T]) and not before its row's first
+// valid slot (key_start [B], left padding; the call's tokens sit at slots lengths[b] + t with a
+// cache, t without one). A padding token starts at itself (its phase stays the row's first), so
+// the valid tokens' phases are those of the row alone, and each document's those of the
+// document alone.
+torch::Tensor scan_starts(const torch::Tensor& key_start, const torch::Tensor& segments,
+                          const torch::Tensor& lengths, int64_t B, int64_t T);
 
 // The runtime of a transform term, or null when it has none (a fixed transform).
 const RotationRuntime* rotation_runtime(const TransformTerm& t);

@@ -343,7 +343,7 @@ Rotated rotation_rotate(const TransformTerm& t, const std::vector<torch::Tensor>
                                    t.name, x.size(2), w.size(0)));
     const auto om = torch::sigmoid(
         (torch::matmul(x, w.to(x.scalar_type())) + p.back().to(x.scalar_type())) / 16.0);  // [B, T]
-    const Phases ph = continued_phases(om.unsqueeze(-1), c.phase);  // [B, T, 1]
+    const Phases ph = continued_phases(om.unsqueeze(-1), c.phase, c.starts);  // [B, T, 1]
     out.phase_end = ph.end;
     angles = ph.phases.to(dt) * theta;  // [B, T, D/2]
   } else {

@@ -47,7 +47,8 @@ Rotated journey_rotate(const TransformTerm& t, const std::vector<torch::Tensor>&
       throw InputError(fmt::format("{}: inputs have model_dim {}; the angle table was built for {}",
                                    t.name, x.size(2), p.at(0).size(0)));
     // (attention_refusal keeps the reference's reversed scan out: the phases are exclusive)
-    const Phases ph = continued_phases(torch::matmul(x, p[0].to(x.scalar_type())), c.phase);
+    const Phases ph =
+        continued_phases(torch::matmul(x, p[0].to(x.scalar_type())), c.phase, c.starts);
     out.phase_end = ph.end;
     out.frames = ph.phases.to(dt);
   } else {
