@@ -179,6 +179,8 @@ class PositionEncoding(nn.Module):
         self.head_dim = head_dim
         self.num_heads = num_heads
         self.bias_heads = num_heads if bias_heads is None else _integer(bias_heads, "bias_heads")
+        if self.bias_heads < 1:
+            raise InputError(f"bias_heads must be >= 1 (or None: num_heads), got {self.bias_heads}")
         self.layout = _LAYOUTS[pair_layout]
         self.tensor_layout = tensor_layout
         self.check_finite = check_finite

@@ -103,7 +103,13 @@ class KVCache:
         """Empties every row (the storage is kept); any module may fill it next."""
         self.lengths.zero_()
         self._phase = None
+        self._content = []  # (rebuilt by the next append, for the mechanism that fills it)
         self._owner = None
+
+    def __getstate__(self) -> dict:
+        # the owner is a weak reference (not picklable): a loaded cache belongs to the first
+        # module that calls with it
+        return {**self.__dict__, "_owner": None}
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Row i becomes the old row ``rows[i]`` (int64 ``[n]``, any n >= 1, rows may repeat):
@@ -210,7 +216,11 @@ class Attention(nn.Module):
     their B and T. A rotation by vector positions (``structured``) takes ``positions [T, d_c]``
     or ``[B, T, d_c]``; the kernel's causality and the cache then follow the token order.
     Mechanisms it cannot run honestly raise InputError at construction; with a cache, so do a
-    per-call centre (``center=mid``) and a dynamic context-extension rule.
+    per-call centre (``center=mid``) and a dynamic context-extension rule. A cache is for
+    inference and for one module: a cached call with autograd on where k, v, the inputs a
+    runtime reads or a parameter would record gradients is refused (the cache keeps detached
+    keys; run it under ``torch.no_grad()``), and so is a cache holding another module's keys
+    (``KVCache.reset()`` releases it).
 
     ``backend="favor"`` replaces the softmax kernel by FAVOR+ linear attention
     (:func:`relpos.favor_attention`) on ``features`` (default 4 x head_dim) positive orthogonal
@@ -386,9 +396,11 @@ class Attention(nn.Module):
                         key_len is not None and bool((key_len != q.shape[2]).any())):
                     raise InputError(f"{self.spec!r}: a path-integral bias decodes rows of one "
                                      "length; the cache rows differ or key_len leaves tokens out")
+            reads_inputs = any(r is not None and r["reads_inputs"]
+                               for r in (self._content, self._rotation))
             if torch.is_grad_enabled() and (
                     k.requires_grad or v.requires_grad
-                    or (isinstance(inputs, torch.Tensor) and inputs.requires_grad)
+                    or (reads_inputs and isinstance(inputs, torch.Tensor) and inputs.requires_grad)
                     or any(p.requires_grad for p in self.parameters())):
                 # the cache keeps its keys and values detached: this call's gradients of k, v,
                 # inputs and the parameters would miss their paths through the stored keys

@@ -244,18 +244,21 @@ std::vector<torch::Tensor> DecodeCache::content() const {
 void DecodeCache::reset() {
   lengths_.zero_();
   phase_ = torch::Tensor();
-  owner_ = nullptr;
+  content_.clear();  // (rebuilt by the next append, for the mechanism that fills it)
+  owner_.reset();
+  owned_ = false;
 }
 
-void DecodeCache::claim(const void* module) {
-  if (module == owner_) return;
+void DecodeCache::claim(const std::shared_ptr<const void>& module) {
+  if (owned_ && owner_.lock() == module) return;
   // another module's keys would be scored as this one's (a cache filled by append() alone has no
   // module yet)
-  if (owner_ && length() > 0)
+  if (owned_ && length() > 0)
     throw InputError(
         "this DecodeCache holds the keys of another Attention module: give each module (layer) "
         "its own cache, or reset() it");
   owner_ = module;
+  owned_ = true;
 }
 
 void DecodeCache::check(const torch::Tensor& k) const {
@@ -538,7 +541,7 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
   if (call.cache) {
     if (cache_refusal_) throw InputError(*cache_refusal_);
     call.cache->check(k);
-    call.cache->claim(this);
+    call.cache->claim(identity_);
     if (rotation_ && rotation_->time == TimeSource::ContentPhase && call.key_len.defined() &&
         !(call.key_len == q.size(2)).all().item<bool>())
       throw InputError(fmt::format(
@@ -560,9 +563,12 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
     }
     // the cache keeps its keys and values detached: this call's gradients of k, v, inputs and
     // the parameters would miss their paths through the stored keys
+    const bool reads_inputs = (content_ && content_runtime(*content_).reads_inputs) ||
+                              (rotation_ && rotation_->time == TimeSource::ContentPhase);
     if (torch::GradMode::is_enabled() &&
         (k.requires_grad() || v.requires_grad() ||
-         (call.inputs.defined() && call.inputs.requires_grad()) || trains_parameters()))
+         (reads_inputs && call.inputs.defined() && call.inputs.requires_grad()) ||
+         trains_parameters()))
       throw InputError(
           "a cached call with autograd on would give partial gradients (the cache stores keys "
           "and values detached): run it under torch::NoGradGuard or c10::InferenceMode, or with "

@@ -88,9 +88,10 @@ class DecodeCache {
   int64_t capacity() const { return keys_.size(2); }
   int64_t length() const;  // the longest row: the key columns a query scores against
   const torch::Tensor& lengths() const { return lengths_; }  // int64 [B]
-  // One cache per layer: the module whose keys it holds (its address; reset() releases it).
-  // InputError when another module calls with a cache holding its tokens.
-  void claim(const void* module);
+  // One cache per layer: the module whose keys it holds (its identity, an object only that module
+  // holds; reset() releases it). InputError when another module (or a destroyed one's successor)
+  // calls with a cache holding its tokens.
+  void claim(const std::shared_ptr<const void>& module);
   torch::Tensor keys() const;       // [B, Hk, length, D]
   torch::Tensor values() const;     // [B, Hk, length, D]
   torch::Tensor positions() const;  // [B, length] float64
@@ -114,7 +115,8 @@ class DecodeCache {
   torch::Tensor keys_, values_, positions_, lengths_;
   std::vector<torch::Tensor> content_;
   torch::Tensor phase_;
-  const void* owner_ = nullptr;
+  std::weak_ptr<const void> owner_;
+  bool owned_ = false;
 };
 
 struct AttentionOptions {
@@ -188,6 +190,8 @@ class AttentionImpl : public torch::nn::Module {
   std::vector<torch::Tensor> rotation_params_;
   torch::Tensor favor_projection_;  // backend favor: W [m, D]
   bool one_call_decode_ = false;    // a cached step without autograd runs as decode_step
+  // what a DecodeCache it fills remembers of it (DecodeCache::claim)
+  std::shared_ptr<const int> identity_ = std::make_shared<const int>(0);
 };
 TORCH_MODULE(Attention);
 

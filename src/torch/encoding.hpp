@@ -64,7 +64,8 @@ class PositionEncodingImpl : public torch::nn::Module {
   // the schema's values repeat (a memo): read them, never modify them in place
   KernelParams kernel_params() const;
   ParamValues param_values() const;  // float64 snapshot of kernel_params()
-  // ALiBi slopes [H] (undefined tensor when the mechanism has no ALiBi term).
+  // ALiBi slopes [H] of the encoding's heads (undefined tensor when the mechanism has no ALiBi
+  // term); logit_bias() takes bias_heads() slopes.
   torch::Tensor alibi_slopes() const;
   // The learned lag table b_h(d), d = 0..len-1, float64 [bias_heads(), len], differentiable in its
   // parameters (undefined tensor when the mechanism has none). Built by the family's runtime

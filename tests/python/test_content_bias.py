@@ -184,6 +184,20 @@ def test_parameters_are_the_runtimes_with_their_names():
         "probe.weight", "probe_rho"]
 
 
+def test_a_reset_cache_takes_another_mechanism():
+    """reset() empties the key-side tensors too: a cache FoX filled, once reset, decodes GRAPE-A
+    (other side tensors), then GRAPE-M (none), each equal to its full forward."""
+    q, k, v, x = tensors()
+    cache = relpos.KVCache(2, H, D, dtype=torch.float64)
+    for spec in ("fox", "grape_a", "grape_m"):
+        attn = module(spec)
+        with torch.no_grad():
+            out = torch.cat([attn(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                  inputs=x[:, t:t + 1], cache=cache) for t in range(q.shape[2])], 2)
+        torch.testing.assert_close(out, attn(q, k, v, inputs=x), rtol=0, atol=1e-12)
+        cache.reset()
+
+
 def test_bad_calls_raise_input_errors():
     q, k, v, x = tensors()
     with pytest.raises(relpos.InputError, match="model_dim"):

@@ -3,6 +3,7 @@ forward against a float64 composition from plain torch ops, decoding through the
 full forward, causality, gradients, and the refusals (decided from the mechanism JSON)."""
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -209,25 +210,25 @@ def test_the_one_call_decode_step_is_the_general_path(spec):
 
 
 def cacheable(spec):
-    """Every spec a cache decodes, built with as many key/value heads as query heads (runtime
-    biases take no grouped heads) and a model width for the runtimes that read inputs."""
+    """Every spec a cache decodes (with a model width for the runtimes that read inputs)."""
     D = head_dim_for(spec, HK)
     a = relpos.Attention(spec, D, HK, HK, model_dim=8)
     return a._cache_refusal is None
 
 
+@pytest.mark.parametrize("heads", [HK, 2 * HK], ids=["mha", "gqa"])
 @pytest.mark.parametrize("spec", [s for s in SPECS if cacheable(s)])
-def test_a_cached_call_refuses_the_gradients_it_would_lose(spec):
+def test_a_cached_call_refuses_the_gradients_it_would_lose(spec, heads):
     """The cache keeps its keys and values detached. A cached call with autograd on is refused
-    when k, v, inputs or a parameter would record gradients (they would miss their paths through
-    the stored keys), and appends nothing; when only q records them, its output and q's gradient
-    are the full forward's."""
+    when k, v, the inputs a runtime reads or a parameter would record gradients (they would miss
+    their paths through the stored keys), and appends nothing; when only q records them, its
+    output and q's gradient are the full forward's."""
     D = head_dim_for(spec, HK)
     torch.manual_seed(3)
-    a = jittered(relpos.Attention(spec, D, HK, HK, model_dim=8).double(), 0.2)
+    a = jittered(relpos.Attention(spec, D, heads, HK, model_dim=8).double(), 0.2)
     g = torch.Generator().manual_seed(1)
     B, T, P = 2, 5, 3  # a prompt of P tokens under no_grad, then the rest
-    q, k, v = grouped_qkv(g, B, T, D, HK, HK)
+    q, k, v = grouped_qkv(g, B, T, D, heads, HK)
     x = torch.randn(B, T, 8, generator=g, dtype=torch.float64)
     vector = [t["vector_dims"] for t in INFO[spec]["transforms"] if t["time"] == "vector_position"]
     pos = torch.randn(B, T, vector[0], generator=g, dtype=torch.float64) if vector else None
@@ -240,9 +241,10 @@ def test_a_cached_call_refuses_the_gradients_it_would_lose(spec):
     with torch.no_grad():
         call(q, k, v, x, slice(0, P), cache)
     rest = slice(P, T)
+    reads_inputs = any(r is not None and r["reads_inputs"] for r in (a._content, a._rotation))
     recording = {"k": (q, k.clone().requires_grad_(), v, x),
                  "v": (q, k, v.clone().requires_grad_(), x),
-                 "inputs": (q, k, v, x.clone().requires_grad_())}
+                 **({"inputs": (q, k, v, x.clone().requires_grad_())} if reads_inputs else {})}
     for name, args in recording.items():
         with pytest.raises(relpos.InputError, match="partial gradients"):
             call(*args, rest, cache)
@@ -437,6 +439,11 @@ def test_bad_calls_raise_input_errors():
     other_layer(q, k, v, cache=cache)
     with pytest.raises(relpos.InputError, match="another relpos.Attention"):
         a(q, k, v, cache=cache)
+    # a cache is saved and loaded without its owner (the first module to call takes it)
+    loaded = pickle.loads(pickle.dumps(cache))
+    assert loaded.length == cache.length
+    a(q[:, :, :1], k[:, :, :1], v[:, :, :1], cache=loaded)
+    assert loaded.length == cache.length + 1
     with pytest.raises(relpos.InputError, match="dtype"):
         relpos.KVCache(1, 2, 8, dtype=torch.int64)
     with pytest.raises(relpos.InputError, match="batch"):
@@ -446,34 +453,37 @@ def test_bad_calls_raise_input_errors():
 LEARNED = [s for s in SPECS if any(b["shape"] == "lag_table" and not b["slopes"] for b in INFO[s]["biases"])]
 
 
+@pytest.mark.parametrize("kv", [2, 1], ids=["mha", "gqa"])
 @pytest.mark.parametrize("spec", LEARNED)
-def test_learned_lag_tables_run_without_grouped_heads(spec):
-    """A learned lag table (one row per key/value head) runs when every query head has its own
-    key/value head: forward = softmax(q k^T / sqrt(D) + table[h, round(p_i - p_j)]) v, decoding
-    equals the full forward, and the table's parameters get gradients; with grouped heads the
-    module refuses (test_refused_specs_...)."""
+def test_learned_lag_tables_have_a_row_per_query_head(spec, kv):
+    """A learned lag table has a row per query head, with grouped heads too: forward =
+    softmax(q k^T / sqrt(D) + table[h, round(p_i - p_j)]) v with each key/value head repeated
+    for its query group (the catalog's tables come without transforms), decoding equals the full
+    forward, and the table's parameters get gradients."""
     D, H = DIMS[spec], 2
+    assert not INFO[spec]["transforms"]
     torch.manual_seed(3)
-    a = relpos.Attention(spec, D, H, H).double()
+    a = relpos.Attention(spec, D, H, kv).double()
     with torch.no_grad():
         for p in a.parameters():
             p.add_(0.2 * torch.randn_like(p))
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, H, 7, D, generator=g, dtype=torch.float64) for _ in range(3))
+    q = torch.randn(2, H, 7, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, kv, 7, D, generator=g, dtype=torch.float64) for _ in range(2))
     pos = torch.tensor([0.0, 1, 2, 4, 7, 8, 12], dtype=torch.float64)
     out = a(q, k, v, positions=pos)
-    qt, kt = a.encoding(q, k, pos)
     lag = pos[:, None] - pos[None, :]
     table = a.encoding.lag_table(int(lag.max()) + 1)
+    assert table.shape[0] == H
     bias = table[:, torch.round(lag).clamp_min(0).long()]  # [H, T, T]
-    s = qt @ kt.transpose(-1, -2) / math.sqrt(D) + bias
-    want = torch.softmax(s.masked_fill(lag < 0, float("-inf")), -1) @ v
+    s = q @ k.repeat_interleave(H // kv, 1).transpose(-1, -2) / math.sqrt(D) + bias
+    want = torch.softmax(s.masked_fill(lag < 0, float("-inf")), -1) @ v.repeat_interleave(H // kv, 1)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-11)
     out.square().sum().backward()
     lag_params = [p for n, p in a.named_parameters() if n.split(".")[-1] in a.encoding._lag_names]
     # the table's parameters are reached (a disabled sector's, e.g. PJ's light cone, is not)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lag_params)
-    cache = relpos.KVCache(2, H, D, dtype=torch.float64)
+    cache = relpos.KVCache(2, kv, D, dtype=torch.float64)
     with torch.no_grad():
         steps = [a(q[:, :, :3], k[:, :, :3], v[:, :, :3], positions=pos[:3], cache=cache)]
         steps += [a(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1],

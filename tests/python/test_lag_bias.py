@@ -111,6 +111,8 @@ def test_attention_applies_the_module_table(spec, params):
                                rtol=1e-10, atol=1e-11)
     with pytest.raises(relpos.InputError, match="divide"):
         relpos.PositionEncoding(spec, D, H, bias_heads=H + 1)
+    with pytest.raises(relpos.InputError, match="bias_heads"):
+        relpos.PositionEncoding(spec, D, H, bias_heads=0)
 
 
 def test_journey_with_a_learned_table_applies_the_table():

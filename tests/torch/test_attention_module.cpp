@@ -166,62 +166,68 @@ TEST(AttentionModule, DecodeThroughTheCacheEqualsTheFullForward) {
 // The cache keeps its keys and values detached. A cached call with autograd on is refused when
 // k, v, inputs or a parameter would record gradients (they would miss their paths through the
 // stored keys), and appends nothing; when only q records them, its output and q's gradient are
-// the full forward's. Every mechanism a cache decodes, with as many key/value heads as query
-// heads (runtime biases take no grouped heads) and inputs for the runtimes that read them.
+// the full forward's. Every mechanism a cache decodes, with a key/value head per query head and
+// grouped (2:1), and inputs for the runtimes that read them.
 TEST(AttentionModule, CachedCallsRefuseTheGradientsTheyWouldLose) {
   int checked = 0;
-  for (const auto& spec : catalog_specs()) {
-    SCOPED_TRACE(spec);
-    const int64_t H = 2, B = 2, T = 5, P = 3, W = 8;  // a prompt of P tokens, then the rest
-    const int D = head_dim_for(spec, H);
-    ASSERT_GT(D, 0);
-    nn::Attention a(spec, D, H, nn::AttentionOptions{.num_kv_heads = H, .model_dim = W});
-    a->to(torch::kDouble);
-    if (a->mechanism().center == CenterMode::Mid || a->mechanism().rope_scaling.dynamic())
-      continue;  // refused with a cache (DecodeThroughTheCacheEqualsTheFullForward)
-    ++checked;
-    torch::manual_seed(9);
-    {
-      const torch::NoGradGuard no_grad;
-      for (auto& p : a->parameters()) p.add_(0.2 * torch::randn_like(p));
+  for (const auto& spec : catalog_specs())
+    for (const int64_t Hk : {2, 1}) {  // and grouped heads
+      SCOPED_TRACE(spec + " 2:" + std::to_string(Hk));
+      const int64_t H = 2, B = 2, T = 5, P = 3, W = 8;  // a prompt of P tokens, then the rest
+      const int D = head_dim_for(spec, H);
+      ASSERT_GT(D, 0);
+      nn::Attention a(spec, D, H, nn::AttentionOptions{.num_kv_heads = Hk, .model_dim = W});
+      a->to(torch::kDouble);
+      if (a->mechanism().center == CenterMode::Mid || a->mechanism().rope_scaling.dynamic())
+        continue;  // refused with a cache (DecodeThroughTheCacheEqualsTheFullForward)
+      ++checked;
+      torch::manual_seed(9);
+      {
+        const torch::NoGradGuard no_grad;
+        for (auto& p : a->parameters()) p.add_(0.2 * torch::randn_like(p));
+      }
+      const auto q = torch::randn({B, H, T, D}, torch::kDouble);
+      const auto k = torch::randn({B, Hk, T, D}, torch::kDouble);
+      const auto v = torch::randn({B, Hk, T, D}, torch::kDouble);
+      const auto x = torch::randn({B, T, W}, torch::kDouble);
+      const auto pos = call_positions(a->mechanism(), B, T);
+      const auto call = [&](const torch::Tensor& qq, const torch::Tensor& kk,
+                            const torch::Tensor& vv, const torch::Tensor& xx, int64_t t, int64_t n,
+                            nn::DecodeCache* c) {
+        return a->forward(
+            qq.narrow(2, t, n), kk.narrow(2, t, n), vv.narrow(2, t, n),
+            {.positions = tokens(pos, t, n), .inputs = xx.narrow(1, t, n), .cache = c});
+      };
+      nn::DecodeCache cache(B, Hk, D, torch::kDouble);
+      {
+        const torch::NoGradGuard no_grad;
+        call(q, k, v, x, 0, P, &cache);
+      }
+      const auto rec = [](const torch::Tensor& t) { return t.clone().requires_grad_(); };
+      EXPECT_THROW(call(q, rec(k), v, x, P, T - P, &cache), InputError);
+      EXPECT_THROW(call(q, k, rec(v), x, P, T - P, &cache), InputError);
+      // (hidden states the mechanism does not read record nothing it would lose)
+      if (reads_inputs(spec, D)) {
+        EXPECT_THROW(call(q, k, v, rec(x), P, T - P, &cache), InputError);
+      }
+      for (auto& p : a->parameters()) {  // each parameter alone
+        for (auto& other : a->parameters()) other.requires_grad_(false);
+        p.requires_grad_(true);
+        EXPECT_THROW(call(q, k, v, x, P, T - P, &cache), InputError);
+      }
+      EXPECT_EQ(cache.length(), P);
+      for (auto& p : a->parameters()) p.requires_grad_(false);
+      auto qg = rec(q);
+      const auto full = call(qg, k, v, x, 0, T, nullptr).narrow(2, P, T - P);
+      const auto w = torch::randn(full.sizes(), torch::kDouble);
+      const auto want = torch::autograd::grad({(full * w).sum()}, {qg})[0];
+      qg = rec(q);
+      const auto out = call(qg, k, v, x, P, T - P, &cache);
+      EXPECT_LT(max_diff(out.detach(), full.detach()), 1e-12);
+      const auto got = torch::autograd::grad({(out * w).sum()}, {qg})[0];
+      EXPECT_LT(max_diff(got, want), 1e-12);
     }
-    const auto q = torch::randn({B, H, T, D}, torch::kDouble);
-    const auto k = torch::randn({B, H, T, D}, torch::kDouble);
-    const auto v = torch::randn({B, H, T, D}, torch::kDouble);
-    const auto x = torch::randn({B, T, W}, torch::kDouble);
-    const auto pos = call_positions(a->mechanism(), B, T);
-    const auto call = [&](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv,
-                          const torch::Tensor& xx, int64_t t, int64_t n, nn::DecodeCache* c) {
-      return a->forward(qq.narrow(2, t, n), kk.narrow(2, t, n), vv.narrow(2, t, n),
-                        {.positions = tokens(pos, t, n), .inputs = xx.narrow(1, t, n), .cache = c});
-    };
-    nn::DecodeCache cache(B, H, D, torch::kDouble);
-    {
-      const torch::NoGradGuard no_grad;
-      call(q, k, v, x, 0, P, &cache);
-    }
-    const auto rec = [](const torch::Tensor& t) { return t.clone().requires_grad_(); };
-    EXPECT_THROW(call(q, rec(k), v, x, P, T - P, &cache), InputError);
-    EXPECT_THROW(call(q, k, rec(v), x, P, T - P, &cache), InputError);
-    EXPECT_THROW(call(q, k, v, rec(x), P, T - P, &cache), InputError);
-    for (auto& p : a->parameters()) {  // each parameter alone
-      for (auto& other : a->parameters()) other.requires_grad_(false);
-      p.requires_grad_(true);
-      EXPECT_THROW(call(q, k, v, x, P, T - P, &cache), InputError);
-    }
-    EXPECT_EQ(cache.length(), P);
-    for (auto& p : a->parameters()) p.requires_grad_(false);
-    auto qg = rec(q);
-    const auto full = call(qg, k, v, x, 0, T, nullptr).narrow(2, P, T - P);
-    const auto w = torch::randn(full.sizes(), torch::kDouble);
-    const auto want = torch::autograd::grad({(full * w).sum()}, {qg})[0];
-    qg = rec(q);
-    const auto out = call(qg, k, v, x, P, T - P, &cache);
-    EXPECT_LT(max_diff(out.detach(), full.detach()), 1e-12);
-    const auto got = torch::autograd::grad({(out * w).sum()}, {qg})[0];
-    EXPECT_LT(max_diff(got, want), 1e-12);
-  }
-  EXPECT_GT(checked, 20);
+  EXPECT_GT(checked, 40);
 }
 
 TEST(AttentionModule, Bf16CallTransformsAsStored) {
@@ -335,6 +341,31 @@ TEST(AttentionModule, PackedDocumentsAndLeftPaddingEqualSeparateCalls) {
     }
   }
   EXPECT_GT(checked, 30);
+}
+
+// reset() empties the key-side tensors too: a cache FoX filled, once reset, decodes GRAPE-A (other
+// side tensors), then GRAPE-M (none), each equal to its full forward.
+TEST(AttentionModule, AResetCacheTakesAnotherMechanism) {
+  const int64_t H = 2, B = 2, T = 5, W = 8;
+  const int D = 8;
+  torch::manual_seed(4);
+  const auto q = torch::randn({B, H, T, D}, torch::kDouble),
+             k = torch::randn({B, H, T, D}, torch::kDouble),
+             v = torch::randn({B, H, T, D}, torch::kDouble),
+             x = torch::randn({B, T, W}, torch::kDouble);
+  nn::DecodeCache cache(B, H, D, torch::kDouble);
+  for (const char* spec : {"fox", "grape_a", "grape_m"}) {
+    SCOPED_TRACE(spec);
+    nn::Attention a(spec, D, H, nn::AttentionOptions{.model_dim = W});
+    a->to(torch::kDouble);
+    const torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> outs;
+    for (int64_t t = 0; t < T; ++t)
+      outs.push_back(a->forward(q.narrow(2, t, 1), k.narrow(2, t, 1), v.narrow(2, t, 1),
+                                {.inputs = x.narrow(1, t, 1), .cache = &cache}));
+    EXPECT_LT(max_diff(torch::cat(outs, 2), a->forward(q, k, v, {.inputs = x})), 1e-12);
+    cache.reset();
+  }
 }
 
 TEST(AttentionModule, RowsOfDifferentLengthsDecodeAsTheirOwnForward) {
