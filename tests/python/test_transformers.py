@@ -321,8 +321,8 @@ def test_decoding_a_left_padded_batch_equals_the_full_forward(spec):
 def test_beam_search_reorders_the_runtime_state(spec):
     """Beam search through HF's cache reorders the EngineCacheLayer's state with HF's beams: the
     same sequences as beam search without a cache (it fails for all of these when reorder_cache
-    leaves the state as it was)."""
-    model = _model("llama", num_key_value_heads=4)
+    leaves the state as it was); grouped heads."""
+    model = _model("llama")
     rt.apply(model, spec)
     ids, mask = _left_padded()
     kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
