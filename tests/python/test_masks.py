@@ -171,3 +171,25 @@ def test_nonfinite_values_the_masks_hide_change_nothing():
         torch.testing.assert_close(dirty[b, :, rows], clean[b, :, rows], rtol=0, atol=0)
     torch.testing.assert_close(gdirty[0][0, :, 70:], gclean[0][0, :, 70:], rtol=0, atol=0)
     torch.testing.assert_close(gdirty[0][1, :, 37:], gclean[0][1, :, 37:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", ["grape_m(context=true)", "journey(angles=token)"])
+def test_nonfinite_hidden_states_the_masks_hide_change_nothing(spec):
+    """Phases scanned from the hidden states: a NaN or Inf in a padding token's hidden state, or
+    in another packed document's, reaches no output of the rows and documents that do not see it
+    (each run is scanned on its own, not as a difference of one scan)."""
+    attn = module(spec)
+    T = sum(DOCS)
+    q, k, v, x = data(spec, T, B=2, seed=5)
+    seg = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(DOCS)])
+    pos = torch.cat([torch.arange(n, dtype=torch.float64) for n in DOCS])
+    bad = x.clone()
+    bad[:, 2] = float("nan")  # document 0 (row 0), padding (row 1: key_start 4)
+    bad[:, 3, 0] = float("inf")
+    packed = [attn(q[:1], k[:1], v[:1], positions=pos, inputs=h[:1], segments=seg[None])
+              for h in (x, bad)]
+    torch.testing.assert_close(packed[1][:, :, DOCS[0]:], packed[0][:, :, DOCS[0]:], rtol=0, atol=0)
+    assert not torch.isfinite(packed[1][:, :, 2:DOCS[0]]).all()  # the document that sees it
+    start = torch.tensor([0, 4])
+    padded = [attn(q, k, v, inputs=h, key_start=start) for h in (x, bad)]
+    torch.testing.assert_close(padded[1][1, :, 4:], padded[0][1, :, 4:], rtol=0, atol=0)

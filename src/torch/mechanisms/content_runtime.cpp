@@ -94,9 +94,25 @@ Phases continued_phases(const torch::Tensor& increments, const torch::Tensor& ph
   const auto p0 = phase0.defined() ? phase0.to(increments.device())
                                    : torch::zeros({B, increments.size(2)},
                                                   increments.options().dtype(torch::kDouble));
-  auto phi = causal_scan(increments, "exclusive");  // sum_{s<t} a_s
-  if (starts.defined())                             // minus sum_{s<start_t} a_s
-    phi = phi - phi.gather(1, starts.to(phi.device()).unsqueeze(-1).expand_as(phi));
+  torch::Tensor phi;
+  if (!starts.defined()) {
+    phi = causal_scan(increments, "exclusive");  // sum_{s<t} a_s
+  } else {
+    // each run of tokens with one start scanned on its own (a NaN in the padding or in another
+    // document stays out; a run of one token, as each padding token is, has phase 0)
+    phi = torch::zeros_like(increments);
+    const auto st = starts.to(torch::kCPU).contiguous();
+    const int64_t* sp = st.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0, e = 1; s < T; s = e++) {
+        while (e < T && sp[b * T + e] == sp[b * T + s]) ++e;
+        if (e - s > 1)
+          phi.narrow(0, b, 1)
+              .narrow(1, s, e - s)
+              .copy_(causal_scan(increments.narrow(0, b, 1).narrow(1, s, e - s).contiguous(),
+                                 "exclusive"));
+      }
+  }
   return {phi.to(torch::kDouble) + p0.unsqueeze(1),
           (p0 + (phi.select(1, T - 1) + increments.select(1, T - 1)).to(torch::kDouble)).detach()};
 }
