@@ -13,9 +13,8 @@
 // fraction of memcpy bandwidth.
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
-#include <omp.h>
-
 #include <malloc.h>
+#include <omp.h>
 
 #include <cstring>
 #include <map>
@@ -34,9 +33,11 @@ const int64_t kTensorBytes = B * H * T * D * static_cast<int64_t>(sizeof(float))
 
 struct Case {
   std::string name, spec;
-  int64_t tensors_moved;  // fwd: read q,k write q~,k~; bwd: read 2 grads, write 2 (+ read q,k for params)
+  int64_t tensors_moved;  // fwd: read q,k write q~,k~; bwd: read 2 grads, write 2 (+ read q,k for
+                          // params)
 };
-const Case kCases[] = {{"rope", "rope", 8}, {"jordan_m2", "jordan(m=2, regime=raw, eta0=0.05)", 10}};
+const Case kCases[] = {{"rope", "rope", 8},
+                       {"jordan_m2", "jordan(m=2, regime=raw, eta0=0.05)", 10}};
 
 struct Inputs {
   nn::PositionEncoding enc;
@@ -101,20 +102,23 @@ void run_raw(benchmark::State& state, const Case& c, int pass) {
   for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<double>(t);
   const kernels::Dims dims{B, H, T};
   const kernels::Positions P{pos.data(), false, m.resolve_center(0, T - 1)};
-  const size_t n = static_cast<size_t>(B * H * T * D);
-  std::vector<float> q(n, 0.5f), k(n, 0.25f), qo(n), ko(n), gq(n), gk(n), dg(g.size()), de(e.size());
+  // torch's buffers, 64-byte aligned as the op's are (so the kernels take the same paths: a
+  // rotation whose outputs outgrow the cache streams them only to aligned rows)
+  const auto buffer = [](float fill) { return torch::full({B * H * T * D}, fill); };
+  auto q = buffer(0.5f), k = buffer(0.25f), qo = buffer(0), ko = buffer(0), gq = buffer(0),
+       gk = buffer(0);
+  std::vector<float> dg(g.size()), de(e.size());
   auto trig = kernels::build_trig_table<float>(plan, dims, P);
   const kernels::Params<float> par{g.data(), e.data(), gt.data(), a0.data()};
+  const auto f = [](torch::Tensor& t) { return t.data_ptr<float>(); };
   for (auto _ : state) {
     if (pass == 0) {
       kernels::fill_trig_table<float>(plan, dims, P, trig.cos.data(), trig.sin.data());
     } else if (pass == 1) {
-      kernels::transform_forward<float>(plan, dims, P, par, trig.view(), q.data(), k.data(),
-                                        qo.data(), ko.data());
+      kernels::transform_forward<float>(plan, dims, P, par, trig.view(), f(q), f(k), f(qo), f(ko));
     } else {
-      kernels::transform_backward<float>(plan, dims, P, par, trig.view(), q.data(), k.data(),
-                                         qo.data(), ko.data(), gq.data(), gk.data(),
-                                         {dg.data(), de.data(), nullptr, nullptr});
+      kernels::transform_backward<float>(plan, dims, P, par, trig.view(), f(q), f(k), f(qo), f(ko),
+                                         f(gq), f(gk), {dg.data(), de.data(), nullptr, nullptr});
     }
     benchmark::ClobberMemory();
   }
@@ -156,17 +160,24 @@ int main(int argc, char** argv) {
   }
   at::set_num_threads(omp_get_max_threads());
   for (const auto& c : kCases) {
-    benchmark::RegisterBenchmark(("kernel/" + c.name).c_str(), [c](benchmark::State& s) { run_fwd_bwd(s, c, false); })
-        ->Unit(benchmark::kMillisecond)->UseRealTime();
-    benchmark::RegisterBenchmark(("composed/" + c.name).c_str(), [c](benchmark::State& s) { run_fwd_bwd(s, c, true); })
-        ->Unit(benchmark::kMillisecond)->UseRealTime();
-    benchmark::RegisterBenchmark(("memcpy/" + c.name).c_str(), [c](benchmark::State& s) { run_memcpy(s, c); })
-        ->Unit(benchmark::kMillisecond)->UseRealTime();
+    benchmark::RegisterBenchmark(("kernel/" + c.name).c_str(),
+                                 [c](benchmark::State& s) { run_fwd_bwd(s, c, false); })
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("composed/" + c.name).c_str(),
+                                 [c](benchmark::State& s) { run_fwd_bwd(s, c, true); })
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("memcpy/" + c.name).c_str(),
+                                 [c](benchmark::State& s) { run_memcpy(s, c); })
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
     const char* passes[] = {"trig", "fwd", "bwd"};
     for (int pass = 0; pass < 3; ++pass)
       benchmark::RegisterBenchmark(("raw_" + std::string(passes[pass]) + "/" + c.name).c_str(),
                                    [c, pass](benchmark::State& s) { run_raw(s, c, pass); })
-          ->Unit(benchmark::kMillisecond)->UseRealTime();
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
   }
   std::string reps = "--benchmark_repetitions=9";
   bool has_reps = false;
@@ -179,21 +190,25 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&n, args.data());
   MedianCollector rep;
   benchmark::RunSpecifiedBenchmarks(&rep);
-  fmt::print("\nforward+backward, B={} H={} T={} D={} fp32, {} threads, kernels: {}, allocator: {}, "
-             "medians\n\n",
-             B, H, T, D, omp_get_max_threads(), kernels::kernel_isa(),
-             retain ? "glibc retaining freed memory" : "glibc default");
-  fmt::print("| transform | kernel ms | composed ms | speedup | memcpy ms (same bytes) | kernel GB/s | memcpy GB/s | fraction of memcpy |\n");
+  fmt::print(
+      "\nforward+backward, B={} H={} T={} D={} fp32, {} threads, kernels: {}, allocator: {}, "
+      "medians\n\n",
+      B, H, T, D, omp_get_max_threads(), kernels::kernel_isa(),
+      retain ? "glibc retaining freed memory" : "glibc default");
+  fmt::print(
+      "| transform | kernel ms | composed ms | speedup | memcpy ms (same bytes) | kernel GB/s | "
+      "memcpy GB/s | fraction of memcpy |\n");
   fmt::print("|---|---|---|---|---|---|---|---|\n");
   for (const auto& c : kCases) {
     const double tk = rep.median_ms["kernel/" + c.name], tc = rep.median_ms["composed/" + c.name],
                  tm = rep.median_ms["memcpy/" + c.name];
     if (tk <= 0 || tc <= 0 || tm <= 0) continue;
     const double gb = c.tensors_moved * kTensorBytes / 1e9;
-    fmt::print("| {} | {:.2f} | {:.2f} | {:.1f}x | {:.2f} | {:.1f} | {:.1f} | {:.0f}% |\n", c.name, tk,
-               tc, tc / tk, tm, gb / (tk / 1e3), gb / (tm / 1e3), 100.0 * tm / tk);
+    fmt::print("| {} | {:.2f} | {:.2f} | {:.1f}x | {:.2f} | {:.1f} | {:.1f} | {:.0f}% |\n", c.name,
+               tk, tc, tc / tk, tm, gb / (tk / 1e3), gb / (tm / 1e3), 100.0 * tm / tk);
   }
-  fmt::print("\nkernels alone on pre-faulted buffers (medians, ms): trig table / forward / backward\n\n");
+  fmt::print(
+      "\nkernels alone on pre-faulted buffers (medians, ms): trig table / forward / backward\n\n");
   fmt::print("| transform | trig | forward | backward (all gradients) |\n|---|---|---|---|\n");
   for (const auto& c : kCases)
     fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} |\n", c.name, rep.median_ms["raw_trig/" + c.name],

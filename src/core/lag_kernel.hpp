@@ -20,11 +20,15 @@ namespace relpos {
 // One learned parameter of a lag table: its state-dict name (unique within a mechanism, e.g.
 // "pj_omega"), its shape and its deterministic initial values (row-major). A spec string names
 // exactly these values (the kernels' and the spec-only attention calls' table); a torch module may
-// draw some of them from torch's generator instead (its runtime says).
+// draw some of them from torch's generator instead (its runtime says). `trained`: whether the
+// table reads it; one it does not (a part of the kernel the spec leaves off) is kept, under its
+// name, as a module buffer, not a parameter: it would never get a gradient, which torch's
+// DistributedDataParallel refuses (and an optimizer would carry it for nothing).
 struct LagParam {
   std::string name;
   std::vector<int64_t> shape;
   std::vector<double> init;
+  bool trained = true;
   int64_t numel() const;
 };
 

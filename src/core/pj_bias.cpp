@@ -176,23 +176,35 @@ std::vector<double> pj_lag_table(const PjBiasConfig& c, const PjBiasParams& p, i
 
 namespace {
 
-// the parameters in the kernel's order: state-dict name suffix, member, values per head
+// the parameters in the kernel's order: state-dict name suffix, member, values per head, and
+// whether the table reads it under a config (the sectors left off read nothing)
 struct PjField {
   const char* name;
   std::vector<double> PjBiasParams::*member;
   int per_head;  // 1, 3 (gate logits) or 0: one per order
+  bool (*read)(const PjBiasConfig&);
 };
+constexpr bool always_read(const PjBiasConfig&) {
+  return true;
+}
+constexpr bool fj_read(const PjBiasConfig& c) {
+  return c.fj;
+}
+constexpr bool lc_read(const PjBiasConfig& c) {
+  return c.lc;
+}
 constexpr PjField kPjFields[] = {
-    {"omega", &PjBiasParams::omega, 1},
-    {"gate_logits", &PjBiasParams::gate_logits, 3},
-    {"fj_alpha_logits", &PjBiasParams::fj_alpha_logits, 0},
-    {"lc_alpha_logits", &PjBiasParams::lc_alpha_logits, 0},
-    {"fj_zeta_re", &PjBiasParams::fj_zeta_re, 0},
-    {"fj_zeta_im", &PjBiasParams::fj_zeta_im, 0},
-    {"lc_zeta_re", &PjBiasParams::lc_zeta_re, 0},
-    {"lc_zeta_im", &PjBiasParams::lc_zeta_im, 0},
-    {"raw_damping", &PjBiasParams::raw_damping, 1},
-    {"raw_slope", &PjBiasParams::raw_slope, 1},
+    {"omega", &PjBiasParams::omega, 1, [](const PjBiasConfig& c) { return c.fj || c.lc; }},
+    {"gate_logits", &PjBiasParams::gate_logits, 3, always_read},
+    {"fj_alpha_logits", &PjBiasParams::fj_alpha_logits, 0, fj_read},
+    {"lc_alpha_logits", &PjBiasParams::lc_alpha_logits, 0, lc_read},
+    {"fj_zeta_re", &PjBiasParams::fj_zeta_re, 0, fj_read},
+    {"fj_zeta_im", &PjBiasParams::fj_zeta_im, 0, fj_read},
+    {"lc_zeta_re", &PjBiasParams::lc_zeta_re, 0, lc_read},
+    {"lc_zeta_im", &PjBiasParams::lc_zeta_im, 0, lc_read},
+    {"raw_damping", &PjBiasParams::raw_damping, 1,
+     [](const PjBiasConfig& c) { return c.fj || (c.lc && c.lc_damped); }},
+    {"raw_slope", &PjBiasParams::raw_slope, 1, [](const PjBiasConfig& c) { return c.affine; }},
 };
 
 }  // namespace
@@ -206,6 +218,7 @@ std::vector<LagParam> PjLagKernel::params(int heads) const {
     lp.shape = f.per_head == 1 ? std::vector<int64_t>{heads}
                                : std::vector<int64_t>{heads, f.per_head ? f.per_head : c_.orders()};
     lp.init = p.*f.member;
+    lp.trained = f.read(c_);
     out.push_back(std::move(lp));
   }
   return out;

@@ -289,7 +289,8 @@ nlohmann::json mechanism_json(const Mechanism& m) {
     nlohmann::json lag_params = nlohmann::json::array();
     if (b.learned)
       for (const auto& p : b.learned->params(m.heads))
-        lag_params.push_back({{"name", p.name}, {"shape", p.shape}, {"init", p.init}});
+        lag_params.push_back(
+            {{"name", p.name}, {"shape", p.shape}, {"init", p.init}, {"trained", p.trained}});
     biases.push_back(
         {{"name", b.name},
          {"shape", b.shape == BiasShape::LagTable       ? "lag_table"

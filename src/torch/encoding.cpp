@@ -108,13 +108,14 @@ PositionEncodingImpl::PositionEncodingImpl(const std::string& spec, int64_t head
                                 : register_buffer("raw_" + ps.name, raw);
     schema_.push_back(st);
   }
-  // a learned lag table: its parameters as its runtime initialises them, learnable, under the
-  // kernel's names
+  // a learned lag table: its parameters as its runtime initialises them, under the kernel's
+  // names; learnable where the table reads them (LagParam::trained), else buffers
   if (const BiasTerm* b = mech_.learned_lag_bias()) {
     const auto params = b->learned->params(static_cast<int>(bias_heads_));
     auto init = initial_lag_tensors(*b->learned, static_cast<int>(bias_heads_));
     for (size_t i = 0; i < params.size(); ++i)
-      lag_params_.push_back(register_parameter(params[i].name, init[i]));
+      lag_params_.push_back(params[i].trained ? register_parameter(params[i].name, init[i])
+                                              : register_buffer(params[i].name, init[i]));
   }
 }
 

@@ -40,7 +40,8 @@ def test_state_dict_names_and_shapes(spec, params):
     for p in params:
         assert p["name"] in sd, p["name"]
         assert list(sd[p["name"]].shape) == p["shape"], p["name"]
-        assert isinstance(getattr(enc, p["name"]), torch.nn.Parameter)
+        # learnable where the table reads it; a part the spec leaves off keeps a buffer
+        assert isinstance(getattr(enc, p["name"]), torch.nn.Parameter) == p["trained"], p["name"]
     t = enc.lag_table(5)
     assert t.dtype == torch.float64 and t.shape == (H, 5)
     assert relpos.PositionEncoding("rope", 8, H).lag_table(5) is None
@@ -63,7 +64,35 @@ def test_lag_table_gradcheck(spec, params):
     # enc.lag_table itself reaches every parameter the table uses
     out = enc.lag_table(12)
     out.sum().backward()
-    assert any(getattr(enc, n).grad is not None for n in names)
+    assert all(getattr(enc, p["name"]).grad is not None for p in params if p["trained"])
+
+
+# PJ-RoPE's sectors, each alone and together, and the damped light-cone term
+PJ_SECTORS = ["pj_bias(sectors=fj)", "pj_bias(sectors=affine)", "pj_bias(sectors=lc)",
+              "pj_bias(sectors=lc, lc_damping=true)", "pj_bias(sectors=affine/lc)",
+              "pj_bias(sectors=fj/affine/lc)"]
+
+
+@pytest.mark.parametrize("spec", PJ_SECTORS + [s for s, _ in LEARNED])
+def test_a_table_trains_exactly_what_it_reads(spec):
+    """The module's parameters are the tensors the table reads: each gets a gradient from it
+    (torch's DistributedDataParallel refuses a parameter that gets none), and every tensor it
+    keeps as a buffer (a part the spec leaves off) leaves the table bit-equal when changed. The
+    state-dict names are the mechanism's whatever the parts (checkpoints load across them)."""
+    enc = relpos.PositionEncoding(spec, 8, H).double()
+    lag = [p["name"] for b in relpos.mechanism(spec, 8, H)["biases"]
+           for p in b.get("lag_params", [])]
+    assert set(lag) <= set(enc.state_dict())
+    trained = {n for n, _ in enc.named_parameters()}
+    enc.lag_table(12).sum().backward()
+    assert all(enc.get_parameter(n).grad is not None for n in trained)
+    before = enc.lag_table(12)
+    for n in set(lag) - trained:
+        with torch.no_grad():
+            enc.get_buffer(n).add_(0.5)
+        assert torch.equal(enc.lag_table(12), before), n
+    if spec == "pj_bias":  # the default sectors fj/affine: the light-cone tensors are kept
+        assert set(lag) - trained == {n for n in lag if n.startswith("pj_lc_")}
 
 
 @pytest.mark.parametrize("spec,params", LEARNED, ids=[s for s, _ in LEARNED])
@@ -76,7 +105,7 @@ def test_attention_applies_the_module_table(spec, params):
         for p in params:
             getattr(enc, p["name"]).add_(torch.rand_like(getattr(enc, p["name"])) - 0.5)
     out = relpos.attention(q, k, v, enc)
-    names = [p["name"] for p in params]
+    names = [p["name"] for p in params if p["trained"]]
     leaves = [getattr(enc, n) for n in names]
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
     grads = torch.autograd.grad((out * dout).sum(), leaves, allow_unused=True)

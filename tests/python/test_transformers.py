@@ -636,10 +636,12 @@ def test_every_mechanism_switches_a_model_and_pads_exactly(name):
     model.train()
     labels = _labels(ids, mask)
     _loss(model, ids, mask, labels).backward()  # HF's default use_cache=True: a cache at the prompt
-    grads = [p.grad for n, p in model.named_parameters() if ".relpos." in n]
-    # (a parameter of a part the spec leaves off, e.g. pj_bias's light-cone sector, gets none)
-    assert all(torch.isfinite(g).all() for g in grads if g is not None)
-    assert not grads or any(g is not None and g.abs().max() > 0 for g in grads)
+    grads = {n: p.grad for n, p in model.named_parameters() if ".relpos." in n}
+    # every parameter is read (a part the spec leaves off, e.g. pj_bias's light-cone sector, keeps
+    # buffers): one without a gradient would stop torch's DistributedDataParallel
+    assert all(g is not None for g in grads.values()), [n for n, g in grads.items() if g is None]
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    assert not grads or any(g.abs().max() > 0 for g in grads.values())
     # every parameter's gradient as without a cache
     with_cache = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()

@@ -45,13 +45,24 @@ TEST(LagBiasTorch, ModuleParametersAreTheKernels) {
     SCOPED_TRACE(spec);
     nn::PositionEncoding enc(spec, 8, 3);
     const auto params = enc->mechanism().learned_lag_bias()->learned->params(3);
-    const auto named = enc->named_parameters();
+    const auto named = enc->named_parameters(), kept = enc->named_buffers();
     ASSERT_EQ(enc->lag_parameters().size(), params.size());
+    // learnable where the table reads it (each then gets a gradient from it); a part the spec
+    // leaves off is a buffer under the same name, which changes nothing in the table
+    const auto table = enc->lag_table(12);
+    table.sum().backward();
     for (const auto& p : params) {
-      const torch::Tensor* t = named.find(p.name);
+      const torch::Tensor* t = p.trained ? named.find(p.name) : kept.find(p.name);
       ASSERT_TRUE(t) << p.name;
       EXPECT_EQ(t->sizes(), c10::IntArrayRef(p.shape)) << p.name;
-      EXPECT_TRUE(t->requires_grad()) << p.name;
+      EXPECT_EQ(t->requires_grad(), p.trained) << p.name;
+      if (p.trained) {
+        EXPECT_TRUE(t->grad().defined()) << p.name;
+      } else {
+        torch::NoGradGuard no_grad;
+        t->add_(0.5);
+        EXPECT_TRUE(torch::equal(enc->lag_table(12), table.detach())) << p.name;
+      }
     }
   }
 }
@@ -110,7 +121,9 @@ TEST(LagBiasTorch, FusedAttentionWithTheModuleTableEqualsMaterialisedComposition
     const auto q = torch::randn({B, H, T, D}), k = torch::randn({B, H, T, D}),
                v = torch::randn({B, H, T, D});
     const auto out = nn::attention(q, k, v, *enc, {});
-    std::vector<torch::Tensor> params = enc->lag_parameters();
+    std::vector<torch::Tensor> params;
+    for (const auto& p : enc->lag_parameters())
+      if (p.requires_grad()) params.push_back(p);
     const auto dout = torch::randn_like(out);
     const auto g = torch::autograd::grad({(out * dout).sum()}, params, {}, false, false, true);
     // materialised: softmax(q k^T / sqrt(D) + table[i - j]) v over j <= i, float64

@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
+#include <set>
+#include <string>
 
 #include "core/pj_bias.hpp"
 #include "models/transformer.hpp"
@@ -149,7 +152,7 @@ TEST(PjBiasTorch, FusedForwardAndGradientsMatchReferenceComposition) {
                                              false, false, true);
       for (size_t i = 0; i < g.size(); ++i) {
         if (!g64[i].defined() || g64[i].abs().max().item<double>() == 0) {
-          // a disabled sector's parameters get exactly nothing
+          // (the gate logits of a lone sector: softmax over one entry, gradient exactly 0)
           EXPECT_TRUE(!g[i].defined() || g[i].abs().max().item<double>() == 0) << names[i];
           continue;
         }
@@ -159,6 +162,32 @@ TEST(PjBiasTorch, FusedForwardAndGradientsMatchReferenceComposition) {
         EXPECT_EQ(out.select(2, 0).abs().max().item<double>(), 0.0);
       }
     }
+}
+
+// The parameters are the tensors the enabled sectors read; the others are buffers under the same
+// names (the state dict does not depend on the sectors), so no parameter goes without a gradient
+// (torch's DistributedDataParallel refuses one that does).
+TEST(PjBiasTorch, SectorsLeftOffKeepBuffersNotParameters) {
+  const std::map<std::string, std::set<std::string>> read = {
+      {"pj_bias",
+       {"omega", "gate_logits", "fj_alpha_logits", "fj_zeta_re", "fj_zeta_im", "raw_damping",
+        "raw_slope"}},
+      {"pj_bias(sectors=affine)", {"gate_logits", "raw_slope"}},
+      {"pj_bias(sectors=lc)",
+       {"omega", "gate_logits", "lc_alpha_logits", "lc_zeta_re", "lc_zeta_im"}},
+      {"pj_bias(sectors=lc, lc_damping=true)",
+       {"omega", "gate_logits", "lc_alpha_logits", "lc_zeta_re", "lc_zeta_im", "raw_damping"}},
+  };
+  for (const auto& [spec, names] : read) {
+    SCOPED_TRACE(spec);
+    nn::PositionEncoding enc(spec, 8, 2);
+    std::set<std::string> params, kept;
+    for (const auto& p : enc->named_parameters()) params.insert(p.key().substr(3));
+    for (const auto& b : enc->named_buffers())
+      if (b.key().rfind("pj_", 0) == 0) kept.insert(b.key().substr(3));
+    EXPECT_EQ(params, names);
+    EXPECT_EQ(params.size() + kept.size(), 10u);
+  }
 }
 
 namespace {
