@@ -1,7 +1,9 @@
 """One rank of test_distributed.py: every mechanism of `relpos list` switched into a small Llama,
-trained for two SGD steps under torch's own DistributedDataParallel (c10d, Gloo, the defaults:
-find_unused_parameters=False), each rank on its share of the batch. Saves the trained parameters
-per mechanism to $RELPOS_DDP_OUT/rank<r>.pt, or the mechanism and error of the first failure.
+trained for two SGD steps under torch's own data parallelism (c10d, Gloo), each rank on its share
+of the batch: DistributedDataParallel with its defaults (find_unused_parameters=False), and
+FSDP2 (`fully_shard` on each decoder layer and the model: parameters sharded across the ranks,
+gathered for each layer's forward and backward). Saves the trained (full) parameters per mode and
+mechanism to $RELPOS_DDP_OUT/rank<r>.pt, or the mode, mechanism and error of the first failure.
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p RELPOS_DDP_OUT=dir python ddp_worker.py
 
@@ -14,6 +16,7 @@ import pathlib
 import traceback
 
 import torch
+from torch.distributed.fsdp import fully_shard
 
 import relpos
 import relpos.transformers as rt
@@ -71,18 +74,26 @@ def main():
     out = pathlib.Path(os.environ["RELPOS_DDP_OUT"]) / f"rank{rank}.pt"
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    results, name = {}, None
+    results, mode, name = {"ddp": {}, "fsdp": {}}, None, None
     try:
         shard = batch().chunk(world)[rank]
-        for name in names():
-            model = build(name)
-            if model is None:
-                continue
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            results[name] = train(model, shard, forward=ddp)
+        for mode in results:
+            for name in names():
+                model = build(name)
+                if model is None:
+                    continue
+                if mode == "ddp":
+                    ddp = torch.nn.parallel.DistributedDataParallel(model)
+                    results[mode][name] = train(model, shard, forward=ddp)
+                else:
+                    for layer in model.model.layers:
+                        fully_shard(layer)
+                    fully_shard(model)
+                    train(model, shard)
+                    results[mode][name] = {n: p.full_tensor() for n, p in model.named_parameters()}
         torch.save({"params": results}, out)
-    except Exception:  # the test reports it with the mechanism's name
-        torch.save({"failed": name, "error": traceback.format_exc()}, out)
+    except Exception:  # the test reports it with the mode and the mechanism's name
+        torch.save({"failed": f"{mode} {name}", "error": traceback.format_exc()}, out)
     finally:
         torch.distributed.destroy_process_group()
 

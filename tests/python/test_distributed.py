@@ -1,8 +1,9 @@
-"""Data-parallel training through PyTorch's own DistributedDataParallel (c10d, Gloo; two ranks in
-two processes): every mechanism of `relpos list` that switches a Hugging Face model trains under
-DDP with its defaults, and the ranks' parameters equal those of the same steps on the whole batch
-in one process. DDP refuses a model with a parameter that gets no gradient (its reducer waits for
-it), so this also holds every registered parameter to being read."""
+"""Data-parallel training through PyTorch's own distributed backend (c10d, Gloo; two ranks in two
+processes): every mechanism of `relpos list` that switches a Hugging Face model trains under
+DistributedDataParallel with its defaults and under FSDP2 (`fully_shard`), and each rank's
+parameters equal those of the same steps on the whole batch in one process. DDP refuses a model
+with a parameter that gets no gradient (its reducer waits for it), so this also holds every
+registered parameter to being read."""
 
 import os
 import pathlib
@@ -45,18 +46,20 @@ def ranks(tmp_path_factory):
     return [s["params"] for s in saved]
 
 
-def test_every_switchable_mechanism_trains_under_ddp(ranks):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_every_switchable_mechanism_trains_data_parallel(ranks, mode):
     switched = [n for n in w.names() if w.build(n) is not None]
     assert len(switched) == len(w.names()) - 1  # all but `structured` (vector positions)
-    assert sorted(ranks[0]) == sorted(switched) == sorted(ranks[1])
+    assert sorted(ranks[0][mode]) == sorted(switched) == sorted(ranks[1][mode])
     ids = w.batch()
     for name in switched:
         whole = w.train(w.build(name), ids)
         for r in range(2):
-            assert ranks[r][name].keys() == whole.keys(), name
+            got = ranks[r][mode][name]
+            assert got.keys() == whole.keys(), name
             for n, p in whole.items():
-                torch.testing.assert_close(ranks[r][name][n], p, rtol=1e-9, atol=1e-12,
-                                           msg=f"{name} rank {r}: {n}")
+                torch.testing.assert_close(got[n], p, rtol=1e-9, atol=1e-12,
+                                           msg=f"{mode} {name} rank {r}: {n}")
         # the steps moved the mechanism's own parameters (where it has any)
         start = dict(w.build(name).named_parameters())
         own = [n for n in whole if ".relpos." in n]
