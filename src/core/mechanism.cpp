@@ -125,13 +125,16 @@ std::vector<ParamSpec> jordan_param_schema(const Mechanism& m) {
                  Reparam::SoftplusFloor,
                  per_block([](const auto& s) { return s.gamma_min; }),
                  learn_mask([](const auto& s) { return s.damped && s.learn_gamma; })});
-  out.push_back(
-      {"eta",
-       BlockParam::Eta,
-       {H, NB},
-       Reparam::BoundedTanh,
-       per_block([](const auto& s) { return s.eta_max; }),
-       learn_mask([](const auto& s) { return s.shear == ShearMode::Exponential && s.learn_eta; })});
+  out.push_back({"eta",
+                 BlockParam::Eta,
+                 {H, NB},
+                 Reparam::BoundedTanh,
+                 per_block([](const auto& s) { return s.eta_max; }),
+                 // order-1 blocks have no nilpotent part: nothing reads their eta (a buffer, no
+                 // parameter that never gets a gradient)
+                 learn_mask([](const auto& s) {
+                   return s.order >= 2 && s.shear == ShearMode::Exponential && s.learn_eta;
+                 })});
   if (G > 0) {
     const JordanSegment* gs = nullptr;
     for (const auto& s : segs)

@@ -184,27 +184,20 @@ struct PjField {
   int per_head;  // 1, 3 (gate logits) or 0: one per order
   bool (*read)(const PjBiasConfig&);
 };
-constexpr bool always_read(const PjBiasConfig&) {
-  return true;
-}
-constexpr bool fj_read(const PjBiasConfig& c) {
-  return c.fj;
-}
-constexpr bool lc_read(const PjBiasConfig& c) {
-  return c.lc;
-}
+using Config = const PjBiasConfig&;
 constexpr PjField kPjFields[] = {
-    {"omega", &PjBiasParams::omega, 1, [](const PjBiasConfig& c) { return c.fj || c.lc; }},
-    {"gate_logits", &PjBiasParams::gate_logits, 3, always_read},
-    {"fj_alpha_logits", &PjBiasParams::fj_alpha_logits, 0, fj_read},
-    {"lc_alpha_logits", &PjBiasParams::lc_alpha_logits, 0, lc_read},
-    {"fj_zeta_re", &PjBiasParams::fj_zeta_re, 0, fj_read},
-    {"fj_zeta_im", &PjBiasParams::fj_zeta_im, 0, fj_read},
-    {"lc_zeta_re", &PjBiasParams::lc_zeta_re, 0, lc_read},
-    {"lc_zeta_im", &PjBiasParams::lc_zeta_im, 0, lc_read},
+    {"omega", &PjBiasParams::omega, 1, [](Config c) { return c.fj || c.lc; }},
+    {"gate_logits", &PjBiasParams::gate_logits, 3, [](Config) { return true; }},
+    {"fj_alpha_logits", &PjBiasParams::fj_alpha_logits, 0, [](Config c) { return c.fj; }},
+    {"lc_alpha_logits", &PjBiasParams::lc_alpha_logits, 0, [](Config c) { return c.lc; }},
+    {"fj_zeta_re", &PjBiasParams::fj_zeta_re, 0, [](Config c) { return c.fj; }},
+    {"fj_zeta_im", &PjBiasParams::fj_zeta_im, 0, [](Config c) { return c.fj; }},
+    {"lc_zeta_re", &PjBiasParams::lc_zeta_re, 0, [](Config c) { return c.lc; }},
+    {"lc_zeta_im", &PjBiasParams::lc_zeta_im, 0, [](Config c) { return c.lc; }},
+    // the light-cone term is damped only with lc_damping (the paper's form)
     {"raw_damping", &PjBiasParams::raw_damping, 1,
-     [](const PjBiasConfig& c) { return c.fj || (c.lc && c.lc_damped); }},
-    {"raw_slope", &PjBiasParams::raw_slope, 1, [](const PjBiasConfig& c) { return c.affine; }},
+     [](Config c) { return c.fj || (c.lc && c.lc_damped); }},
+    {"raw_slope", &PjBiasParams::raw_slope, 1, [](Config c) { return c.affine; }},
 };
 
 }  // namespace

@@ -60,7 +60,8 @@ def test_every_switchable_mechanism_trains_data_parallel(ranks, mode):
             for n, p in whole.items():
                 torch.testing.assert_close(got[n], p, rtol=1e-9, atol=1e-12,
                                            msg=f"{mode} {name} rank {r}: {n}")
-        # the steps moved the mechanism's own parameters (where it has any)
+        # the steps moved every parameter of the mechanism: each is read, none gets a gradient
+        # that is always zero (order-1 Jordan blocks keep their unread eta as a buffer)
         start = dict(w.build(name).named_parameters())
-        own = [n for n in whole if ".relpos." in n]
-        assert not own or any(not torch.equal(whole[n], start[n]) for n in own), name
+        still = [n for n in whole if ".relpos." in n and torch.equal(whole[n], start[n])]
+        assert not still, (name, still)

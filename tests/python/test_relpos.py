@@ -150,6 +150,24 @@ def test_state_dict_round_trip():
     assert "raw_gamma" in dict(a.named_parameters())
 
 
+@pytest.mark.parametrize("spec,learned", [
+    ("jordan(m=2)", {"raw_gamma", "raw_eta"}),
+    ("jordan(m=1)", {"raw_gamma"}),  # order-1 blocks have no nilpotent part: eta is unread
+    ("jordan(m=2, learn_eta=false)", {"raw_gamma"}),
+    ("damped_rope(learn_gamma=false)", set()),
+])
+def test_the_parameters_are_what_the_maps_read(spec, learned):
+    """A schema tensor is a parameter where some block learns it and reads it, else a buffer under
+    the same name (no parameter gets a gradient that is always zero, or none: DDP waits for it)."""
+    enc = relpos.PositionEncoding(spec, 8, 2)
+    assert {n for n, _ in enc.named_parameters()} == learned
+    assert {"raw_gamma", "raw_eta"} <= set(enc.state_dict())
+    q, k = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(2))
+    sum(t.square().sum() for t in enc(q, k, torch.arange(5.0, dtype=torch.float64) * 3)).backward()
+    for n, p in enc.named_parameters():
+        assert p.grad is not None and p.grad.abs().max() > 0, n
+
+
 def test_composed_spec_is_shift_invariant():
     enc = relpos.PositionEncoding("orthogonal_mix(seed=2) + rope", 16, 2).double()
     q, k = torch.randn(1, 2, 6, 16, dtype=torch.float64), torch.randn(1, 2, 6, 16, dtype=torch.float64)
