@@ -592,6 +592,38 @@ def test_torch_compile_runs_a_forward():
     assert (compiled - eager).abs().max() < 1e-5
 
 
+def _switched(spec):
+    """The catalog tests' Llama (head dim 24, grouped heads) switched to spec; the switch draws
+    from torch's generator right after the model's seeded build, so two calls give one model."""
+    model = _model("llama", hidden_size=96, head_dim=24, num_key_value_heads=2)
+    rt.apply(model, spec)
+    return model
+
+
+def _lm_grads(model, forward, ids):
+    """The parameters' gradients of the mean next-token loss of ids (every row whole)."""
+    logits = forward(ids, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
+                                      ids[:, 1:].reshape(-1)).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+# one mechanism per path of a switched layer: the fused kernel with a learned transform, a
+# learned lag table, a bias computed from the tokens (relpos.Attention), learned frequencies
+@pytest.mark.parametrize("spec", ["jordan", "pj_bias", "fox", "grape_m"])
+def test_torch_compile_trains_through_each_path(spec):
+    """torch.compile(model) (aot_eager: dynamo graphs, the ops' fake kernels, AOT autograd; the
+    mask's data-dependent choice of kernel path is a graph break) gives the eager gradients."""
+    torch._dynamo.reset()
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
+    models = [_switched(spec) for _ in range(2)]
+    eager = _lm_grads(models[0], models[0], ids)
+    compiled = _lm_grads(models[1], torch.compile(models[1], backend="aot_eager"), ids)
+    assert compiled.keys() == eager.keys()
+    for n, g in eager.items():
+        torch.testing.assert_close(compiled[n], g, rtol=1e-9, atol=1e-12, msg=n)
+
+
 # ---------------------------------------------------------------------------------------------
 # refusals
 
@@ -600,6 +632,26 @@ CATALOG = [m["name"] if isinstance(m, dict) else m for m in relpos.mechanisms()]
 # what a switched layer may refuse, by the mechanism's nature: positions that are vectors, a
 # context-extension rule with no rotation to extend (it composes: "rope + yarn(...)")
 STRUCTURAL = r"vector positions|no rotary term to extend"
+
+
+@pytest.mark.parametrize("name", CATALOG)
+def test_activation_checkpointing_gives_the_same_gradients(name):
+    """HF's activation checkpointing (each decoder layer's forward run again in the backward)
+    over every mechanism a Llama switches to: the gradients of the run without it, exactly (a
+    layer's recomputation reads the same parameters, caches and positions)."""
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    try:
+        models = [_switched(name) for _ in range(2)]
+    except relpos.InputError as e:
+        assert re.search(STRUCTURAL, str(e)), str(e)
+        return
+    models[1].activation_checkpointing_enable()
+    models[1].train()
+    plain = _lm_grads(models[0], models[0], ids)
+    checkpointed = _lm_grads(models[1], models[1], ids)
+    assert checkpointed.keys() == plain.keys()
+    for n, g in plain.items():
+        assert torch.equal(checkpointed[n], g), n
 
 
 @pytest.mark.parametrize("name", CATALOG)
