@@ -4,6 +4,7 @@ relpos.transformers`` needs the ``transformers`` package; ``import relpos`` does
     import relpos.transformers
     relpos.transformers.apply(model)                                      # the model's own encoding
     relpos.transformers.apply(model, "jordan(m=2, regime=scaled, c=1)")   # any relpos mechanism
+    model = relpos.transformers.from_pretrained(LlamaForCausalLM, path)   # a switched checkpoint
 
 :func:`apply` switches every attention layer of a loaded model (``supported()`` lists the
 families) to relpos: the layer's projections are kept, the model's own position encoding
@@ -18,6 +19,7 @@ learned lag tables, padding, packed documents). Mechanisms with runtime state ru
 
 from __future__ import annotations
 
+import json
 import math
 
 try:
@@ -44,7 +46,7 @@ from .attention import fused_attention
 from .encoding import InputError, PositionEncoding, rope_parameters_spec
 from .engine import Attention, KVCache
 
-__all__ = ["apply", "spec_for", "supported", "RelposAttention", "EngineCacheLayer"]
+__all__ = ["apply", "from_pretrained", "spec_for", "supported", "RelposAttention", "EngineCacheLayer"]
 
 if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - an old install
     raise ImportError(f"relpos.transformers needs transformers >= 5 (its AttentionMaskInterface and "
@@ -868,4 +870,67 @@ def apply(model, spec: str | None = None, **options):
     _neutralise(model, model_type)
     config._attn_implementation_internal = IMPLEMENTATION
     config.relpos_spec = states[0].spec
+    return model
+
+
+# the checkpoint reader's own arguments among from_pretrained's (where the files come from)
+_FILE_ARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+
+
+def from_pretrained(model_class, pretrained, *args, relpos_options: dict | None = None, **kwargs):
+    """A checkpoint saved from a switched model (``save_pretrained``), loaded switched, in one call:
+    ``model_class.from_pretrained(pretrained, *args, **kwargs)`` builds the model and loads its own
+    weights, :func:`apply` switches it to the spec the checkpoint's config records
+    (``config.relpos_spec``; ``relpos_options``: apply's options), and the mechanism's tensors are
+    read from the same safetensors files (one file or shards). HF's load report does not list them
+    as unexpected (they are loaded here); a relpos tensor the model has and the checkpoint lacks,
+    or the reverse, raises InputError naming it, and so does a checkpoint from an unswitched
+    model (switch one with ``apply(model_class.from_pretrained(...), spec)``)."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    ignored = model_class._keys_to_ignore_on_load_unexpected
+    # read by the instance as HF builds it; restored at once (the loaded model keeps the pattern)
+    model_class._keys_to_ignore_on_load_unexpected = [*(ignored or []), r"\.relpos\."]
+    try:
+        model = model_class.from_pretrained(pretrained, *args, **kwargs)
+    finally:
+        model_class._keys_to_ignore_on_load_unexpected = ignored
+    spec = getattr(model.config, "relpos_spec", None)
+    if not spec:
+        raise InputError(f"{pretrained}: the config records no relpos_spec (a checkpoint saved from a "
+                         "model switched with relpos.transformers.apply); to switch this one, "
+                         "apply(model_class.from_pretrained(...), spec)")
+    apply(model, spec, **(relpos_options or {}))
+    files = {k: kwargs[k] for k in _FILE_ARGS if k in kwargs}
+    index = cached_file(pretrained, "model.safetensors.index.json", **files,
+                        _raise_exceptions_for_missing_entries=False)
+    if index is not None:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        single = cached_file(pretrained, "model.safetensors", **files,
+                             _raise_exceptions_for_missing_entries=False)
+        if single is None:
+            raise InputError(f"{pretrained}: no model.safetensors (or its index): relpos reads the "
+                             "mechanism's tensors from safetensors checkpoints "
+                             "(save_pretrained's default)")
+        with safe_open(single, framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    stored = {k: v for k, v in weight_map.items() if ".relpos." in k}
+    wanted = {k for k in model.state_dict() if ".relpos." in k}
+    if stored.keys() != wanted:
+        missing, extra = sorted(wanted - stored.keys()), sorted(stored.keys() - wanted)
+        raise InputError(f"{pretrained}: the checkpoint's relpos tensors are not {spec!r}'s: "
+                         + "; ".join(part for part in (
+                             f"missing {', '.join(missing[:4])}" if missing else "",
+                             f"unexpected {', '.join(extra[:4])}" if extra else "") if part))
+    tensors = {}
+    for shard in sorted(set(stored.values())):
+        with safe_open(cached_file(pretrained, shard, **files), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k, s in stored.items() if s == shard})
+    try:
+        model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # shapes that are not the model's (another head count, say)
+        raise InputError(f"{pretrained}: {e}") from None
     return model

@@ -6,6 +6,7 @@ greedy generation of 20 tokens on a left-padded batch, a training step's gradien
 rope dictionaries of every HF rope type against HF's frequencies.
 """
 
+import logging
 import pathlib
 import re
 import types
@@ -622,6 +623,54 @@ def test_torch_compile_trains_through_each_path(spec):
     assert compiled.keys() == eager.keys()
     for n, g in eager.items():
         torch.testing.assert_close(compiled[n], g, rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("shards", [None, "60KB"], ids=["one_file", "shards"])
+def test_from_pretrained_loads_a_switched_checkpoint_in_one_call(tmp_path, shards):
+    """save_pretrained of a switched model (the mechanism's tensors trained away from their
+    initial values), then relpos.transformers.from_pretrained: the same logits, the relpos
+    tensors not reported unexpected; a plain checkpoint and one missing a relpos tensor are
+    refused by name."""
+    from safetensors.torch import load_file, save_file
+    model = _model("llama", dtype=torch.float32, hidden_size=96, head_dim=24, num_key_value_heads=2)
+    rt.apply(model, "pj_bias")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".relpos." in n:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "switched", **({"max_shard_size": shards} if shards else {}))
+    reports = []  # HF's load reports (warnings of the transformers logger)
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            reports.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("transformers").addHandler(keep)
+    try:
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path / "switched")  # the report it gives
+        assert any("UNEXPECTED" in r and ".relpos." in r for r in reports)
+        reports.clear()
+        again = rt.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "switched")
+    finally:
+        logging.getLogger("transformers").removeHandler(keep)
+    assert not any("UNEXPECTED" in r for r in reports)
+    assert transformers.LlamaForCausalLM._keys_to_ignore_on_load_unexpected is None
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert torch.equal(again.eval()(ids).logits, model.eval()(ids).logits)
+    plain = _model("llama", dtype=torch.float32)
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(relpos.InputError, match="records no relpos_spec"):
+        rt.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "plain")
+    if shards is None:  # one relpos tensor dropped from the file
+        f = tmp_path / "switched" / "model.safetensors"
+        tensors = load_file(f)
+        gone = next(k for k in tensors if ".relpos." in k)
+        del tensors[gone]
+        save_file(tensors, f, metadata={"format": "pt"})
+        with pytest.raises(relpos.InputError, match=f"missing {gone}"):
+            rt.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "switched")
 
 
 # ---------------------------------------------------------------------------------------------
