@@ -873,6 +873,7 @@ def apply(model, spec: str | None = None, **options):
     return model
 
 
+_INHERITED = object()  # a class attribute the class itself does not set
 # the checkpoint reader's own arguments among from_pretrained's (where the files come from)
 _FILE_ARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 
@@ -889,13 +890,17 @@ def from_pretrained(model_class, pretrained, *args, relpos_options: dict | None 
     from safetensors import safe_open
     from transformers.utils import cached_file
 
-    ignored = model_class._keys_to_ignore_on_load_unexpected
+    key = "_keys_to_ignore_on_load_unexpected"
+    own = model_class.__dict__.get(key, _INHERITED)
     # read by the instance as HF builds it; restored at once (the loaded model keeps the pattern)
-    model_class._keys_to_ignore_on_load_unexpected = [*(ignored or []), r"\.relpos\."]
+    setattr(model_class, key, [*(getattr(model_class, key) or []), r"\.relpos\."])
     try:
         model = model_class.from_pretrained(pretrained, *args, **kwargs)
     finally:
-        model_class._keys_to_ignore_on_load_unexpected = ignored
+        if own is _INHERITED:
+            delattr(model_class, key)
+        else:
+            setattr(model_class, key, own)
     spec = getattr(model.config, "relpos_spec", None)
     if not spec:
         raise InputError(f"{pretrained}: the config records no relpos_spec (a checkpoint saved from a "
