@@ -863,67 +863,111 @@ def apply(model, spec: str | None = None, **options):
                                 model_dim=config.hidden_size, **options)
         if dtype in (torch.float32, torch.float64):
             state.to(dtype)
+        # on the layer's device (a model moved to a GPU before the switch); a layer on the meta
+        # device (weights not loaded yet) keeps its relpos tensors where they were built
+        device = next((p.device for p in m.parameters()), None)
+        if device is not None and device.type != "meta":
+            state.to(device)
         states.append(state)
     for m, state in zip(layers, states):
         m.relpos = state
         m.__class__ = _switched_class(type(m), family["forward"])
     _neutralise(model, model_type)
     config._attn_implementation_internal = IMPLEMENTATION
+    # what from_pretrained needs to switch a saved copy alike (saved with the config): the spec,
+    # whether it was the model's own encoding (its slope scale follows from the config), options
     config.relpos_spec = states[0].spec
+    config.relpos_own = own
+    config.relpos_options = dict(options)
     return model
 
 
 _INHERITED = object()  # a class attribute the class itself does not set
 # the checkpoint reader's own arguments among from_pretrained's (where the files come from)
-_FILE_ARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+_FILE_ARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
+              "proxies")
+
+
+def _concrete_class(model_class, pretrained, files: dict):
+    """model_class, or for an Auto class the class it builds for the checkpoint's config (the one
+    whose instance reads the load-time ignore pattern)."""
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is None:
+        return model_class
+    config = transformers.AutoConfig.from_pretrained(pretrained, **files)
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        raise InputError(f"{pretrained}: {model_class.__name__} has no model class for "
+                         f"{type(config).__name__}") from None
+
+
+def _checkpoint_keys(pretrained, variant, files: dict) -> dict:
+    """Every tensor name of the checkpoint's safetensors files -> the file that holds it."""
+    from safetensors import safe_open
+    from transformers.modeling_utils import _add_variant
+    from transformers.utils import cached_file
+
+    index = cached_file(pretrained, _add_variant("model.safetensors.index.json", variant), **files,
+                        _raise_exceptions_for_missing_entries=False)
+    if index is not None:
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    name = _add_variant("model.safetensors", variant)
+    single = cached_file(pretrained, name, **files, _raise_exceptions_for_missing_entries=False)
+    if single is None:
+        raise InputError(f"{pretrained}: no {name} (or its index): relpos reads the mechanism's "
+                         "tensors from safetensors checkpoints (save_pretrained's default)")
+    with safe_open(single, framework="pt") as f:
+        return {k: name for k in f.keys()}
 
 
 def from_pretrained(model_class, pretrained, *args, relpos_options: dict | None = None, **kwargs):
     """A checkpoint saved from a switched model (``save_pretrained``), loaded switched, in one call:
-    ``model_class.from_pretrained(pretrained, *args, **kwargs)`` builds the model and loads its own
-    weights, :func:`apply` switches it to the spec the checkpoint's config records
-    (``config.relpos_spec``; ``relpos_options``: apply's options), and the mechanism's tensors are
-    read from the same safetensors files (one file or shards). HF's load report does not list them
-    as unexpected (they are loaded here); a relpos tensor the model has and the checkpoint lacks,
-    or the reverse, raises InputError naming it, and so does a checkpoint from an unswitched
-    model (switch one with ``apply(model_class.from_pretrained(...), spec)``)."""
+    ``model_class.from_pretrained(pretrained, *args, **kwargs)`` (an Auto class too) builds the
+    model and loads its own weights, :func:`apply` switches it as the saved model was (the spec,
+    model's-own-encoding flag and options its config records; ``relpos_options`` override the
+    options), and the mechanism's tensors are read from the same safetensors files (one file or
+    shards, ``variant`` included; a base model from a checkpoint with a head, or the reverse, by
+    HF's ``base_model_prefix``). HF's load report does not list them as unexpected (they are
+    loaded here). A relpos tensor the model has and the checkpoint lacks, or the reverse, raises
+    InputError naming it, and so does a checkpoint from an unswitched model (switch one with
+    ``apply(model_class.from_pretrained(...), spec)``). With ``output_loading_info=True`` the
+    result is HF's ``(model, info)``."""
     from safetensors import safe_open
     from transformers.utils import cached_file
 
+    files = {k: kwargs[k] for k in _FILE_ARGS if k in kwargs}
+    concrete = _concrete_class(model_class, pretrained, files)
     key = "_keys_to_ignore_on_load_unexpected"
-    own = model_class.__dict__.get(key, _INHERITED)
+    own = concrete.__dict__.get(key, _INHERITED)
     # read by the instance as HF builds it; restored at once (the loaded model keeps the pattern)
-    setattr(model_class, key, [*(getattr(model_class, key) or []), r"\.relpos\."])
+    setattr(concrete, key, [*(getattr(concrete, key, None) or []), r"\.relpos\."])
     try:
-        model = model_class.from_pretrained(pretrained, *args, **kwargs)
+        loaded = model_class.from_pretrained(pretrained, *args, **kwargs)
     finally:
         if own is _INHERITED:
-            delattr(model_class, key)
+            delattr(concrete, key)
         else:
-            setattr(model_class, key, own)
-    spec = getattr(model.config, "relpos_spec", None)
+            setattr(concrete, key, own)
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    config = model.config
+    spec = getattr(config, "relpos_spec", None)
     if not spec:
         raise InputError(f"{pretrained}: the config records no relpos_spec (a checkpoint saved from a "
                          "model switched with relpos.transformers.apply); to switch this one, "
                          "apply(model_class.from_pretrained(...), spec)")
-    apply(model, spec, **(relpos_options or {}))
-    files = {k: kwargs[k] for k in _FILE_ARGS if k in kwargs}
-    index = cached_file(pretrained, "model.safetensors.index.json", **files,
-                        _raise_exceptions_for_missing_entries=False)
-    if index is not None:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    else:
-        single = cached_file(pretrained, "model.safetensors", **files,
-                             _raise_exceptions_for_missing_entries=False)
-        if single is None:
-            raise InputError(f"{pretrained}: no model.safetensors (or its index): relpos reads the "
-                             "mechanism's tensors from safetensors checkpoints "
-                             "(save_pretrained's default)")
-        with safe_open(single, framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    stored = {k: v for k, v in weight_map.items() if ".relpos." in k}
+    options = {**(getattr(config, "relpos_options", None) or {}), **(relpos_options or {})}
+    apply(model, None if getattr(config, "relpos_own", False) else spec, **options)
     wanted = {k for k in model.state_dict() if ".relpos." in k}
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    stored = {}  # the model's name -> (the checkpoint's name, its file)
+    for k, f in _checkpoint_keys(pretrained, kwargs.get("variant"), files).items():
+        if ".relpos." not in k:
+            continue
+        name = (k if k in wanted or prefix == "." else k[len(prefix):] if k.startswith(prefix)
+                else prefix + k)
+        stored[name] = (k, f)
     if stored.keys() != wanted:
         missing, extra = sorted(wanted - stored.keys()), sorted(stored.keys() - wanted)
         raise InputError(f"{pretrained}: the checkpoint's relpos tensors are not {spec!r}'s: "
@@ -931,11 +975,11 @@ def from_pretrained(model_class, pretrained, *args, relpos_options: dict | None 
                              f"missing {', '.join(missing[:4])}" if missing else "",
                              f"unexpected {', '.join(extra[:4])}" if extra else "") if part))
     tensors = {}
-    for shard in sorted(set(stored.values())):
+    for shard in sorted({f for _, f in stored.values()}):
         with safe_open(cached_file(pretrained, shard, **files), framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k, s in stored.items() if s == shard})
+            tensors.update({name: f.get_tensor(k) for name, (k, s) in stored.items() if s == shard})
     try:
         model.load_state_dict(tensors, strict=False)
     except RuntimeError as e:  # shapes that are not the model's (another head count, say)
         raise InputError(f"{pretrained}: {e}") from None
-    return model
+    return loaded

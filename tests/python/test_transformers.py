@@ -673,6 +673,45 @@ def test_from_pretrained_loads_a_switched_checkpoint_in_one_call(tmp_path, shard
             rt.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "switched")
 
 
+# how a switched model was made and how its checkpoint is read back: (family, apply's spec and
+# options, save_pretrained's arguments, the class from_pretrained is given, its arguments)
+RELOADS = {
+    "falcon_own_alibi": ("falcon_alibi", None, {}, {}, "FalconForCausalLM", {}),  # slopes / sqrt(D)
+    "interleaved_pairs": ("llama", "rope", {"pair_layout": "interleaved"}, {}, "LlamaForCausalLM", {}),
+    "auto_class": ("llama", "pj_bias", {}, {}, "AutoModelForCausalLM", {}),
+    "base_from_head": ("llama", "pj_bias", {}, {}, "LlamaModel", {}),
+    "variant": ("llama", "t5_bias", {}, {"variant": "v2"}, "LlamaForCausalLM", {"variant": "v2"}),
+    "loading_info": ("llama", "fox", {}, {}, "LlamaForCausalLM", {"output_loading_info": True}),
+}
+
+
+@pytest.mark.parametrize("case", RELOADS)
+def test_from_pretrained_switches_a_checkpoint_as_it_was_saved(tmp_path, case):
+    """Every way of switching and of reading back that a checkpoint does not show in its tensor
+    names: the model's own ALiBi (Falcon scales its slopes), an apply() option, an Auto class, a
+    base model from a checkpoint with a head, a weights variant, HF's loading info; the reloaded
+    model computes what the saved one did."""
+    family, spec, options, save, cls, load = RELOADS[case]
+    model = _model(family, dtype=torch.float32)
+    rt.apply(model, spec, **options)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".relpos." in n:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path, **save)
+    loaded = rt.from_pretrained(getattr(transformers, cls), tmp_path, **load)
+    if load.get("output_loading_info"):
+        loaded, info = loaded
+        assert not info["unexpected_keys"] and not info["missing_keys"]
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        if cls == "LlamaModel":
+            want, got = model.eval().model(ids).last_hidden_state, loaded.eval()(ids).last_hidden_state
+        else:
+            want, got = model.eval()(ids).logits, loaded.eval()(ids).logits
+    assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # refusals
 
