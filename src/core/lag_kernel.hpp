@@ -21,9 +21,9 @@ namespace relpos {
 // "pj_omega"), its shape and its deterministic initial values (row-major). A spec string names
 // exactly these values (the kernels' and the spec-only attention calls' table); a torch module may
 // draw some of them from torch's generator instead (its runtime says). `trained`: whether the
-// table reads it; one it does not (a part of the kernel the spec leaves off) is kept, under its
-// name, as a module buffer, not a parameter: it would never get a gradient, which torch's
-// DistributedDataParallel refuses (and an optimizer would carry it for nothing).
+// table depends on it; one it does not (a part of the kernel the spec leaves off, a softmax over
+// one entry) is kept, under its name, as a module buffer, not a parameter: it would get no
+// gradient or a zero one, and torch's DistributedDataParallel refuses a parameter with none.
 struct LagParam {
   std::string name;
   std::vector<int64_t> shape;

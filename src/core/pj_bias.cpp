@@ -177,7 +177,7 @@ std::vector<double> pj_lag_table(const PjBiasConfig& c, const PjBiasParams& p, i
 namespace {
 
 // the parameters in the kernel's order: state-dict name suffix, member, values per head, and
-// whether the table reads it under a config (the sectors left off read nothing)
+// whether the table depends on it under a config (the sectors left off read nothing)
 struct PjField {
   const char* name;
   std::vector<double> PjBiasParams::*member;
@@ -187,9 +187,13 @@ struct PjField {
 using Config = const PjBiasConfig&;
 constexpr PjField kPjFields[] = {
     {"omega", &PjBiasParams::omega, 1, [](Config c) { return c.fj || c.lc; }},
-    {"gate_logits", &PjBiasParams::gate_logits, 3, [](Config) { return true; }},
-    {"fj_alpha_logits", &PjBiasParams::fj_alpha_logits, 0, [](Config c) { return c.fj; }},
-    {"lc_alpha_logits", &PjBiasParams::lc_alpha_logits, 0, [](Config c) { return c.lc; }},
+    // a softmax over one entry (one sector on, or orders up to 0) is 1 whatever its logit
+    {"gate_logits", &PjBiasParams::gate_logits, 3,
+     [](Config c) { return c.fj + c.affine + c.lc > 1; }},
+    {"fj_alpha_logits", &PjBiasParams::fj_alpha_logits, 0,
+     [](Config c) { return c.fj && c.orders() > 1; }},
+    {"lc_alpha_logits", &PjBiasParams::lc_alpha_logits, 0,
+     [](Config c) { return c.lc && c.orders() > 1; }},
     {"fj_zeta_re", &PjBiasParams::fj_zeta_re, 0, [](Config c) { return c.fj; }},
     {"fj_zeta_im", &PjBiasParams::fj_zeta_im, 0, [](Config c) { return c.fj; }},
     {"lc_zeta_re", &PjBiasParams::lc_zeta_re, 0, [](Config c) { return c.lc; }},

@@ -75,6 +75,8 @@ class PositionEncodingImpl : public torch::nn::Module {
   // The lag table's rows (EncodingOptions::bias_heads; the heads by default).
   int64_t bias_heads() const { return bias_heads_; }
   // The learned table's parameters, in the kernel's params() order (state-dict names from it).
+  // every tensor of the lag table in LagKernel::params order: parameters, and buffers where
+  // the table does not depend on them (LagParam::trained)
   const std::vector<torch::Tensor>& lag_parameters() const { return lag_params_; }
   // Their float64 snapshot (InputError without a learned table).
   LagParamValues lag_values() const;

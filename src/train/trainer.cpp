@@ -199,7 +199,18 @@ Checkpoint load_checkpoint(const fs::path& path, torch::nn::Module& model,
     for (const auto& p : model.named_parameters()) check(p.key(), p.value());
     for (const auto& b : model.named_buffers()) check(b.key(), b.value());
     archive.read("optimizer", opt_archive);
-    opt.load(opt_archive);
+    try {
+      opt.load(opt_archive);
+    } catch (const c10::Error& e) {
+      // the model's tensors loaded by name, the optimizer's state is by position: a checkpoint
+      // from before 2026-11-30, when tensors no table or block reads (PJ sectors left off,
+      // order-1 eta) were still parameters, has more of them than this model
+      throw InputError(fmt::format(
+          "checkpoint '{}': its optimizer state does not fit this model's parameters ({}); a "
+          "run saved before relpos kept unread mechanism tensors as buffers (2026-11-30) cannot "
+          "resume, start it again",
+          path.string(), brief(e.what_without_backtrace(), 200)));
+    }
     torch::Tensor step, elapsed, tokens;
     archive.read("step", step);
     archive.read("elapsed", elapsed);

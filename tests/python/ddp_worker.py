@@ -5,12 +5,16 @@ FSDP2 (`fully_shard` on each decoder layer and the model: parameters sharded acr
 gathered for each layer's forward and backward). Saves the trained (full) parameters per mode and
 mechanism to $RELPOS_DDP_OUT/rank<r>.pt, or the mode, mechanism and error of the first failure.
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p RELPOS_DDP_OUT=dir python ddp_worker.py
+    RANK=r WORLD_SIZE=n RELPOS_DDP_OUT=dir python ddp_worker.py
+
+The ranks meet through a file in that folder (torch's FileStore: no port to race for), and a rank
+whose peer is gone gives up after 120 s instead of Gloo's 30 minutes.
 
 The test builds the same models and batch with build() and batch() and trains them on the whole
 batch in one process: with equal token counts per rank, the mean of the ranks' gradients is the
 whole batch's, so the parameters must agree."""
 
+import datetime
 import os
 import pathlib
 import traceback
@@ -71,9 +75,12 @@ def train(model, ids, forward=None):
 
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out = pathlib.Path(os.environ["RELPOS_DDP_OUT"]) / f"rank{rank}.pt"
+    folder = pathlib.Path(os.environ["RELPOS_DDP_OUT"])
+    out = folder / f"rank{rank}.pt"
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{folder / 'store'}",
+                                         rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=120))
     results, mode, name = {"ddp": {}, "fsdp": {}}, None, None
     try:
         shard = batch().chunk(world)[rank]

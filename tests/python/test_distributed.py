@@ -7,7 +7,6 @@ registered parameter to being read."""
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -19,25 +18,24 @@ import ddp_worker as w
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' saved results (the worker runs every mechanism in one process per rank)."""
     out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               RELPOS_DDP_OUT=str(out), OMP_NUM_THREADS="1")
+    env = dict(os.environ, WORLD_SIZE="2", RELPOS_DDP_OUT=str(out), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     if "GLOO_SOCKET_IFNAME" not in env and pathlib.Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # the loopback pair, whatever the hostname resolves to
     procs = [subprocess.Popen([sys.executable, str(HERE / "ddp_worker.py")],
                               env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:  # none left running (a rank that hangs is killed with the other)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for r, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{log[-4000:]}"
     saved = [torch.load(out / f"rank{r}.pt") for r in range(2)]

@@ -70,22 +70,28 @@ def test_lag_table_gradcheck(spec, params):
 # PJ-RoPE's sectors, each alone and together, and the damped light-cone term
 PJ_SECTORS = ["pj_bias(sectors=fj)", "pj_bias(sectors=affine)", "pj_bias(sectors=lc)",
               "pj_bias(sectors=lc, lc_damping=true)", "pj_bias(sectors=affine/lc)",
-              "pj_bias(sectors=fj/affine/lc)"]
+              "pj_bias(sectors=fj/affine/lc)", "pj_bias(R=0)"]
 
 
 @pytest.mark.parametrize("spec", PJ_SECTORS + [s for s, _ in LEARNED])
 def test_a_table_trains_exactly_what_it_reads(spec):
-    """The module's parameters are the tensors the table reads: each gets a gradient from it
-    (torch's DistributedDataParallel refuses a parameter that gets none), and every tensor it
-    keeps as a buffer (a part the spec leaves off) leaves the table bit-equal when changed. The
-    state-dict names are the mechanism's whatever the parts (checkpoints load across them)."""
+    """The module's parameters are the tensors the table depends on: each gets a nonzero gradient
+    from it (torch's DistributedDataParallel refuses a parameter that gets none), and every tensor
+    it keeps as a buffer (a part the spec leaves off, a softmax over one entry) leaves the table
+    bit-equal when changed. The state-dict names are the mechanism's whatever the parts
+    (checkpoints load across them)."""
     enc = relpos.PositionEncoding(spec, 8, H).double()
     lag = [p["name"] for b in relpos.mechanism(spec, 8, H)["biases"]
            for p in b.get("lag_params", [])]
     assert set(lag) <= set(enc.state_dict())
     trained = {n for n, _ in enc.named_parameters()}
-    enc.lag_table(12).sum().backward()
-    assert all(enc.get_parameter(n).grad is not None for n in trained)
+    with torch.no_grad():  # off the initial values, where some gradients vanish (zero zetas)
+        for n in trained:
+            enc.get_parameter(n).add_(torch.rand_like(enc.get_parameter(n)) - 0.5)
+    (enc.lag_table(12) * torch.randn(H, 12, dtype=torch.float64)).sum().backward()
+    for n in trained:
+        g = enc.get_parameter(n).grad
+        assert g is not None and g.abs().max() > 0, n
     before = enc.lag_table(12)
     for n in set(lag) - trained:
         with torch.no_grad():

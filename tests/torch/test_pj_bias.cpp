@@ -172,11 +172,13 @@ TEST(PjBiasTorch, SectorsLeftOffKeepBuffersNotParameters) {
       {"pj_bias",
        {"omega", "gate_logits", "fj_alpha_logits", "fj_zeta_re", "fj_zeta_im", "raw_damping",
         "raw_slope"}},
-      {"pj_bias(sectors=affine)", {"gate_logits", "raw_slope"}},
-      {"pj_bias(sectors=lc)",
-       {"omega", "gate_logits", "lc_alpha_logits", "lc_zeta_re", "lc_zeta_im"}},
+      {"pj_bias(sectors=affine)", {"raw_slope"}},  // one sector: its gate is 1
+      {"pj_bias(sectors=affine/lc)",
+       {"omega", "gate_logits", "lc_alpha_logits", "lc_zeta_re", "lc_zeta_im", "raw_slope"}},
       {"pj_bias(sectors=lc, lc_damping=true)",
-       {"omega", "gate_logits", "lc_alpha_logits", "lc_zeta_re", "lc_zeta_im", "raw_damping"}},
+       {"omega", "lc_alpha_logits", "lc_zeta_re", "lc_zeta_im", "raw_damping"}},
+      {"pj_bias(R=0)",  // orders up to 0: one weight per branch, 1
+       {"omega", "gate_logits", "fj_zeta_re", "fj_zeta_im", "raw_damping", "raw_slope"}},
   };
   for (const auto& [spec, names] : read) {
     SCOPED_TRACE(spec);
