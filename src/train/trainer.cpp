@@ -173,8 +173,9 @@ std::string checkpoint_bytes(const fs::path& path) {
   return std::move(f.bytes);
 }
 
+// opt: null to load the weights only (eval, diagnose: a run's model, whatever its optimizer)
 Checkpoint load_checkpoint(const fs::path& path, torch::nn::Module& model,
-                           torch::optim::AdamW& opt) {
+                           torch::optim::AdamW* opt) {
   const std::string bytes = checkpoint_bytes(path);
   // a checkpoint's tensors replace the model's whatever their shapes: compare them after loading
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
@@ -200,7 +201,7 @@ Checkpoint load_checkpoint(const fs::path& path, torch::nn::Module& model,
     for (const auto& b : model.named_buffers()) check(b.key(), b.value());
     archive.read("optimizer", opt_archive);
     try {
-      opt.load(opt_archive);
+      if (opt) opt->load(opt_archive);
     } catch (const c10::Error& e) {
       // the model's tensors loaded by name, the optimizer's state is by position: a checkpoint
       // from before 2026-11-30, when tensors no table or block reads (PJ sectors left off,
@@ -384,7 +385,7 @@ RunResult train(const TrainConfig& c, const RunOptions& o) {
   Checkpoint ck;
   Metrics metrics;
   if (o.resume && fs::exists(ckpt_path)) {
-    ck = load_checkpoint(ckpt_path, model->module(), opt);
+    ck = load_checkpoint(ckpt_path, model->module(), &opt);
     metrics = Metrics::read(o.out / "metrics.csv", ck.step);
     // the stream is a function of the seed: replay it to where the checkpoint stopped
     for (int64_t s = 0; s < ck.step; ++s) task->next_train_batch(c.optim.batch);
@@ -548,10 +549,9 @@ LoadedRun load_run(const fs::path& run_dir, const std::vector<int64_t>& lengths)
   check_memory(r.config, r.task->vocab());
   LmModel lm(r.config, r.task->vocab());
   r.model = lm.lm();
-  torch::optim::AdamW opt(adamw_groups(lm, r.config.optim), adamw_options(r.config.optim));
   const fs::path ckpt = run_dir / "checkpoints" / "last.pt";
   if (!fs::exists(ckpt)) throw InputError(fmt::format("no checkpoint at '{}'", ckpt.string()));
-  r.step = load_checkpoint(ckpt, *r.model, opt).step;
+  r.step = load_checkpoint(ckpt, *r.model, nullptr).step;
   return r;
 }
 }  // namespace

@@ -684,6 +684,33 @@ TEST(TrainCheckpoint, ACheckpointOfAnotherModelIsANamedError) {
   EXPECT_NE(train_error(short_run(), o).find("holds another model"), std::string::npos);
 }
 
+// A checkpoint whose model has the same tensors, some of them parameters where the run's model
+// keeps buffers (a PJ sector on there, left off here: what a checkpoint from before those
+// became buffers holds): its weights load by name, its optimizer state does not fit, named.
+TEST(TrainCheckpoint, OptimizerStateForOtherParametersIsANamedError) {
+  const auto dir = temp_dir("ckpt-optimizer");
+  train::RunOptions o;
+  o.progress = false;
+  auto every_sector = short_run(), default_sectors = short_run();
+  every_sector.model.mechanism = "pj_bias(sectors=fj/affine/lc)";
+  default_sectors.model.mechanism = "pj_bias(sectors=fj/affine/lc)";
+  o.out = dir / "all";
+  train::run_training(every_sector, o);
+  default_sectors.model.mechanism = "pj_bias";
+  o.out = dir / "default";
+  train::run_training(default_sectors, o);
+  fs::copy_file(dir / "all" / "checkpoints" / "last.pt", o.out / "checkpoints" / "last.pt",
+                fs::copy_options::overwrite_existing);
+  const auto eval_why = error_of([&] { train::evaluate_run(o.out, {24}); });
+  EXPECT_EQ(eval_why, "(no error)");  // the weights, by name: eval reads no optimizer state
+  o.resume = true;
+  auto longer = default_sectors;
+  longer.optim.steps = 6;
+  const auto why = train_error(longer, o);
+  EXPECT_NE(why.find("its optimizer state does not fit this model's parameters"), std::string::npos)
+      << why;
+}
+
 TEST(TrainRun, ANonFiniteLossStopsTheRunKeepingTheLastGoodCheckpoint) {
   // beta2 = 0 and an eps below float's range: a weight whose gradient is 0 (an embedding row of
   // a token absent from the batch) takes the Adam step 0 / (0 + 0) = NaN, with a finite loss and
