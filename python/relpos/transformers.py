@@ -958,7 +958,12 @@ def from_pretrained(model_class, pretrained, *args, relpos_options: dict | None 
                          "model switched with relpos.transformers.apply); to switch this one, "
                          "apply(model_class.from_pretrained(...), spec)")
     options = {**(getattr(config, "relpos_options", None) or {}), **(relpos_options or {})}
-    apply(model, None if getattr(config, "relpos_own", False) else spec, **options)
+    # a config saved before relpos_own was recorded: its own encoding when the spec is the one
+    # spec_for gives (what differs is Falcon's ALiBi, scaled by 1/sqrt(D) as the model's own)
+    own = getattr(config, "relpos_own", None)
+    if own is None:
+        own = spec == spec_for(config)
+    apply(model, None if own else spec, **options)
     wanted = {k for k in model.state_dict() if ".relpos." in k}
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
     stored = {}  # the model's name -> (the checkpoint's name, its file)

@@ -677,6 +677,8 @@ def test_from_pretrained_loads_a_switched_checkpoint_in_one_call(tmp_path, shard
 # options, save_pretrained's arguments, the class from_pretrained is given, its arguments)
 RELOADS = {
     "falcon_own_alibi": ("falcon_alibi", None, {}, {}, "FalconForCausalLM", {}),  # slopes / sqrt(D)
+    # saved by a relpos that did not record relpos_own: the model's own spec is its own encoding
+    "falcon_own_alibi_older": ("falcon_alibi", None, {}, {}, "FalconForCausalLM", {}),
     "interleaved_pairs": ("llama", "rope", {"pair_layout": "interleaved"}, {}, "LlamaForCausalLM", {}),
     "auto_class": ("llama", "pj_bias", {}, {}, "AutoModelForCausalLM", {}),
     "base_from_head": ("llama", "pj_bias", {}, {}, "LlamaModel", {}),
@@ -698,6 +700,8 @@ def test_from_pretrained_switches_a_checkpoint_as_it_was_saved(tmp_path, case):
         for n, p in model.named_parameters():
             if ".relpos." in n:
                 p.add_(0.3 * torch.randn_like(p))
+    if case.endswith("_older"):
+        del model.config.relpos_own
     model.save_pretrained(tmp_path, **save)
     loaded = rt.from_pretrained(getattr(transformers, cls), tmp_path, **load)
     if load.get("output_loading_info"):
