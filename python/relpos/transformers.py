@@ -940,16 +940,16 @@ def from_pretrained(model_class, pretrained, *args, relpos_options: dict | None 
     files = {k: kwargs[k] for k in _FILE_ARGS if k in kwargs}
     concrete = _concrete_class(model_class, pretrained, files)
     key = "_keys_to_ignore_on_load_unexpected"
-    own = concrete.__dict__.get(key, _INHERITED)
+    ignored = concrete.__dict__.get(key, _INHERITED)
     # read by the instance as HF builds it; restored at once (the loaded model keeps the pattern)
     setattr(concrete, key, [*(getattr(concrete, key, None) or []), r"\.relpos\."])
     try:
         loaded = model_class.from_pretrained(pretrained, *args, **kwargs)
     finally:
-        if own is _INHERITED:
+        if ignored is _INHERITED:
             delattr(concrete, key)
         else:
-            setattr(concrete, key, own)
+            setattr(concrete, key, ignored)
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     config = model.config
     spec = getattr(config, "relpos_spec", None)
