@@ -18,6 +18,12 @@ assert cases == want, f"cases {sorted(cases)}"
 for r in res:
     assert r["T"] == 256 and len(r["runs_ms"]) == 1 and r["median_ms"] > 0, r
     assert r["memory"]["ok"] and r["memory"]["peak_above_inputs_mib"] >= 0, r
+    # at::mm timed in the same rounds: one time per round, and the case's fraction of its rate
+    assert len(r["mm_runs_ms"]) == len(r["runs_ms"]) and min(r["mm_runs_ms"]) > 0, r
+    assert r["fraction_of_mm_in_rounds"] > 0, r
+t = d["targets"]
+assert [x["T"] for x in t["faster_than_sdpa_at_every_T"]["rows"]] == [256, 256], t
+assert t["at_least_75pct_of_mm_same_rounds_from_4096"]["met"] is None, t  # no T >= 4096 here
 assert d["checks_ok"] and len(d["checks"]) == 4, d["checks"]
 assert d["mm_start"]["gflops"] > 0 and d["long_forward"] == [], d["long_forward"]
 print(f"ok: {len(res)} cases, ratios {[(r['mode'], r['ours_over_sdpa']) for r in d['ratios']]}")

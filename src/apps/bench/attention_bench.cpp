@@ -558,6 +558,9 @@ struct Result {
   Mode mode;
   Impl impl;
   std::vector<double> runs_ms, cpu_ms;
+  // at::mm's time in each round (the same rounds as runs_ms): this host's matrix-product rate
+  // at the moment the case ran, which a start-and-end measurement misses on a shared machine
+  std::vector<double> mm_ms;
   double median_ms = std::nan("");
   std::string skipped;
   Memory mem;
@@ -684,19 +687,36 @@ struct MmResult {
   double median_ms, gflops;
 };
 
-MmResult bench_mm(int n, int repeats) {
-  at::manual_seed(1);
-  const at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
-  at::Tensor c = at::mm(a, b);
-  MmResult r{n, {}, 0, 0};
-  for (int i = 0; i < std::max(repeats, 5); ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    at::mm_out(c, a, b);
-    r.runs_ms.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+double mm_gflops(int n, double ms) {
+  return 2.0 * double(n) * n * n / (ms * 1e6);
+}
+
+// One n x n x n float32 at::mm, the machine's matrix-product yardstick.
+class MmYardstick {
+ public:
+  explicit MmYardstick(int n) : n_(n) {
+    at::manual_seed(1);
+    a_ = at::randn({n, n});
+    b_ = at::randn({n, n});
+    c_ = at::mm(a_, b_);
   }
+  double time_ms() {
+    const auto t0 = std::chrono::steady_clock::now();
+    at::mm_out(c_, a_, b_);
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+ private:
+  int n_;
+  at::Tensor a_, b_, c_;
+};
+
+MmResult bench_mm(int n, int repeats) {
+  MmYardstick mm(n);
+  MmResult r{n, {}, 0, 0};
+  for (int i = 0; i < std::max(repeats, 5); ++i) r.runs_ms.push_back(mm.time_ms());
   r.median_ms = median(r.runs_ms);
-  r.gflops = 2.0 * double(n) * n * n / (r.median_ms * 1e6);
+  r.gflops = mm_gflops(n, r.median_ms);
   return r;
 }
 
@@ -768,7 +788,7 @@ void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
   std::vector<Result> res;
   for (Mode m : modes)
     for (Impl i : impls) {
-      Result r{s.T, m, i, {}, {}, std::nan(""), {}, {}};
+      Result r{s.T, m, i, {}, {}, {}, std::nan(""), {}, {}};
       if (i == Impl::SdpaMask && mask_gib(s) > rep.max_mask_gib)
         r.skipped = fmt::format("mask {:.1f} GiB > limit {:.1f} GiB (--max-mask-gib)", mask_gib(s),
                                 rep.max_mask_gib);
@@ -829,14 +849,23 @@ void run_size(Report& rep, const Shape& s, const std::vector<Mode>& modes,
     for (int w = 1; w < a.warmup; ++w)
       for (const auto& r : res)
         if (r.skipped.empty()) time_ms(in, r.impl, r.mode);
-    RoundOrder order(res.size());
-    for (int rep_i = 0; rep_i < a.repeats; ++rep_i)
-      for (const size_t i : order.next())
-        if (auto& r = res[i]; r.skipped.empty()) {
+    // at::mm is one more case of every round (index res.size()), in the same random order
+    MmYardstick mm(a.mm_n);
+    RoundOrder order(res.size() + 1);
+    for (int rep_i = 0; rep_i < a.repeats; ++rep_i) {
+      double mm_ms = 0;
+      for (const size_t i : order.next()) {
+        if (i == res.size()) {
+          mm_ms = mm.time_ms();
+        } else if (auto& r = res[i]; r.skipped.empty()) {
           double cpu = 0;
           r.runs_ms.push_back(time_ms(in, r.impl, r.mode, &cpu));
           r.cpu_ms.push_back(cpu);
         }
+      }
+      for (auto& r : res)
+        if (r.skipped.empty()) r.mm_ms.push_back(mm_ms);
+    }
   }
   for (auto& r : res) {
     if (!r.skipped.empty()) {
@@ -876,6 +905,15 @@ void run_scaling(Report& rep, const Shape& s) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The median over rounds of the case's GFLOP/s over at::mm's in the same round.
+double fraction_of_mm_in_rounds(const Report& rep, const Result& r) {
+  const double f = flops({rep.a.B, rep.a.H, r.T, rep.a.D}, r.mode);
+  std::vector<double> ratios;
+  for (size_t i = 0; i < r.runs_ms.size() && i < r.mm_ms.size(); ++i)
+    ratios.push_back(f / (r.runs_ms[i] * 1e6) / mm_gflops(rep.a.mm_n, r.mm_ms[i]));
+  return ratios.empty() ? std::nan("") : median(ratios);
+}
+
 json result_json(const Report& rep, const Result& r) {
   const Shape s{rep.a.B, rep.a.H, r.T, rep.a.D};
   json j = {{"T", r.T}, {"mode", name(r.mode)}, {"case", name(r.impl)}};
@@ -890,6 +928,8 @@ json result_json(const Report& rep, const Result& r) {
   j["median_cpu_ms"] = median(r.cpu_ms);
   j["gflops"] = gf;
   j["fraction_of_mm"] = gf / rep.mm_start.gflops;
+  j["mm_runs_ms"] = r.mm_ms;
+  j["fraction_of_mm_in_rounds"] = fraction_of_mm_in_rounds(rep, r);
   if (rep.a.memory) j["memory"] = memory_json(r.mem);
   return j;
 }
@@ -991,6 +1031,36 @@ json targets_json(const Report& rep) {
     }
     t[key + "_ours_memory_linear_in_T"] = {{"rows", mrows}, {"met", any ? json(mmet) : json()}};
   }
+  // issue 26: faster than SDPA at every T (ratio of the medians and the per-round median both
+  // under 1), and at least 75% of at::mm's GFLOP/s of the same rounds from T = 4096
+  json fast = json::array(), frac = json::array();
+  bool fast_met = true, frac_met = true, any_fast = false, any_frac = false;
+  for (const auto* rs : {&rep.results, &rep.long_results})
+    for (const Result& r : *rs) {
+      if (r.impl != Impl::Ours || !r.skipped.empty()) continue;
+      const auto x = ratio(*rs, r.T, r.mode, Impl::Ours, Impl::Sdpa);
+      const auto y = paired_ratio(*rs, r.T, r.mode, Impl::Ours, Impl::Sdpa);
+      if (x && y) {
+        const bool met = *x < 1 && *y < 1;
+        fast.push_back({{"T", r.T},
+                        {"mode", name(r.mode)},
+                        {"ours_over_sdpa", *x},
+                        {"per_round", *y},
+                        {"met", met}});
+        fast_met = fast_met && met;
+        any_fast = true;
+      }
+      if (r.T >= 4096) {
+        const double f = fraction_of_mm_in_rounds(rep, r);
+        const bool met = f >= 0.75;
+        frac.push_back({{"T", r.T}, {"mode", name(r.mode)}, {"fraction", f}, {"met", met}});
+        frac_met = frac_met && met;
+        any_frac = true;
+      }
+    }
+  t["faster_than_sdpa_at_every_T"] = {{"rows", fast}, {"met", any_fast ? json(fast_met) : json()}};
+  t["at_least_75pct_of_mm_same_rounds_from_4096"] = {{"rows", frac},
+                                                     {"met", any_frac ? json(frac_met) : json()}};
   return t;
 }
 
@@ -1121,12 +1191,12 @@ std::string runs_str(const std::vector<double>& v) {
 }
 
 void write_md_results(std::ostream& os, const Report& rep, const std::vector<Result>& rs) {
-  os << "| T | pass | case | median ms | runs ms | CPU ms | GFLOP/s | of mm | peak MiB above "
-        "inputs |\n"
-        "|---|---|---|---|---|---|---|---|---|\n";
+  os << "| T | pass | case | median ms | runs ms | CPU ms | GFLOP/s | of mm (start) | of mm (same "
+        "rounds) | peak MiB above inputs |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : rs) {
     if (!r.skipped.empty()) {
-      os << fmt::format("| {} | {} | {} | skipped: {} | | | | | |\n", r.T, name(r.mode),
+      os << fmt::format("| {} | {} | {} | skipped: {} | | | | | | |\n", r.T, name(r.mode),
                         name(r.impl), r.skipped);
       continue;
     }
@@ -1135,9 +1205,10 @@ void write_md_results(std::ostream& os, const Report& rep, const std::vector<Res
     if (rep.a.memory)
       mem = r.mem.ok ? fmt::format("{:.0f}", r.mem.peak_above_inputs_mib) : "error: " + r.mem.error;
     if (r.mem.ok && r.mem.mask_mib > 0) mem += fmt::format(" (mask {:.0f})", r.mem.mask_mib);
-    os << fmt::format("| {} | {} | {} | {:.2f} | {} | {:.1f} | {:.1f} | {:.0f}% | {} |\n", r.T,
-                      name(r.mode), name(r.impl), r.median_ms, runs_str(r.runs_ms),
-                      median(r.cpu_ms), gf, 100 * gf / rep.mm_start.gflops, mem);
+    os << fmt::format("| {} | {} | {} | {:.2f} | {} | {:.1f} | {:.1f} | {:.0f}% | {:.0f}% | {} |\n",
+                      r.T, name(r.mode), name(r.impl), r.median_ms, runs_str(r.runs_ms),
+                      median(r.cpu_ms), gf, 100 * gf / rep.mm_start.gflops,
+                      100 * fraction_of_mm_in_rounds(rep, r), mem);
   }
 }
 
