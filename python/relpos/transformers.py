@@ -43,7 +43,7 @@ from torch import nn
 
 from . import mechanism
 from .attention import fused_attention
-from .encoding import InputError, PositionEncoding, rope_parameters_spec
+from .encoding import _OP_BUILT_TRIG_ROWS, InputError, PositionEncoding, _compute_dtype, _op, rope_parameters_spec
 from .engine import Attention, KVCache
 
 __all__ = ["apply", "from_pretrained", "spec_for", "supported", "RelposAttention", "EngineCacheLayer"]
@@ -310,6 +310,9 @@ class RelposAttention(nn.Module):
         self.engine = None
         self.encoding = encoding
         self._has_transform = bool(info["transforms"])
+        # a step's few tokens without autograd in one op call (transform_step): one position term
+        self._step_transform = self._has_transform and not torch.ops.relpos.transform_step_refusal(
+            self.spec, head_dim, num_kv_heads)
         self._center_mid = info["center"] == "mid"
         slopes = [s for b in info["biases"] if b["slopes"] for s in b["slopes"]]
         self._slopes = ([float(s) * slope_scale for s in slopes] if slopes else None)
@@ -332,12 +335,27 @@ class RelposAttention(nn.Module):
         B, Hq, T, D = q.shape
         Hk = k.shape[1]
         g = Hq // Hk
-        if g == 1:
+        enc = self.encoding
+        step = (self._step_transform and T <= _OP_BUILT_TRIG_ROWS and q.device.type == "cpu"
+                and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
+                    q.requires_grad or k.requires_grad
+                    or any(p.requires_grad for p in enc.parameters()))))
+        if g == 1 and not step:
             return self.encoding(q, k, positions)
         if positions.dim() not in (1, 2) or positions.shape[-1] != T or (
                 positions.dim() == 2 and positions.shape[0] != B):
             raise InputError(f"position_ids: expected [{T}] or [{B}, {T}] positions, got "
                              f"{list(positions.shape)}")
+        if step:
+            # a decode step: the checks, the grouping and the kernels in one op call (the
+            # module's Python and dispatch cost more than the transform of a few tokens)
+            q, k, warned = _op(
+                torch.ops.relpos.transform_step, q, k, positions,
+                enc._inference_params(_compute_dtype(q.dtype)), self.spec, self.head_dim,
+                self.num_kv_heads, enc.layout, enc.check_finite, enc._warned)
+            if warned != enc._warned:  # (nn.Module.__setattr__ is slow: only on a change)
+                enc._warned = warned
+            return q, k
         both = torch.cat([q.reshape(B, Hk, g * T, D), k], 2)
         # the positions once per query head of the group and once for the keys (expanded, not
         # repeat: aten::repeat costs several times a copy at a decode step's sizes)

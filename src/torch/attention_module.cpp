@@ -67,15 +67,23 @@ std::optional<std::string> attention_refusal(const Mechanism& m) {
   return std::nullopt;
 }
 
-std::optional<std::string> one_call_decode_refusal(const Mechanism& m) {
+std::optional<std::string> step_transform_refusal(const Mechanism& m) {
   const bool plain_term =
       m.transforms.empty() ||
       (m.transforms.size() == 1 && m.transforms[0].position_driven() &&
        !rotation_runtime(m.transforms[0]) && !m.transforms[0].roles.values &&
        !m.transforms[0].roles.outputs && m.transforms[0].time == TimeSource::Position &&
        !m.transforms[0].learned_frequencies && m.transforms[0].basis == "none");
-  if (!plain_term || m.content_bias() || m.learned_lag_bias() || m.center == CenterMode::Mid ||
-      m.rope_scaling.dynamic())
+  if (!plain_term || m.center == CenterMode::Mid || m.rope_scaling.dynamic())
+    return fmt::format(
+        "'{}': a one-call step transform takes one position term, no per-call centre or dynamic "
+        "rule",
+        m.spec);
+  return std::nullopt;
+}
+
+std::optional<std::string> one_call_decode_refusal(const Mechanism& m) {
+  if (step_transform_refusal(m) || m.content_bias() || m.learned_lag_bias())
     return fmt::format(
         "'{}': a one-call decode step takes one position term and slope biases, no per-call "
         "centre or dynamic rule",
@@ -97,17 +105,23 @@ std::pair<torch::Tensor, torch::Tensor> transformed_step(const Mechanism& m, Lay
   const auto plan = kernels::TransformPlan::from(m, layout);
   const int64_t B = k.size(0), Hk = k.size(1), T = k.size(2), g = q.size(1) / Hk;
   auto qo = torch::empty_like(q), ko = torch::empty_like(k);
-  const auto qpos = g == 1 ? pos : pos.repeat({1, g}).contiguous();
+  // the query rows' positions: each row's T positions g times (a host loop: aten::repeat costs
+  // several times the step's transform at these sizes)
+  std::vector<double> qpos(g == 1 ? 0 : static_cast<size_t>(B * g * T));
+  const double* at = pos.data_ptr<double>();
+  for (int64_t b = 0; b < B && g > 1; ++b)
+    for (int64_t j = 0; j < g; ++j)
+      std::copy(at + b * T, at + (b + 1) * T, qpos.begin() + (b * g + j) * T);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_attention_decode_transform", [&] {
     using op_util::ptr;
     const kernels::Params<scalar_t> p{ptr<scalar_t>(kp[0]), ptr<scalar_t>(kp[1]),
                                       ptr<scalar_t>(kp[2]), ptr<scalar_t>(kp[3])};
     // one kernel pass over queries and keys when they share rows and positions (g = 1), else
     // the grouped queries and the keys apart
-    const auto apply = [&](const torch::Tensor* x, torch::Tensor* y, const torch::Tensor& at,
-                           int64_t rows, const torch::Tensor* xk, torch::Tensor* yk) {
+    const auto apply = [&](const torch::Tensor* x, torch::Tensor* y, const double* at, int64_t rows,
+                           const torch::Tensor* xk, torch::Tensor* yk) {
       const kernels::Dims dims{B, Hk, rows};
-      const kernels::Positions P{at.data_ptr<double>(), true, center};
+      const kernels::Positions P{at, true, center};
       const auto trig = kernels::build_trig_table<scalar_t>(plan, dims, P);
       const auto in = [](const torch::Tensor* t) { return t ? t->data_ptr<scalar_t>() : nullptr; };
       const auto out = [](torch::Tensor* t) { return t ? t->data_ptr<scalar_t>() : nullptr; };
@@ -115,16 +129,55 @@ std::pair<torch::Tensor, torch::Tensor> transformed_step(const Mechanism& m, Lay
                                            out(yk));
     };
     if (g == 1) {
-      apply(&q, &qo, pos, T, &k, &ko);
+      apply(&q, &qo, at, T, &k, &ko);
     } else {
-      apply(&q, &qo, qpos, g * T, nullptr, nullptr);
-      apply(nullptr, nullptr, pos, T, &k, &ko);
+      apply(&q, &qo, qpos.data(), g * T, nullptr, nullptr);
+      apply(nullptr, nullptr, at, T, &k, &ko);
     }
   });
   return {qo, ko};
 }
 
 }  // namespace
+
+std::pair<torch::Tensor, torch::Tensor> step_transformed(
+    const Mechanism& m, const std::vector<torch::Tensor>& kernel_params, const torch::Tensor& q,
+    const torch::Tensor& k, const torch::Tensor& pos, Layout layout, torch::ScalarType stored_as,
+    EncodingWarnings& warned) {
+  const auto ct = op_util::compute_type(q.scalar_type());
+  if (kernel_params.size() != 4)
+    throw InputError("step transform: kernel_params must be gamma, eta, gates, alpha0");
+  for (const auto& t : kernel_params)
+    if (t.defined() && (t.scalar_type() != ct || !t.is_contiguous() || !t.is_cpu()))
+      throw InputError(
+          "step transform: kernel_params must be contiguous CPU tensors of q's compute dtype (or "
+          "undefined: none)");
+  torch::Tensor qt = q.to(ct), kt = k.to(ct);
+  if (m.has_transform() && q.size(2) > 0) {
+    check_exponent_range(m, ct);
+    const double center = m.resolve_center(0, 0);  // (center=mid is refused)
+    // float64 positions: only the clamp warning can apply
+    if (!warned.clamp) {
+      std::optional<double> last_center;
+      warn_about_positions(m, pos, pos, center, kernel_params[0], last_center, warned);
+    }
+    std::tie(qt, kt) =
+        transformed_step(m, layout, qt.contiguous(), kt.contiguous(), pos, center, kernel_params);
+    if (const double af = scaling_attention_factor(m, pos); af != 1.0) {
+      qt = qt * af;
+      kt = kt * af;
+    }
+  }
+  qt = qt.to(stored_as);
+  kt = kt.to(stored_as);
+  if (stored_as == torch::kHalf)
+    for (const auto* t : {&qt, &kt})
+      if (!all_finite(*t) && all_finite(t == &qt ? q : k))
+        throw InputError(fmt::format(
+            "{} overflows float16 after the transform (above 65504): pass bfloat16 or float32",
+            t == &qt ? "q" : "k"));
+  return {qt, kt};
+}
 
 std::vector<torch::Tensor> decode_step(const Mechanism& m,
                                        const std::vector<torch::Tensor>& kernel_params,
@@ -135,41 +188,11 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
   const torch::NoGradGuard no_grad;
   // the new tokens are transformed in q's compute dtype (half: float32); a half cache is read in
   // place, with the queries rounded to its dtype as its keys are
-  const auto dt = q.scalar_type(), ct = op_util::compute_type(dt), st = cache.keys.scalar_type();
-  if (kernel_params.size() != 4)
-    throw InputError("decode_step: kernel_params must be gamma, eta, gates, alpha0");
-  for (const auto& t : kernel_params)
-    if (t.defined() && (t.scalar_type() != ct || !t.is_contiguous() || !t.is_cpu()))
-      throw InputError(
-          "decode_step: kernel_params must be contiguous CPU tensors of q's compute dtype (or "
-          "undefined: none)");
+  const auto dt = q.scalar_type(), st = cache.keys.scalar_type();
   const int64_t T = q.size(2);
   const auto s = cache_step(cache.lengths, cache.positions, positions, key_len, T);
   const auto& pos = s.positions;  // [B, T], contiguous
-  torch::Tensor qt = q.to(ct), kt = k.to(ct);
-  if (m.has_transform() && T > 0) {
-    check_exponent_range(m, ct);
-    const double center = m.resolve_center(0, 0);  // (center=mid has no cache)
-    // float64 positions from the cache's step: only the clamp warning can apply
-    if (!warned.clamp) {
-      std::optional<double> last_center;
-      warn_about_positions(m, pos, pos, center, kernel_params[0], last_center, warned);
-    }
-    std::tie(qt, kt) = transformed_step(m, step.layout, qt.contiguous(), kt.contiguous(), pos,
-                                        center, kernel_params);
-    if (const double af = scaling_attention_factor(m, pos); af != 1.0) {
-      qt = qt * af;
-      kt = kt * af;
-    }
-  }
-  qt = qt.to(st);
-  kt = kt.to(st);
-  if (st == torch::kHalf)
-    for (const auto* t : {&qt, &kt})
-      if (!all_finite(*t) && all_finite(t == &qt ? q : k))
-        throw InputError(fmt::format(
-            "{} overflows float16 after the transform (above 65504): pass bfloat16 or float32",
-            t == &qt ? "q" : "k"));
+  const auto [qt, kt] = step_transformed(m, kernel_params, q, k, pos, step.layout, st, warned);
   cache_append(cache.keys, cache.values, cache.positions, cache.lengths, {}, kt, v.to(st), pos,
                s.counts, {});
   const int64_t* L = cache.lengths.data_ptr<int64_t>();

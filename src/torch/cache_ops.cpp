@@ -19,6 +19,15 @@
 //       new tokens' transform, the append and the kernel over the used prefix. The same steps as
 //       AttentionImpl::assembled with a cache (the interpreter's share of a decode step was
 //       about as large as the kernel's at 1k keys)
+//   transform_step(q, k, positions, kernel_params[4], spec, head_dim, kv_heads, layout,
+//                  check_finite, warned) -> (q', k', warned)
+//       a step's few new tokens transformed in one call without autograd (the switched Hugging
+//       Face layer's decode step: q [B, Hq, T, D] grouped onto k's heads [B, Hk, T, D], at
+//       positions [T] or [B, T]), for a mechanism of one position term; the same kernels and
+//       rounding as the encoding's op (its module's checks and dispatch cost more than the
+//       transform of a one-token step)
+//   transform_step_refusal(spec, head_dim, kv_heads) -> str
+//       why transform_step cannot run the mechanism ("" when it can)
 #include <fmt/format.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -114,6 +123,54 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> attention_decode_op(
   });
 }
 
+Mechanism step_mechanism(const std::string& spec, int64_t head_dim, int64_t kv_heads) {
+  if (head_dim <= 0 || head_dim > kMaxHeadDim || kv_heads <= 0 || kv_heads > kMaxHeads)
+    throw InputError(fmt::format("head dim {} / kv heads {} out of range", head_dim, kv_heads));
+  return build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
+}
+
+std::tuple<torch::Tensor, torch::Tensor, int64_t> transform_step_op(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions,
+    at::TensorList kernel_params, const std::string& spec, int64_t head_dim, int64_t kv_heads,
+    int64_t layout, bool check_finite, int64_t warned) {
+  return op_util::value_errors([&] {
+    const torch::NoGradGuard no_grad;
+    const Mechanism m = step_mechanism(spec, head_dim, kv_heads);
+    if (auto why = step_transform_refusal(m)) throw InputError(*why);
+    for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}})
+      if (t->dim() != 4 || !t->is_cpu() || !op_util::storable(t->scalar_type()) ||
+          t->size(3) != head_dim)
+        throw InputError(fmt::format(
+            "transform_step: {} must be a [B, H, T, {}] CPU tensor of float32, float64, bfloat16 "
+            "or float16",
+            name, head_dim));
+    if (k.size(1) != kv_heads || q.size(1) % kv_heads || q.size(0) != k.size(0) ||
+        q.size(2) != k.size(2) || q.scalar_type() != k.scalar_type())
+      throw InputError(fmt::format(
+          "transform_step: q {} and k {} must share batch, tokens and dtype, k with {} heads and "
+          "q a multiple of them",
+          c10::str(q.sizes()), c10::str(k.sizes()), kv_heads));
+    if (check_finite)
+      for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}})
+        if (!all_finite(*t)) throw InputError(fmt::format("{} contains NaN or Inf", name));
+    const int64_t B = q.size(0), T = q.size(2);
+    auto pos = checked_position_values(positions, B, T);
+    if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();
+    EncodingWarnings w{(warned & 1) != 0, (warned & 2) != 0, (warned & 4) != 0};
+    auto [qt, kt] =
+        step_transformed(m, kernel_params.vec(), q, k, pos,
+                         layout ? Layout::HalfSplit : Layout::Interleaved, q.scalar_type(), w);
+    warned = (w.clamp ? 1 : 0) | (w.resolution ? 2 : 0) | (w.center ? 4 : 0);
+    return std::make_tuple(qt.contiguous(), kt.contiguous(), warned);
+  });
+}
+
+std::string transform_step_refusal_op(const std::string& spec, int64_t head_dim, int64_t kv_heads) {
+  return op_util::value_errors([&] {
+    return step_transform_refusal(step_mechanism(spec, head_dim, kv_heads)).value_or(std::string());
+  });
+}
+
 }  // namespace
 
 }  // namespace relpos::nn
@@ -137,4 +194,11 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "bool causal, float window, float scale, bool check_finite, int warned) -> "
       "(Tensor, Tensor, int)",
       relpos::nn::attention_decode_op);
+  m.def(
+      "transform_step(Tensor q, Tensor k, Tensor positions, Tensor[] kernel_params, str spec, "
+      "int head_dim, int kv_heads, int layout, bool check_finite, int warned) -> "
+      "(Tensor, Tensor, int)",
+      relpos::nn::transform_step_op);
+  m.def("transform_step_refusal(str spec, int head_dim, int kv_heads) -> str",
+        relpos::nn::transform_step_refusal_op);
 }

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+import module_checks
 import relpos
 import relpos.transformers as rt
 import transformers
@@ -1014,3 +1015,82 @@ def test_grouped_transform_names_bad_positions():
                 torch.tensor(1.0, dtype=torch.float64)):
         with pytest.raises(relpos.InputError, match="position_ids"):
             layer.transform(q, k, bad)
+
+
+def _step_layer(spec, hq, hk):
+    """A switched layer for spec with its encoding's parameters jittered (nontrivial damping,
+    couplings and gates), or None when the layer runs an engine or the spec does not build."""
+    try:
+        dim = module_checks.head_dim_for(spec, hk)
+        layer = rt.RelposAttention(spec, dim, hq, hk, scale=dim ** -0.5)
+    except (relpos.InputError, AssertionError):
+        return None
+    if layer.engine is not None:
+        return None
+    torch.manual_seed(3)
+    module_checks.jittered(layer.encoding, 0.05)
+    return layer
+
+
+def test_step_transform_gives_the_encodings_bits(monkeypatch):
+    """A switched layer's step of at most 8 tokens without autograd runs one transform_step op
+    (the checks, the query grouping and the kernels in C++); with autograd on it runs the
+    encoding. Across the catalog, for every mechanism the op takes (at least RoPE, its scaled
+    forms, Jordan and the damped and coupled maps), MHA and GQA 4:2, float64, float32, bfloat16
+    and float16, positions [T] and [B, T] far from 0: the same bits as the encoding's path, or
+    the same InputError."""
+    op, calls = torch.ops.relpos.transform_step, []
+    monkeypatch.setattr(torch.ops.relpos, "transform_step", lambda *a: calls.append(1) or op(*a))
+    taken = []
+    for spec in module_checks.CATALOG_SPECS:
+        for hq, hk in ((2, 2), (4, 2)):
+            layer = _step_layer(spec, hq, hk)
+            if layer is None or not layer._step_transform:
+                continue
+            taken.append(spec)
+            D = layer.head_dim
+            g = torch.Generator().manual_seed(1)
+            for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+                for pos in (torch.tensor([4093.0, 4094.5, 4100.0], dtype=torch.float64),
+                            1000 * torch.rand(2, 3, generator=g, dtype=torch.float64)):
+                    q = torch.randn(2, hq, 3, D, generator=g).to(dtype)
+                    k = torch.randn(2, hk, 3, D, generator=g).to(dtype)
+                    outcome = []
+                    for grad in (False, True):  # the op, then the encoding (autograd on)
+                        qi, ki = q.clone().requires_grad_(grad), k.clone().requires_grad_(grad)
+                        try:
+                            with torch.set_grad_enabled(grad):
+                                outcome.append(tuple(t.detach() for t in layer.transform(qi, ki, pos)))
+                        except relpos.InputError as e:
+                            outcome.append(type(e))
+                    if isinstance(outcome[0], tuple) and isinstance(outcome[1], tuple):
+                        for a, b in zip(*outcome):
+                            assert a.dtype == dtype and a.is_contiguous()
+                            assert torch.equal(a, b), (spec, hq, hk, dtype)
+                    else:
+                        assert outcome[0] == outcome[1], (spec, dtype, outcome)
+    assert {"rope", "jordan", "damped_rope"} <= set(taken) and len(set(taken)) >= 8, sorted(set(taken))
+    assert len(calls) == 8 * len(taken)  # every no-grad call (4 dtypes x 2 positions) took the op
+
+
+def test_step_transform_refuses_bad_input_by_name():
+    """The step's op names NaN in q or k, and a shape the layer was not built for, as InputError
+    (and changes nothing: the inputs are not written)."""
+    layer = rt.RelposAttention("rope", 16, 4, 2, scale=0.25)
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16)
+    pos = torch.tensor([7.0], dtype=torch.float64)
+    for name in ("q", "k"):
+        bad_q, bad_k = q.clone(), k.clone()
+        (bad_q if name == "q" else bad_k)[0, 1, 0, 3] = float("nan")
+        kept = (bad_q.clone(), bad_k.clone())
+        with torch.no_grad(), pytest.raises(relpos.InputError, match=f"{name} contains NaN or Inf"):
+            layer.transform(bad_q, bad_k, pos)
+        for now, before in zip((bad_q, bad_k), kept):
+            torch.testing.assert_close(now, before, rtol=0, atol=0, equal_nan=True)
+    with torch.no_grad():
+        with pytest.raises(relpos.InputError, match="transform_step"):
+            layer.transform(torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), pos)
+        with pytest.raises(relpos.InputError, match="position_ids"):
+            layer.transform(q, k, torch.tensor([1.0, 2.0], dtype=torch.float64))
+        with pytest.raises(relpos.InputError, match="NaN or Inf"):
+            layer.transform(q, k, torch.tensor([float("nan")], dtype=torch.float64))
