@@ -260,6 +260,16 @@ class PositionEncoding(nn.Module):
                                      bool((params[0] == 0).all()))
         return self._inference_cache[2]
 
+    def _inference_params_unchecked(self, dtype) -> tuple[list, list, list]:
+        """(the schema's tensors, the inference cache's copy of them, its kernel params in dtype)
+        without comparing the two, for an op that compares them itself (transform_step: one
+        call instead of two); the cache is built first when it holds none in dtype."""
+        c = self._inference_cache
+        if c is None or c[0] != dtype:
+            self._inference_params(dtype)
+            c = self._inference_cache
+        return self._schema_tensors(), c[1], c[2]
+
     def lag_table(self, length: int) -> torch.Tensor | None:
         """The learned lag table ``b_h(d)``, ``d = 0..length-1``: float64 ``[bias_heads, length]``,
         differentiable in its parameters (built by the C++ runtime's LibTorch ops); None when the

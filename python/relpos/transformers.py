@@ -349,13 +349,19 @@ class RelposAttention(nn.Module):
         if step:
             # a decode step: the checks, the grouping and the kernels in one op call (the
             # module's Python and dispatch cost more than the transform of a few tokens)
-            q, k, warned = _op(
-                torch.ops.relpos.transform_step, q, k, positions,
-                enc._inference_params(_compute_dtype(q.dtype)), self.spec, self.head_dim,
-                self.num_kv_heads, enc.layout, enc.check_finite, enc._warned)
+            ct = _compute_dtype(q.dtype)
+            for _ in range(2):  # (a second call only after the parameters changed)
+                schema, cached, params = enc._inference_params_unchecked(ct)
+                qt, kt, warned, stale = _op(
+                    torch.ops.relpos.transform_step, q, k, positions, params, schema, cached,
+                    self.spec, self.head_dim, self.num_kv_heads, enc.layout, enc.check_finite,
+                    enc._warned)
+                if not stale:
+                    break
+                enc._inference_params(ct)  # the cache rebuilt from the new values
             if warned != enc._warned:  # (nn.Module.__setattr__ is slow: only on a change)
                 enc._warned = warned
-            return q, k
+            return qt, kt
         both = torch.cat([q.reshape(B, Hk, g * T, D), k], 2)
         # the positions once per query head of the group and once for the keys (expanded, not
         # repeat: aten::repeat costs several times a copy at a decode step's sizes)

@@ -19,13 +19,16 @@
 //       new tokens' transform, the append and the kernel over the used prefix. The same steps as
 //       AttentionImpl::assembled with a cache (the interpreter's share of a decode step was
 //       about as large as the kernel's at 1k keys)
-//   transform_step(q, k, positions, kernel_params[4], spec, head_dim, kv_heads, layout,
-//                  check_finite, warned) -> (q', k', warned)
+//   transform_step(q, k, positions, kernel_params[4], schema[], cached_schema[], spec, head_dim,
+//                  kv_heads, layout, check_finite, warned) -> (q', k', warned, stale)
 //       a step's few new tokens transformed in one call without autograd (the switched Hugging
 //       Face layer's decode step: q [B, Hq, T, D] grouped onto k's heads [B, Hk, T, D], at
 //       positions [T] or [B, T]), for a mechanism of one position term; the same kernels and
-//       rounding as the encoding's op (its module's checks and dispatch cost more than the
-//       transform of a one-token step)
+//       rounding as the encoding's op (its module's checks and op calls cost more than the
+//       transform of a one-token step, most of all on caches the layer's other work left cold).
+//       kernel_params were computed from cached_schema: when schema holds other values
+//       (same_values) nothing is computed and stale is true (the caller recomputes them and calls
+//       again)
 //   transform_step_refusal(spec, head_dim, kv_heads) -> str
 //       why transform_step cannot run the mechanism ("" when it can)
 #include <fmt/format.h>
@@ -129,12 +132,15 @@ Mechanism step_mechanism(const std::string& spec, int64_t head_dim, int64_t kv_h
   return build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
 }
 
-std::tuple<torch::Tensor, torch::Tensor, int64_t> transform_step_op(
+std::tuple<torch::Tensor, torch::Tensor, int64_t, bool> transform_step_op(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions,
-    at::TensorList kernel_params, const std::string& spec, int64_t head_dim, int64_t kv_heads,
-    int64_t layout, bool check_finite, int64_t warned) {
+    at::TensorList kernel_params, at::TensorList schema, at::TensorList cached_schema,
+    const std::string& spec, int64_t head_dim, int64_t kv_heads, int64_t layout, bool check_finite,
+    int64_t warned) {
   return op_util::value_errors([&] {
     const torch::NoGradGuard no_grad;
+    if (!same_values_op(schema, cached_schema))
+      return std::make_tuple(torch::Tensor(), torch::Tensor(), warned, true);
     const Mechanism m = step_mechanism(spec, head_dim, kv_heads);
     if (auto why = step_transform_refusal(m)) throw InputError(*why);
     for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}})
@@ -161,7 +167,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> transform_step_op(
         step_transformed(m, kernel_params.vec(), q, k, pos,
                          layout ? Layout::HalfSplit : Layout::Interleaved, q.scalar_type(), w);
     warned = (w.clamp ? 1 : 0) | (w.resolution ? 2 : 0) | (w.center ? 4 : 0);
-    return std::make_tuple(qt.contiguous(), kt.contiguous(), warned);
+    return std::make_tuple(qt.contiguous(), kt.contiguous(), warned, false);
   });
 }
 
@@ -195,9 +201,9 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       "(Tensor, Tensor, int)",
       relpos::nn::attention_decode_op);
   m.def(
-      "transform_step(Tensor q, Tensor k, Tensor positions, Tensor[] kernel_params, str spec, "
-      "int head_dim, int kv_heads, int layout, bool check_finite, int warned) -> "
-      "(Tensor, Tensor, int)",
+      "transform_step(Tensor q, Tensor k, Tensor positions, Tensor[] kernel_params, "
+      "Tensor[] schema, Tensor[] cached_schema, str spec, int head_dim, int kv_heads, int layout, "
+      "bool check_finite, int warned) -> (Tensor, Tensor, int, bool)",
       relpos::nn::transform_step_op);
   m.def("transform_step_refusal(str spec, int head_dim, int kv_heads) -> str",
         relpos::nn::transform_step_refusal_op);

@@ -996,6 +996,23 @@ def test_generate_benchmark_runs_and_checks_tokens():
     assert len(rows) == 4, rows
 
 
+def test_step_transform_benchmark_runs_and_checks_bits():
+    """bench/bench_hf_step_transform.py at a toy size: it checks the step op gives the encoding
+    path's bits before timing, and prints a warm and a cold row per heads case."""
+    import subprocess
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_hf_step_transform.py"
+    r = subprocess.run([sys.executable, str(path), "--rounds", "2", "--ctx", "16", "--threads", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if re.match(r"\| 8:[82] \| (warm|cold) \|", line)]
+    assert len(rows) == 4, r.stdout
+    bad = subprocess.run([sys.executable, str(path), "--kv-heads", "3"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--kv-heads" in bad.stderr
+
+
 def test_packed_benchmark_runs_and_checks_gradients():
     """bench/bench_hf_packed.py at a toy size: it checks the loss and gradients of the switched
     model (kernel and materialised paths) against HF's before timing, one row per heads case."""
@@ -1071,6 +1088,25 @@ def test_step_transform_gives_the_encodings_bits(monkeypatch):
                         assert outcome[0] == outcome[1], (spec, dtype, outcome)
     assert {"rope", "jordan", "damped_rope"} <= set(taken) and len(set(taken)) >= 8, sorted(set(taken))
     assert len(calls) == 8 * len(taken)  # every no-grad call (4 dtypes x 2 positions) took the op
+
+
+def test_step_transform_follows_parameter_writes():
+    """The step's op computes with kernel parameters cached from the schema's values; a write
+    to a parameter (through ``.data``, which bumps no version counter, as EMA swaps do) is seen
+    at the next step: the op finds the cached values stale and the layer recomputes them."""
+    layer = _step_layer("damped_rope", 4, 2)
+    q, k = torch.randn(1, 4, 2, layer.head_dim), torch.randn(1, 2, 2, layer.head_dim)
+    pos = torch.tensor([50.0, 51.0], dtype=torch.float64)
+    with torch.no_grad():
+        before = layer.transform(q, k, pos)
+        for p in layer.encoding.parameters():
+            p.data.mul_(1.5).add_(0.01)
+        after = layer.transform(q, k, pos)
+    with torch.enable_grad():
+        want = layer.transform(q.requires_grad_(), k.requires_grad_(), pos)
+    assert not torch.equal(before[0], after[0])
+    for a, b in zip(after, want):
+        assert torch.equal(a, b.detach())
 
 
 def test_step_transform_refuses_bad_input_by_name():

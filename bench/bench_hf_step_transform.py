@@ -1,0 +1,122 @@
+"""A switched Hugging Face layer's decode-step transform against HF's own RoPE at that step, in one
+process, each case once per round in random order (bench/rounds.py), warm (right after the same
+call, untimed) and cold (right after a decoder layer's other work, untimed: the projections and
+MLP of a hidden-512 Llama layer and a DynamicCache append of --ctx keys, whose temporaries leave
+the caches cold, as in `generate`).
+
+    .venv/bin/python bench/bench_hf_step_transform.py [--kv-heads 8,2] [--tokens 1] [--ctx 1024]
+        [--rounds 201] [--threads 2]
+
+Per layout (8 query heads of D 64, `--kv-heads` key/value heads), q [1, 8, T, 64] and k
+[1, Hk, T, 64] float32, T = --tokens at position ctx:
+  relpos_step      `RelposAttention.transform` without autograd, as `generate` calls it: one
+                   transform_step op (checks, grouping, kernels)
+  relpos_encoding  the same layer's encoding path (the PositionEncoding module; grouped queries
+                   concatenated with the keys), which such calls ran before transform_step
+  hf_rope          HF's `apply_rotary_pos_emb(q, k, cos, sin)` with the step's cos and sin made
+                   beforehand (HF makes them once per step for all layers; not timed here)
+Prints medians (us) and the ratios of the medians; the first two give the same bits (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from rounds import timed_rounds
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kv-heads", default="8,2", help="key/value heads (of 8), comma-separated")
+    ap.add_argument("--tokens", type=int, default=1, help="new tokens per step (at most 8)")
+    ap.add_argument("--ctx", type=int, default=1024, help="cached tokens before the step")
+    ap.add_argument("--rounds", type=int, default=201)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    try:
+        layouts = [int(h) for h in a.kv_heads.split(",")]
+    except ValueError:
+        layouts = []
+    if not layouts or any(h < 1 or 8 % h for h in layouts):
+        ap.error(f"--kv-heads takes divisors of 8, comma-separated, got {a.kv_heads!r}")
+    if not 1 <= a.tokens <= 8 or a.ctx < 1 or a.rounds < 1:
+        ap.error("--tokens must be 1..8, --ctx and --rounds positive")
+    import transformers
+    from transformers.models.llama import modeling_llama
+
+    import relpos.transformers as rt
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    T, D, hidden = a.tokens, 64, 512
+    pos_ids = torch.arange(a.ctx, a.ctx + T)[None]
+    pos = pos_ids[0].to(torch.float64)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads, {T} token(s) at position {a.ctx}, 8 query heads of "
+          f"{D}, float32, {a.rounds} rounds in random order (medians, us)")
+    print()
+    print("| heads q:kv | state | relpos_step | relpos_encoding | hf_rope | step / encoding | "
+          "step / hf_rope |")
+    print("|---|---|---|---|---|---|---|")
+    for hk in layouts:
+        cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
+                                       num_attention_heads=8, num_key_value_heads=hk,
+                                       num_hidden_layers=1, vocab_size=512)
+        rotary = modeling_llama.LlamaRotaryEmbedding(cfg)
+        layer = modeling_llama.LlamaDecoderLayer(cfg, 0).eval()
+        x = torch.randn(1, T, hidden)
+        q, k = torch.randn(1, 8, T, D), torch.randn(1, hk, T, D)
+        cos, sin = rotary(x, pos_ids)
+        step = rt.RelposAttention("rope", D, 8, hk, scale=D ** -0.5)
+        encoding = rt.RelposAttention("rope", D, 8, hk, scale=D ** -0.5)
+        encoding._step_transform = False  # the encoding path, as before transform_step
+        past = torch.randn(1, hk, a.ctx, D)
+
+        with torch.no_grad():
+            got, want = step.transform(q, k, pos), encoding.transform(q, k, pos)
+        if not all(torch.equal(g, w) for g, w in zip(got, want)):
+            raise SystemExit("transform_step and the encoding path gave different bits")
+
+        def layer_work():  # a decoder layer's other work at this step
+            with torch.no_grad():
+                h = layer.input_layernorm(x)
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj, layer.self_attn.o_proj):
+                    proj(h)
+                layer.mlp(layer.post_attention_layernorm(h))
+                torch.cat([past, k], 2)
+
+        def relpos_step():
+            with torch.no_grad():
+                step.transform(q, k, pos)
+
+        def relpos_encoding():
+            with torch.no_grad():
+                encoding.transform(q, k, pos)
+
+        def hf_rope():
+            with torch.no_grad():
+                modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+
+        calls = {"relpos_step": relpos_step, "relpos_encoding": relpos_encoding,
+                 "hf_rope": hf_rope}
+        cases, setup = {}, {}
+        for name, f in calls.items():
+            for state in ("warm", "cold"):
+                cases[(name, state)] = f
+                setup[(name, state)] = layer_work if state == "cold" else f
+        for f in [*calls.values(), layer_work]:
+            for _ in range(5):
+                f()
+        times = timed_rounds(cases, a.rounds, setup=setup)
+        med = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+        for state in ("warm", "cold"):
+            s, e, h = (med[(n, state)] for n in calls)
+            print(f"| 8:{hk} | {state} | {s:.1f} | {e:.1f} | {h:.1f} | {s / e:.2f} | {s / h:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
