@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 
 import relpos
-from rounds import parse_shape, timed_rounds
+from rounds import parse_shape, warm_and_cold
 
 
 def main():
@@ -78,16 +77,7 @@ def main():
     torch.testing.assert_close(enc(q, k, pos)[0], torch.ops.relpos.transform(
         q, k, *params, pos, cos, sin, 0.0, enc.spec, D, H, enc.layout, True)[0], rtol=0, atol=0)
     calls = {"module": module, "op": op, "copy": copy}
-    cases, setup = {}, {}
-    for name, f in calls.items():
-        for state in ("warm", "cold"):
-            cases[(name, state)] = f
-            setup[(name, state)] = eager_rope if state == "cold" else f
-    for f in [*calls.values(), eager_rope]:
-        for _ in range(3):
-            f()
-    times = timed_rounds(cases, a.rounds, setup=setup)
-    med = {key: statistics.median(t) for key, t in times.items()}
+    med = warm_and_cold(calls, eager_rope, rounds=a.rounds)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, q and k [{B}, {H}, {T}, "
           f"{D}] float32, forward, positions {'moving' if a.moving else 'fixed'}, {a.rounds} "
           "rounds in random order (medians, ms)")

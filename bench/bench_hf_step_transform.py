@@ -21,11 +21,10 @@ Prints medians (us) and the ratios of the medians; the first two give the same b
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
-from rounds import timed_rounds
+from rounds import warm_and_cold
 
 
 def main():
@@ -103,16 +102,8 @@ def main():
 
         calls = {"relpos_step": relpos_step, "relpos_encoding": relpos_encoding,
                  "hf_rope": hf_rope}
-        cases, setup = {}, {}
-        for name, f in calls.items():
-            for state in ("warm", "cold"):
-                cases[(name, state)] = f
-                setup[(name, state)] = layer_work if state == "cold" else f
-        for f in [*calls.values(), layer_work]:
-            for _ in range(5):
-                f()
-        times = timed_rounds(cases, a.rounds, setup=setup)
-        med = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+        med = {key: ms * 1e3
+               for key, ms in warm_and_cold(calls, layer_work, rounds=a.rounds, warmup=5).items()}
         for state in ("warm", "cold"):
             s, e, h = (med[(n, state)] for n in calls)
             print(f"| 8:{hk} | {state} | {s:.1f} | {e:.1f} | {h:.1f} | {s / e:.2f} | {s / h:.2f} |")

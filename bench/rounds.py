@@ -39,6 +39,24 @@ def timed_rounds(cases: Mapping[Hashable, Callable[[], object]], rounds: int, *,
     return times
 
 
+def warm_and_cold(calls: Mapping[str, Callable[[], object]], make_cold: Callable[[], object], *,
+                  rounds: int, warmup: int = 3) -> dict[tuple[str, str], float]:
+    """Each call timed warm (right after the same call, untimed) and cold (right after
+    `make_cold`, untimed: work whose temporaries leave the caches cold), every (call, state) once
+    per round in random order after `warmup` untimed runs of each; returns the medians in ms by
+    (name, "warm" | "cold")."""
+    cases, setup = {}, {}
+    for name, f in calls.items():
+        for state in ("warm", "cold"):
+            cases[(name, state)] = f
+            setup[(name, state)] = make_cold if state == "cold" else f
+    for f in [*calls.values(), make_cold]:
+        for _ in range(warmup):
+            f()
+    times = timed_rounds(cases, rounds, setup=setup)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def per_round_ratio(num: list[float], den: list[float]) -> float:
     """Median over the rounds of num[r] / den[r]."""
     return statistics.median(x / y for x, y in zip(num, den))
