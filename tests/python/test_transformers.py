@@ -1054,8 +1054,8 @@ def test_step_transform_gives_the_encodings_bits(monkeypatch):
     (the checks, the query grouping and the kernels in C++); with autograd on it runs the
     encoding. Across the catalog, for every mechanism the op takes (at least RoPE, its scaled
     forms, Jordan and the damped and coupled maps), MHA and GQA 4:2, float64, float32, bfloat16
-    and float16, positions [T] and [B, T] far from 0: the same bits as the encoding's path, or
-    the same InputError."""
+    and float16, positions [T] and [B, T] far from 0, contiguous and strided q and k: the same
+    bits as the encoding's path, or the same InputError."""
     op, calls = torch.ops.relpos.transform_step, []
     monkeypatch.setattr(torch.ops.relpos, "transform_step", lambda *a: calls.append(1) or op(*a))
     taken = []
@@ -1070,8 +1070,12 @@ def test_step_transform_gives_the_encodings_bits(monkeypatch):
             for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
                 for pos in (torch.tensor([4093.0, 4094.5, 4100.0], dtype=torch.float64),
                             1000 * torch.rand(2, 3, generator=g, dtype=torch.float64)):
-                    q = torch.randn(2, hq, 3, D, generator=g).to(dtype)
-                    k = torch.randn(2, hk, 3, D, generator=g).to(dtype)
+                    # (with [B, T] positions, q and k as HF's layers make them: [B, T, H, D]
+                    # projections viewed as [B, H, T, D], not contiguous)
+                    q = torch.randn(2, 3, hq, D, generator=g).to(dtype).transpose(1, 2)
+                    k = torch.randn(2, 3, hk, D, generator=g).to(dtype).transpose(1, 2)
+                    if pos.dim() == 1:
+                        q, k = q.contiguous(), k.contiguous()
                     outcome = []
                     for grad in (False, True):  # the op, then the encoding (autograd on)
                         qi, ki = q.clone().requires_grad_(grad), k.clone().requires_grad_(grad)
