@@ -43,7 +43,8 @@ from torch import nn
 
 from . import mechanism
 from .attention import fused_attention
-from .encoding import _OP_BUILT_TRIG_ROWS, InputError, PositionEncoding, _compute_dtype, _op, rope_parameters_spec
+from .encoding import (_OP_BUILT_TRIG_ROWS, InputError, PositionEncoding, _compute_dtype, _op,
+                       rope_parameters_spec)
 from .engine import Attention, KVCache
 
 __all__ = ["apply", "from_pretrained", "spec_for", "supported", "RelposAttention", "EngineCacheLayer"]

@@ -55,6 +55,17 @@ std::optional<std::string> one_call_decode_refusal(const Mechanism& m);
 // and a static context-extension rule (biases are not its concern).
 std::optional<std::string> step_transform_refusal(const Mechanism& m);
 
+// A step's new tokens transformed by the kernels directly, without autograd, for a mechanism
+// step_transform_refusal accepts: q [B, Hq, T, D] (each query head through its key/value head's
+// map) and k [B, Hk, T, D] at float64 positions pos [B, T] (contiguous), computed in q's compute
+// dtype (kernel_params: gamma, eta, gates, alpha0 in it, contiguous), the context-extension
+// rule's attention factor applied, stored once as `stored_as` (a float16 overflow is an
+// InputError). Issues the clamp warning into `warned`. Contiguous results.
+std::pair<torch::Tensor, torch::Tensor> step_transformed(
+    const Mechanism& m, const std::vector<torch::Tensor>& kernel_params, const torch::Tensor& q,
+    const torch::Tensor& k, const torch::Tensor& pos, Layout layout, torch::ScalarType stored_as,
+    EncodingWarnings& warned);
+
 struct DecodeStep {
   Layout layout = Layout::Interleaved;
   int64_t num_heads = 0;  // query heads (the mechanism is built for the key/value heads)
@@ -70,17 +81,6 @@ struct DecodeStep {
 // [B, Hk, T, D] in the storage's float32 or float64 (checked for finiteness by the caller).
 // Issues the clamp warning into `warned`. Returns {out, lse}. The Python Attention's step (op
 // attention_decode) and AttentionImpl's both run it.
-// A step's new tokens transformed by the kernels directly, without autograd, for a mechanism
-// step_transform_refusal accepts: q [B, Hq, T, D] (each query head through its key/value head's
-// map) and k [B, Hk, T, D] at float64 positions pos [B, T] (contiguous), computed in q's compute
-// dtype (kernel_params: gamma, eta, gates, alpha0 in it, contiguous), the context-extension
-// rule's attention factor applied, stored once as `stored_as` (a float16 overflow is an
-// InputError). Issues the clamp warning into `warned`. Contiguous results.
-std::pair<torch::Tensor, torch::Tensor> step_transformed(
-    const Mechanism& m, const std::vector<torch::Tensor>& kernel_params, const torch::Tensor& q,
-    const torch::Tensor& k, const torch::Tensor& pos, Layout layout, torch::ScalarType stored_as,
-    EncodingWarnings& warned);
-
 std::vector<torch::Tensor> decode_step(const Mechanism& m,
                                        const std::vector<torch::Tensor>& kernel_params,
                                        const torch::Tensor& q, const torch::Tensor& k,
