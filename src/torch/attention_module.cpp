@@ -143,7 +143,7 @@ std::pair<torch::Tensor, torch::Tensor> transformed_step(const Mechanism& m, Lay
 std::pair<torch::Tensor, torch::Tensor> step_transformed(
     const Mechanism& m, const std::vector<torch::Tensor>& kernel_params, const torch::Tensor& q,
     const torch::Tensor& k, const torch::Tensor& pos, Layout layout, torch::ScalarType stored_as,
-    EncodingWarnings& warned) {
+    EncodingWarnings& warned, const torch::Tensor& user_positions) {
   const auto ct = op_util::compute_type(q.scalar_type());
   if (kernel_params.size() != 4)
     throw InputError("step transform: kernel_params must be gamma, eta, gates, alpha0");
@@ -156,10 +156,11 @@ std::pair<torch::Tensor, torch::Tensor> step_transformed(
   if (m.has_transform() && q.size(2) > 0) {
     check_exponent_range(m, ct);
     const double center = m.resolve_center(0, 0);  // (center=mid is refused)
-    // float64 positions: only the clamp warning can apply
-    if (!warned.clamp) {
+    // the clamp warning, and the resolution one for narrow positions the caller gave
+    const auto& user = user_positions.defined() ? user_positions : pos;
+    if (!warned.clamp || (!warned.resolution && user.scalar_type() != torch::kDouble)) {
       std::optional<double> last_center;
-      warn_about_positions(m, pos, pos, center, kernel_params[0], last_center, warned);
+      warn_about_positions(m, user, pos, center, kernel_params[0], last_center, warned);
     }
     std::tie(qt, kt) =
         transformed_step(m, layout, qt.contiguous(), kt.contiguous(), pos, center, kernel_params);
@@ -192,7 +193,8 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
   const int64_t T = q.size(2);
   const auto s = cache_step(cache.lengths, cache.positions, positions, key_len, T);
   const auto& pos = s.positions;  // [B, T], contiguous
-  const auto [qt, kt] = step_transformed(m, kernel_params, q, k, pos, step.layout, st, warned);
+  const auto [qt, kt] =
+      step_transformed(m, kernel_params, q, k, pos, step.layout, st, warned, positions);
   cache_append(cache.keys, cache.values, cache.positions, cache.lengths, {}, kt, v.to(st), pos,
                s.counts, {});
   const int64_t* L = cache.lengths.data_ptr<int64_t>();

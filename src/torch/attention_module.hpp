@@ -60,11 +60,13 @@ std::optional<std::string> step_transform_refusal(const Mechanism& m);
 // map) and k [B, Hk, T, D] at float64 positions pos [B, T] (contiguous), computed in q's compute
 // dtype (kernel_params: gamma, eta, gates, alpha0 in it, contiguous), the context-extension
 // rule's attention factor applied, stored once as `stored_as` (a float16 overflow is an
-// InputError). Issues the clamp warning into `warned`. Contiguous results.
+// InputError). Issues the clamp warning into `warned`, and the resolution one when
+// `user_positions` (the caller's positions before their float64 conversion) are narrower.
+// Contiguous results.
 std::pair<torch::Tensor, torch::Tensor> step_transformed(
     const Mechanism& m, const std::vector<torch::Tensor>& kernel_params, const torch::Tensor& q,
     const torch::Tensor& k, const torch::Tensor& pos, Layout layout, torch::ScalarType stored_as,
-    EncodingWarnings& warned);
+    EncodingWarnings& warned, const torch::Tensor& user_positions = {});
 
 struct DecodeStep {
   Layout layout = Layout::Interleaved;

@@ -163,9 +163,9 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, bool> transform_step_op(
     auto pos = checked_position_values(positions, B, T);
     if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();
     EncodingWarnings w{(warned & 1) != 0, (warned & 2) != 0, (warned & 4) != 0};
-    auto [qt, kt] =
-        step_transformed(m, kernel_params.vec(), q, k, pos,
-                         layout ? Layout::HalfSplit : Layout::Interleaved, q.scalar_type(), w);
+    auto [qt, kt] = step_transformed(m, kernel_params.vec(), q, k, pos,
+                                     layout ? Layout::HalfSplit : Layout::Interleaved,
+                                     q.scalar_type(), w, positions);
     warned = (w.clamp ? 1 : 0) | (w.resolution ? 2 : 0) | (w.center ? 4 : 0);
     return std::make_tuple(qt.contiguous(), kt.contiguous(), warned, false);
   });

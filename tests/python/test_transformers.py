@@ -1134,3 +1134,19 @@ def test_step_transform_refuses_bad_input_by_name():
             layer.transform(q, k, torch.tensor([1.0, 2.0], dtype=torch.float64))
         with pytest.raises(relpos.InputError, match="NaN or Inf"):
             layer.transform(q, k, torch.tensor([float("nan")], dtype=torch.float64))
+
+
+def test_step_transform_warns_as_the_encoding():
+    """Positions in float32 far out lose resolution: the step's op warns as the encoding does
+    (once per layer), from the positions the caller gave, not from their float64 copy."""
+    import warnings
+
+    for grad in (False, True):
+        layer = rt.RelposAttention("rope", 16, 4, 2, scale=0.25)
+        q, k = torch.randn(1, 4, 1, 16, requires_grad=grad), torch.randn(1, 2, 1, 16, requires_grad=grad)
+        pos = torch.tensor([3.0e6], dtype=torch.float32)
+        with warnings.catch_warnings(record=True) as seen, torch.set_grad_enabled(grad):
+            warnings.simplefilter("always")
+            layer.transform(q, k, pos)
+            layer.transform(q, k, pos)
+        assert sum("resolves only steps" in str(w.message) for w in seen) == 1, (grad, seen)
