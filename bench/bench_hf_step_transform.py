@@ -9,10 +9,13 @@ the caches cold, as in `generate`).
 
 Per layout (8 query heads of D 64, `--kv-heads` key/value heads), q [1, 8, T, 64] and k
 [1, Hk, T, 64] float32, T = --tokens at position ctx:
-  relpos_step      `RelposAttention.transform` without autograd, as `generate` calls it: one
-                   transform_step op (checks, grouping, kernels)
+  relpos_step      `RelposAttention.transform` without autograd, as the layer's forward calls it
+                   in `generate`: one transform_step op (checks, grouping, kernels) on HF's int64
+                   position_ids [1, T]
   relpos_encoding  the same layer's encoding path (the PositionEncoding module; grouped queries
-                   concatenated with the keys), which such calls ran before transform_step
+                   concatenated with the keys), which such calls ran before transform_step, on
+                   the float64 positions [T] the forward then made of position_ids (converted in
+                   the timed call, as the forward did)
   hf_rope          HF's `apply_rotary_pos_emb(q, k, cos, sin)` with the step's cos and sin made
                    beforehand (HF makes them once per step for all layers; not timed here)
 Prints medians (us) and the ratios of the medians; the first two give the same bits (checked).
@@ -75,7 +78,7 @@ def main():
         past = torch.randn(1, hk, a.ctx, D)
 
         with torch.no_grad():
-            got, want = step.transform(q, k, pos), encoding.transform(q, k, pos)
+            got, want = step.transform(q, k, pos_ids), encoding.transform(q, k, pos)
         if not all(torch.equal(g, w) for g, w in zip(got, want)):
             raise SystemExit("transform_step and the encoding path gave different bits")
 
@@ -90,11 +93,11 @@ def main():
 
         def relpos_step():
             with torch.no_grad():
-                step.transform(q, k, pos)
+                step.transform(q, k, pos_ids)
 
         def relpos_encoding():
             with torch.no_grad():
-                encoding.transform(q, k, pos)
+                encoding.transform(q, k, pos_ids.to(torch.float64)[0])
 
         def hf_rope():
             with torch.no_grad():

@@ -325,7 +325,7 @@ class RelposAttention(nn.Module):
 
     def transform(self, q, k, positions):
         """q ``[B, Hq, T, D]`` and k ``[B, Hk, T, D]`` through the encoding at ``positions``
-        (``[T]`` or ``[B, T]``, float64), every query head through its key/value head's map (HF's
+        (``[T]`` or ``[B, T]``; float64, or int64 as HF's position_ids), every query head through its key/value head's map (HF's
         grouping: query head h uses key/value head h // (Hq / Hk)); one call, so one centre and
         one context length for both."""
         if self.engine is not None:
@@ -392,12 +392,12 @@ class RelposAttention(nn.Module):
             q_offset = int(cache.get_query_offset(layer_idx))
             _, kv_offset = cache.get_mask_sizes(T, layer_idx)
             kv_offset = int(kv_offset)
-        if position_ids is None:
-            pos = torch.arange(q_offset, q_offset + T, dtype=torch.float64)
-        else:
-            pos = position_ids.to(torch.float64)
-            if pos.dim() == 2 and pos.shape[0] == 1:
-                pos = pos[0]
+        # (HF's int64 position_ids go as they are: the checks widen them exactly, and a
+        # conversion op per layer and step costs more than the step's transform)
+        pos = (torch.arange(q_offset, q_offset + T, dtype=torch.float64) if position_ids is None
+               else position_ids)
+        if pos.dim() == 2 and pos.shape[0] == 1 and B != 1:
+            pos = pos[0]  # (HF's one row of positions for every row)
         q, k = self.transform(q, k, pos)
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)

@@ -158,7 +158,8 @@ std::pair<torch::Tensor, torch::Tensor> step_transformed(
     const double center = m.resolve_center(0, 0);  // (center=mid is refused)
     // the clamp warning, and the resolution one for narrow positions the caller gave
     const auto& user = user_positions.defined() ? user_positions : pos;
-    if (!warned.clamp || (!warned.resolution && user.scalar_type() != torch::kDouble)) {
+    if (!warned.clamp ||
+        (!warned.resolution && user.is_floating_point() && user.scalar_type() != torch::kDouble)) {
       std::optional<double> last_center;
       warn_about_positions(m, user, pos, center, kernel_params[0], last_center, warned);
     }

@@ -161,7 +161,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, bool> transform_step_op(
         if (!all_finite(*t)) throw InputError(fmt::format("{} contains NaN or Inf", name));
     const int64_t B = q.size(0), T = q.size(2);
     auto pos = checked_position_values(positions, B, T);
-    if (pos.dim() == 1) pos = pos.expand({B, T}).contiguous();
+    if (pos.dim() == 1) pos = B == 1 ? pos.view({1, T}) : pos.expand({B, T}).contiguous();
     EncodingWarnings w{(warned & 1) != 0, (warned & 2) != 0, (warned & 4) != 0};
     auto [qt, kt] = step_transformed(m, kernel_params.vec(), q, k, pos,
                                      layout ? Layout::HalfSplit : Layout::Interleaved,

@@ -287,11 +287,21 @@ void warn_about_positions(const Mechanism& m, const torch::Tensor& user_position
                       user_positions.scalar_type() != torch::kDouble;
   // the clamp cannot bind without an exponent (RoPE's gamma is all zero): a decode step of an
   // undamped mechanism reads no position range
+  // (read in place when it can be: this runs at every decode step of such a mechanism, where a
+  // conversion op costs more than the look)
+  const auto all_zero = [](const torch::Tensor& t) {
+    return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "gamma", [&] {
+      const scalar_t* v = t.data_ptr<scalar_t>();
+      return std::all_of(v, v + t.numel(), [](scalar_t x) { return x == scalar_t(0); });
+    });
+  };
   torch::Tensor g;
   if (!issued.clamp && gamma.defined() && gamma.numel() > 0) {
-    g = gamma.detach().to(torch::kCPU, torch::kDouble).contiguous();
-    const double* v = g.data_ptr<double>();
-    if (std::all_of(v, v + g.numel(), [](double x) { return x == 0.0; })) g = torch::Tensor();
+    const bool in_place = gamma.is_cpu() && gamma.is_contiguous() && gamma.is_floating_point();
+    if (!(in_place && all_zero(gamma))) {
+      g = gamma.detach().to(torch::kCPU, torch::kDouble).contiguous();
+      if (!in_place && all_zero(g)) g = torch::Tensor();
+    }
   }
   double lo = 0, hi = 0;
   if (narrow || g.defined()) {
@@ -371,6 +381,22 @@ torch::Tensor checked_position_values(const torch::Tensor& given, int64_t B, int
         "integer: shift them (only differences matter to an exact mechanism)",
         lo, hi, limit);
   };
+  if (positions.scalar_type() == torch::kLong) {
+    // (HF's position_ids) range-checked and widened in one host loop: min, max and a conversion
+    // op cost more than the check at a decode step's few positions
+    const auto src = positions.contiguous();
+    auto p = torch::empty(src.sizes(), torch::kDouble);
+    const int64_t* from = src.data_ptr<int64_t>();
+    double* to = p.data_ptr<double>();
+    int64_t lo = 0, hi = 0;
+    for (int64_t i = 0; i < src.numel(); ++i) {
+      lo = i ? std::min(lo, from[i]) : from[i];
+      hi = i ? std::max(hi, from[i]) : from[i];
+      to[i] = static_cast<double>(from[i]);
+    }
+    if (lo < -limit || hi > limit) throw InputError(beyond(lo, hi));
+    return p;
+  }
   if (!positions.is_floating_point() && positions.numel() > 0) {
     // integers are range-checked before the conversion, which would round them
     const int64_t lo = positions.min().item<int64_t>(), hi = positions.max().item<int64_t>();

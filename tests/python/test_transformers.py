@@ -1069,7 +1069,8 @@ def test_step_transform_gives_the_encodings_bits(monkeypatch):
             g = torch.Generator().manual_seed(1)
             for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
                 for pos in (torch.tensor([4093.0, 4094.5, 4100.0], dtype=torch.float64),
-                            1000 * torch.rand(2, 3, generator=g, dtype=torch.float64)):
+                            1000 * torch.rand(2, 3, generator=g, dtype=torch.float64),
+                            torch.randint(0, 5000, (2, 3), generator=g)):  # HF's position_ids
                     # (with [B, T] positions, q and k as HF's layers make them: [B, T, H, D]
                     # projections viewed as [B, H, T, D], not contiguous)
                     q = torch.randn(2, 3, hq, D, generator=g).to(dtype).transpose(1, 2)
@@ -1084,6 +1085,11 @@ def test_step_transform_gives_the_encodings_bits(monkeypatch):
                                 outcome.append(tuple(t.detach() for t in layer.transform(qi, ki, pos)))
                         except relpos.InputError as e:
                             outcome.append(type(e))
+                    if not pos.is_floating_point() and isinstance(outcome[0], tuple):
+                        # integers: as their float64 values
+                        with torch.no_grad():
+                            want = layer.transform(q.clone(), k.clone(), pos.to(torch.float64))
+                        assert all(torch.equal(a, b) for a, b in zip(outcome[0], want)), spec
                     if isinstance(outcome[0], tuple) and isinstance(outcome[1], tuple):
                         for a, b in zip(*outcome):
                             assert a.dtype == dtype and a.is_contiguous()
@@ -1091,7 +1097,8 @@ def test_step_transform_gives_the_encodings_bits(monkeypatch):
                     else:
                         assert outcome[0] == outcome[1], (spec, dtype, outcome)
     assert {"rope", "jordan", "damped_rope"} <= set(taken) and len(set(taken)) >= 8, sorted(set(taken))
-    assert len(calls) == 8 * len(taken)  # every no-grad call (4 dtypes x 2 positions) took the op
+    # every no-grad call (4 dtypes x 3 positions, and the integers' float64 twin) took the op
+    assert len(calls) == 16 * len(taken)
 
 
 def test_step_transform_follows_parameter_writes():
