@@ -21,6 +21,7 @@ check 2 "indivisible head dim" "$relpos" kernel --enc "jordan(m=3)" --head-dim 6
 check 2 "L <= 0" "$relpos" kernel --enc "jordan(L=0)" --lags 0:2
 check 2 "bad lags" "$relpos" kernel --enc rope --lags 5
 check 2 "unknown kernel build" env RELPOS_KERNEL_ISA=sse9 "$relpos" verify --enc rope --len 64 --positions 8
+check 2 "bad attention prefetch setting" env RELPOS_ATTENTION_PREFETCH=2 "$relpos" linear-attention --T 64 --m 16 --D 16 --H 1 --repeats 1
 # issue 7 regressions: one exit-code contract (0 ok, 1 check failed, 2 bad input)
 check 0 "help is not an error" "$relpos" verify --help
 check 2 "CLI11 parse error: unknown flag" "$relpos" verify --bogus

@@ -105,4 +105,22 @@ const char* kernel_isa() {
   return isa_name(selected_isa());
 }
 
+bool attention_prefetch() {
+  // (read at every kernel call, a getenv beside milliseconds of work: so a benchmark can compare
+  // both settings in one process, bench/bench_attention_prefetch.py)
+  const char* set = std::getenv("RELPOS_ATTENTION_PREFETCH");
+  if (set && *set) {
+    const std::string v = set;
+    if (v != "0" && v != "1")
+      throw InputError("RELPOS_ATTENTION_PREFETCH must be 0 or 1, got '" + v + "'");
+    return v == "1";
+  }
+#if defined(__x86_64__)
+  static const bool intel = __builtin_cpu_is("intel");
+  return !intel;
+#else
+  return true;
+#endif
+}
+
 }  // namespace relpos::kernels

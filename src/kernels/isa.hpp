@@ -31,6 +31,15 @@ const char* isa_name(Isa isa);
 // isa_name(selected_isa()) (also declared in kernels/transform.hpp).
 const char* kernel_isa();
 
+// Whether the float32 attention kernels ask for their next key tiles (forward) and query rows
+// (backward) with software prefetches. They were added for an AMD EPYC, whose prefetchers did
+// not follow the forward's walk toward lower addresses (T 32k: every tile missed); on an Intel
+// Xeon the L2 streamer follows it and the prefetches cost 3-6% of the forward and backward at T
+// 1k-32k (docs/performance.md). So on by default except on Intel CPUs;
+// RELPOS_ATTENTION_PREFETCH=1 or 0 sets it (read at each kernel call); another value throws
+// relpos::InputError.
+bool attention_prefetch();
+
 }  // namespace relpos::kernels
 
 // X(NS) once per build's namespace inside relpos::kernels (isa_base, isa_avx2, isa_avx512): for
