@@ -5,8 +5,9 @@ vendor, kernels/isa.hpp), in one process, each case once per round in random ord
     .venv/bin/python bench/bench_attention_prefetch.py [--T 1024,4096,16384] [--heads 8]
         [--rounds 15] [--threads 2] [--modes fwd,fwdbwd]
 Per T and mode: causal relpos.attention without a mechanism on q, k, v [1, heads, T, 64],
-forward (no autograd) or forward + backward. Prints each setting's median (ms) and the median of
-the per-round ratios off / on, with the CPU's vendor and the default it gets.
+forward (no autograd) or forward + backward; checks first that both settings give the same
+output bits. Prints each setting's median (ms) and the median of the per-round ratios off / on,
+with the CPU's vendor and the default it gets.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ def main():
                         relpos.attention(qq, kk, vv, None, check_finite=False).sum().backward()
 
                 cases = {s: (lambda s=s: call(s)) for s in ("1", "0")}
+                outs = []
+                for setting in ("1", "0"):  # a prefetch is a hint: the same bits either way
+                    os.environ[VAR] = setting
+                    with torch.no_grad():
+                        outs.append(relpos.attention(q, k, v, None, check_finite=False))
+                if not torch.equal(*outs):
+                    raise SystemExit(f"T {T}: the prefetch setting changed the output")
                 for f in cases.values():
                     f()
                 times = timed_rounds(cases, a.rounds)

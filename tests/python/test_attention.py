@@ -384,3 +384,40 @@ def test_attention_input_errors_are_input_errors():
     m = [t.to("meta") for t in (q, k, v)]
     out = relpos.attention(*m, "rope")  # no values to check: shapes only
     assert out.device.type == "meta" and out.shape == q.shape
+
+
+def test_attention_prefetch_setting_is_checked(monkeypatch):
+    """RELPOS_ATTENTION_PREFETCH (read at each kernel call) takes 0 or 1: both give the same
+    output bits, forward and gradients; another value is an InputError that names it."""
+    q, k, v = (torch.randn(1, 2, 200, 16, generator=torch.Generator().manual_seed(s))
+               for s in range(3))
+    results = []
+    for setting in ("0", "1"):
+        monkeypatch.setenv("RELPOS_ATTENTION_PREFETCH", setting)
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = relpos.attention(qq, kk, vv, None)
+        out.square().sum().backward()
+        results.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    monkeypatch.setenv("RELPOS_ATTENTION_PREFETCH", "yes")
+    with pytest.raises(relpos.InputError, match="RELPOS_ATTENTION_PREFETCH must be 0 or 1"):
+        relpos.attention(q, k, v, None)
+
+
+def test_attention_prefetch_benchmark_runs():
+    """bench/bench_attention_prefetch.py at a toy size: it checks both settings give the same
+    bits, then prints one row per (T, mode); a bad option is the parser's error."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_attention_prefetch.py"
+    r = subprocess.run([sys.executable, str(path), "--T", "64,130", "--heads", "2", "--rounds", "1",
+                        "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if re.match(r"\| \d+ \| fwd(bwd)? \|", line)]
+    assert len(rows) == 4, r.stdout
+    bad = subprocess.run([sys.executable, str(path), "--modes", "bwd"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--modes" in bad.stderr
