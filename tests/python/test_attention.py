@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import relpos
+from bench_runs import bench_rows
 
 
 def composed(q, k, v, qpos=None, kpos=None, causal=True, window=0.0, key_len=None, lag_table=None,
@@ -407,17 +408,7 @@ def test_attention_prefetch_setting_is_checked(monkeypatch):
 def test_attention_prefetch_benchmark_runs():
     """bench/bench_attention_prefetch.py at a toy size: it checks both settings give the same
     bits, then prints one row per (T, mode); a bad option is the parser's error."""
-    import pathlib
-    import re
-    import subprocess
-    import sys
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_attention_prefetch.py"
-    r = subprocess.run([sys.executable, str(path), "--T", "64,130", "--heads", "2", "--rounds", "1",
-                        "--threads", "1"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    rows = [line for line in r.stdout.splitlines() if re.match(r"\| \d+ \| fwd(bwd)? \|", line)]
-    assert len(rows) == 4, r.stdout
-    bad = subprocess.run([sys.executable, str(path), "--modes", "bwd"], capture_output=True,
-                         text=True, timeout=300)
-    assert bad.returncode == 2 and "--modes" in bad.stderr
+    rows = bench_rows("bench_attention_prefetch.py",
+                      ["--T", "64,130", "--heads", "2", "--rounds", "1", "--threads", "1"],
+                      r"\| \d+ \| fwd(bwd)? \|", ["--modes", "bwd"], "--modes")
+    assert len(rows) == 4, rows

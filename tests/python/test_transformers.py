@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import module_checks
+from bench_runs import bench_rows
 import relpos
 import relpos.transformers as rt
 import transformers
@@ -972,20 +973,10 @@ def test_doc_fine_tuning_example_runs():
 
 
 def _bench_rows(script, toy_args, row_pattern, bad_args, bad_option):
-    """Runs bench/<script> at a toy size (`toy_args`): exit 0; returns its table rows matching
-    `row_pattern`. `bad_args` must be refused by the parser (exit 2, `bad_option` named)."""
-    import subprocess
-    import sys
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / script
-    r = subprocess.run([sys.executable, str(path), *toy_args, "--rounds", "1", "--layers", "1",
-                        "--hidden", "64", "--threads", "1"], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr
-    bad = subprocess.run([sys.executable, str(path), *bad_args], capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode == 2 and bad_option in bad.stderr
-    return [line for line in r.stdout.splitlines() if re.match(row_pattern, line)]
+    """bench_rows for the HF benches: `toy_args` on a one-layer hidden-64 model, one round, one
+    thread."""
+    return bench_rows(script, [*toy_args, "--rounds", "1", "--layers", "1", "--hidden", "64",
+                               "--threads", "1"], row_pattern, bad_args, bad_option)
 
 
 def test_generate_benchmark_runs_and_checks_tokens():
@@ -999,18 +990,9 @@ def test_generate_benchmark_runs_and_checks_tokens():
 def test_step_transform_benchmark_runs_and_checks_bits():
     """bench/bench_hf_step_transform.py at a toy size: it checks the step op gives the encoding
     path's bits before timing, and prints a warm and a cold row per heads case."""
-    import subprocess
-    import sys
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_hf_step_transform.py"
-    r = subprocess.run([sys.executable, str(path), "--rounds", "2", "--ctx", "16", "--threads", "1"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    rows = [line for line in r.stdout.splitlines() if re.match(r"\| 8:[82] \| (warm|cold) \|", line)]
-    assert len(rows) == 4, r.stdout
-    bad = subprocess.run([sys.executable, str(path), "--kv-heads", "3"], capture_output=True,
-                         text=True, timeout=300)
-    assert bad.returncode == 2 and "--kv-heads" in bad.stderr
+    rows = bench_rows("bench_hf_step_transform.py", ["--rounds", "2", "--ctx", "16", "--threads", "1"],
+                      r"\| 8:[82] \| (warm|cold) \|", ["--kv-heads", "3"], "--kv-heads")
+    assert len(rows) == 4, rows
 
 
 def test_packed_benchmark_runs_and_checks_gradients():
