@@ -325,9 +325,9 @@ class RelposAttention(nn.Module):
 
     def transform(self, q, k, positions):
         """q ``[B, Hq, T, D]`` and k ``[B, Hk, T, D]`` through the encoding at ``positions``
-        (``[T]`` or ``[B, T]``; float64, or int64 as HF's position_ids), every query head through its key/value head's map (HF's
-        grouping: query head h uses key/value head h // (Hq / Hk)); one call, so one centre and
-        one context length for both."""
+        (``[T]`` or ``[B, T]``; float64, or int64 as HF's position_ids), every query head through
+        its key/value head's map (HF's grouping: query head h uses key/value head h // (Hq / Hk));
+        one call, so one centre and one context length for both."""
         if self.engine is not None:
             raise InputError(f"{self.spec!r} {self.runtime_state}: its transform runs inside "
                              "relpos.Attention (this layer's engine), not alone")

@@ -34,7 +34,7 @@ const char* kernel_isa();
 // Whether the float32 attention kernels ask for their next key tiles (forward) and query rows
 // (backward) with software prefetches. They were added for an AMD EPYC, whose prefetchers did
 // not follow the forward's walk toward lower addresses (T 32k: every tile missed); on an Intel
-// Xeon the L2 streamer follows it and the prefetches cost 3-6% of the forward and backward at T
+// Xeon the L2 streamer follows it and the prefetches cost 1-8% of the forward and backward at T
 // 1k-32k (docs/performance.md). So on by default except on Intel CPUs;
 // RELPOS_ATTENTION_PREFETCH=1 or 0 sets it (read at each kernel call); another value throws
 // relpos::InputError.
