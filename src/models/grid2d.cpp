@@ -8,6 +8,7 @@
 
 #include "core/registry.hpp"
 #include "core/types.hpp"
+#include "models/transformer.hpp"
 #include "torch/grape_generators.hpp"
 
 namespace relpos::models {
@@ -85,7 +86,7 @@ torch::Tensor Grid2dBlockImpl::learned_basis() {
 
 torch::Tensor Grid2dBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions) {
   const int64_t B = x.size(0), T = x.size(1), d = x.size(2);
-  const auto qkv = qkv_(ln1_(x)).view({B, T, 3, heads_, head_dim_}).permute({2, 0, 3, 1, 4});
+  const auto qkv = split_qkv(qkv_(ln1_(x)), heads_, head_dim_);
   const auto o =
       attn_->forward(qkv[0], qkv[1], qkv[2], {.positions = vector_ ? positions : torch::Tensor()});
   auto h = x + proj_(o.transpose(1, 2).reshape({B, T, d}));

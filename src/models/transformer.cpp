@@ -172,7 +172,7 @@ torch::Tensor BlockImpl::step(const torch::Tensor& x, nn::GrapeDecodeState& stat
   if (!grape_) throw InputError("model: step() is the grape preset's streaming path");
   const int64_t B = x.size(0), T = x.size(1), H = c_.heads, hd = c_.head_dim();
   const auto xn = norm(1, x);
-  const auto qkv = qkv_(xn).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});
+  const auto qkv = split_qkv(qkv_(xn), H, hd);
   const auto y = grape_->step(xn, qkv[0], qkv[1], qkv[2], state);
   return grape_mlp(x + proj_(y.transpose(1, 2).reshape({B, T, c_.d_model})));
 }
@@ -180,16 +180,16 @@ torch::Tensor BlockImpl::step(const torch::Tensor& x, nn::GrapeDecodeState& stat
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
                                  const torch::Tensor& frame) {
   const int64_t B = x.size(0), T = x.size(1), H = c_.heads, hd = c_.head_dim();
-  // one Linear(d, 3d) split into q, k, v in that order, heads [B, T, H, hd] -> [B, H, T, hd]
+  // one Linear(d, 3d) split into q, k, v in that order (split_qkv)
   if (grape_) {
     if (positions.defined())
       throw InputError("model: the grape preset runs at positions 0..T-1 (no positions argument)");
     const auto xn = norm(1, x);
-    const auto qkv = qkv_(xn).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});
+    const auto qkv = split_qkv(qkv_(xn), H, hd);
     const auto y = grape_->forward(xn, qkv[0], qkv[1], qkv[2]);
     return grape_mlp(x + proj_(y.transpose(1, 2).reshape({B, T, c_.d_model})));
   }
-  const auto qkv = qkv_(norm(1, x)).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});
+  const auto qkv = split_qkv(qkv_(norm(1, x)), H, hd);
   nn::AttentionArgs args;
   args.q_positions = args.k_positions = positions;  // one tensor: one transform call
   args.exclude_self = !c_.include_self;
@@ -272,9 +272,7 @@ torch::Tensor BlockImpl::softplus_attention(const torch::Tensor& q, const torch:
 
 std::pair<torch::Tensor, torch::Tensor> BlockImpl::qk_norms(const torch::Tensor& x,
                                                             const torch::Tensor& positions) {
-  const int64_t B = x.size(0), T = x.size(1);
-  const auto qkv =
-      qkv_(norm(1, x)).view({B, T, 3, c_.heads, c_.head_dim()}).permute({2, 0, 3, 1, 4});
+  const auto qkv = split_qkv(qkv_(norm(1, x)), c_.heads, c_.head_dim());
   if (grape_) {
     const auto p = grape_->parts(norm(1, x), qkv[0], qkv[1], qkv[2]);
     return {p.q.norm(2, -1).mean({0, 1}), p.k.norm(2, -1).mean({0, 1})};

@@ -30,6 +30,16 @@ namespace relpos::models {
 enum class Preset { Jordan, PJ, JoFormer, Grape };
 // "jordan" | "pj" | "joformer" | "grape"; InputError otherwise
 Preset parse_preset(const std::string& name);
+
+// One fused projection's output [B, T, 3 H hd] as q, k, v [B, H, T, hd] (views, in that order).
+// unbind, not three selects: its backward stacks the three gradients into one tensor, where each
+// select's would fill a zero [3, B, H, T, hd] and autograd would add the three.
+inline std::vector<torch::Tensor> split_qkv(const torch::Tensor& qkv, int64_t heads,
+                                            int64_t head_dim) {
+  return qkv.view({qkv.size(0), qkv.size(1), 3, heads, head_dim})
+      .permute({2, 0, 3, 1, 4})
+      .unbind(0);
+}
 std::string to_string(Preset p);
 
 struct ModelConfig {
