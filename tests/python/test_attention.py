@@ -405,6 +405,17 @@ def test_attention_prefetch_setting_is_checked(monkeypatch):
         relpos.attention(q, k, v, None)
 
 
+def test_attention_layout_benchmark_runs():
+    """bench/bench_attention_layout.py at a toy size: it checks relpos against SDPA, then prints
+    one row per layout and what the model layout adds to each; a bad shape is the parser's
+    error."""
+    rows = bench_rows("bench_attention_layout.py",
+                      ["--shape", "1,2,40,8", "--rounds", "1", "--threads", "1"],
+                      r"\| (separate|model) \||- (relpos|sdpa): ", ["--shape", "1,2,40"],
+                      "--shape")
+    assert len(rows) == 4, rows
+
+
 def test_attention_prefetch_benchmark_runs():
     """bench/bench_attention_prefetch.py at a toy size: it checks both settings give the same
     bits, then prints one row per (T, mode); a bad option is the parser's error."""
