@@ -30,6 +30,7 @@ namespace relpos::models {
 enum class Preset { Jordan, PJ, JoFormer, Grape };
 // "jordan" | "pj" | "joformer" | "grape"; InputError otherwise
 Preset parse_preset(const std::string& name);
+std::string to_string(Preset p);
 
 // One fused projection's output [B, T, 3 H hd] as q, k, v [B, H, T, hd] (views, in that order).
 // unbind, not three selects: its backward stacks the three gradients into one tensor, where each
@@ -40,7 +41,6 @@ inline std::vector<torch::Tensor> split_qkv(const torch::Tensor& qkv, int64_t he
       .permute({2, 0, 3, 1, 4})
       .unbind(0);
 }
-std::string to_string(Preset p);
 
 struct ModelConfig {
   Preset preset = Preset::Jordan;
