@@ -6,12 +6,16 @@ Layouts:
   separate  q, k, v contiguous [B, H, T, D] leaves, the output's gradient contiguous [B, H, T, D]
             (the operator alone, as `relpos bench attention` times it)
   model     as a transformer layer hands them over: one fused projection [B, T, 3 H D] (a leaf)
-            split into q, k, v by unbind (q and k then made new contiguous tensors, as a position
-            transform does; v stays a strided view), the output turned back into [B, T, H D], the
-            gradient flowing to the projection
+            split into q, k, v as the models split it (models::split_qkv: unbind over the q/k/v
+            axis of a [B, T, 3, H, D] view, each transposed; q and k then made new contiguous
+            tensors, as a position transform does; v stays a strided view), the output turned
+            back into [B, T, H D], the gradient flowing to the projection
 Prints each case's median (ms), the per-round median of relpos / SDPA in each layout, and what the
-model layout adds to each (model - separate, medians). SDPA reads strided operands and writes its
-output in the [B, T, H, D] order; the relpos op takes contiguous ones (copies otherwise).
+model layout adds to each (model - separate, medians), then the strides of each op's output and
+gradients in the model layout. relpos reads a strided v and the output's strided gradient in
+place, stores its output in the [B, T, H, D] order (the layer's transpose back a view) and dv
+beside a strided v in that order too; SDPA's CPU kernel (as of torch 2.15) returns its output in
+the [B, H, T, D] order and its three gradients in the [B, T, H, D] one.
 """
 
 from __future__ import annotations
@@ -44,15 +48,15 @@ def main():
     }
     proj = torch.randn(B, T, 3 * H * D, requires_grad=True)
     grad = torch.randn(B, T, H * D)
-    separate = [t.detach().contiguous().requires_grad_()
-                for t in proj.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)]
+    separate = [t.transpose(1, 2).detach().contiguous().requires_grad_()
+                for t in proj.view(B, T, 3, H, D).unbind(2)]
     grad_separate = grad.view(B, T, H, D).transpose(1, 2).contiguous()
 
     def run_separate(f):
         f(*separate).backward(grad_separate)
 
     def run_model(f):
-        q, k, v = proj.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = (t.transpose(1, 2) for t in proj.view(B, T, 3, H, D).unbind(2))
         q, k = q.contiguous(), k.contiguous()
         f(q, k, v).transpose(1, 2).reshape(B, T, H * D).backward(grad)
 
@@ -82,6 +86,15 @@ def main():
     for name in attend:
         extra = med[(name, "model")] - med[(name, "separate")]
         print(f"- {name}: the model layout adds {extra:.2f} ms")
+    # the layouts each op hands back in the model layout (q, k contiguous, v a strided view)
+    q, k, v = (t.transpose(1, 2) for t in proj.detach().view(B, T, 3, H, D).unbind(2))
+    q, k = q.contiguous().requires_grad_(), k.contiguous().requires_grad_()
+    v = v.requires_grad_()
+    for name, f in attend.items():
+        out = f(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        print(f"- {name}: output strides {tuple(out.stride())}, gradient strides (q, k, v) "
+              f"{', '.join(str(tuple(g.stride())) for g in grads)}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,12 @@ def fused_attention(
     with no visible key gives zeros. Differentiable in q, k, v and every bias tensor; ``lse`` is
     differentiable too (a loss term on it reaches q, k and the biases).
 
+    Layout (CPU): v and the output's gradient are read where they lie when their last dimension
+    is contiguous (a layer's ``proj(x).view(B, T, H, D).transpose(1, 2)``, no copy); ``out`` is
+    stored token-major (``[B, Tq, Hq, D]`` memory seen as ``[B, Hq, Tq, D]``), so
+    ``out.transpose(1, 2).reshape(B, Tq, Hq * D)`` is a view (use ``reshape``, not ``view``, on
+    ``out`` itself), and so is v's gradient beside such a v.
+
     Values are not checked: NaN in q, in a visible key or value, or in a visible pair's bias makes
     that row NaN, and a NaN or Inf that the mask hides changes nothing (docs/errors.md).
     """

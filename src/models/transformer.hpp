@@ -33,13 +33,16 @@ Preset parse_preset(const std::string& name);
 std::string to_string(Preset p);
 
 // One fused projection's output [B, T, 3 H hd] as q, k, v [B, H, T, hd] (views, in that order).
-// unbind, not three selects: its backward stacks the three gradients into one tensor, where each
-// select's would fill a zero [3, B, H, T, hd] and autograd would add the three.
+// unbind over the q/k/v axis of the [B, T, 3, H, hd] view, then a transpose each: unbind's
+// backward stacks the three gradients into that very layout, the projection's gradient as it is
+// (a view), so the three are copied once a layer. (Three selects would each fill a zero tensor
+// and autograd add the three; unbinding a permuted [3, B, H, T, hd] view would stack into that
+// order and copy again into the projection's.)
 inline std::vector<torch::Tensor> split_qkv(const torch::Tensor& qkv, int64_t heads,
                                             int64_t head_dim) {
-  return qkv.view({qkv.size(0), qkv.size(1), 3, heads, head_dim})
-      .permute({2, 0, 3, 1, 4})
-      .unbind(0);
+  auto parts = qkv.view({qkv.size(0), qkv.size(1), 3, heads, head_dim}).unbind(2);
+  for (auto& t : parts) t = t.transpose(1, 2);
+  return parts;
 }
 
 struct ModelConfig {

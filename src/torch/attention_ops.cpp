@@ -167,6 +167,29 @@ int64_t prefix_rows(const torch::Tensor& t) {
   return head / w;
 }
 
+// t's rows as the kernels read them in place (RowStrides): t itself with its strides when its
+// last dimension is contiguous and its rows distinct (all zero: contiguous), else a contiguous
+// copy. A layer's v (a view into its fused projection) and the output's gradient (the output
+// taken back token-major) are then read where they lie.
+bool strided_rows(const torch::Tensor& t) {
+  if (t.is_contiguous() || t.dim() != 4 || t.stride(3) != 1) return false;
+  for (int i = 0; i < 3; ++i)
+    if (t.size(i) > 1 && t.stride(i) <= 0) return false;
+  return true;
+}
+std::pair<torch::Tensor, kernels::RowStrides> rows_in_place(const torch::Tensor& t) {
+  if (!strided_rows(t)) return {t.contiguous(), {}};
+  return {t, {t.stride(0), t.stride(1), t.stride(2)}};
+}
+
+// The forward's output (and dv beside a strided v): token-major storage ([B, T, H, D]) seen as
+// [B, H, T, D], so that a layer's transpose back to [B, T, H D] is a view (and the split's
+// backward, which stacks the q, k, v gradients in that order, reads dv in order, as SDPA's).
+torch::Tensor token_major_output(int64_t B, int64_t H, int64_t T, int64_t D,
+                                 const torch::TensorOptions& options) {
+  return op_util::output_of({B, T, H, D}, options).transpose(1, 2);
+}
+
 // The rows per key/value head when k and v are the used prefix of a decode cache's storage: the
 // forward reads them in place instead of copying the whole cache every step. 0 for any other
 // layout.
@@ -215,8 +238,9 @@ Operands prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   o.q = q.contiguous();
   const int64_t rows = in_place ? cache_rows(k, v) : 0;
   o.k = rows ? k : k.contiguous();
-  o.v = rows ? v : v.contiguous();
+  o.v = v;
   o.dims = {B, Hq, Hk, Tq, Tk, D, rows};
+  if (!rows) std::tie(o.v, o.dims.v_strides) = rows_in_place(v);
   o.q_pos = attention_positions(get(q_pos), B, Tq, "q_positions");
   o.k_pos = attention_positions(get(k_pos), B, Tk, "k_positions");
   // one indexing rule for both: a shared [T] row next to a per-batch one is expanded to [B, T]
@@ -343,9 +367,10 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_cpu(
     const CallOptions c{causal, window, scale, exclude_self, path_scale};
     const auto o = prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments},
                            biases, c, /*in_place=*/true);
-    const auto& d = o.dims;
+    kernels::AttentionDims d = o.dims;
     // lse stays in the compute dtype: the backward and merges of partial results need it exact
-    auto out = output_like(o.q);
+    auto out = token_major_output(d.B, d.Hq, d.Tq, d.D, o.q.options());
+    d.out_strides = rows_in_place(out).second;
     auto lse = torch::empty({d.B, d.Hq, d.Tq}, o.q.options().dtype(compute_type(q.scalar_type())));
     if (out.numel() == 0) return std::make_tuple(stored(out, q.scalar_type()), lse);
     if (d.Tk == 0) {  // no key at all: every row is empty
@@ -387,14 +412,20 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
     const CallOptions c{causal, window, scale, exclude_self, path_scale};
     const auto o =
         prepare(q, k, v, q_pos, k_pos, {key_len, key_start, q_segments, k_segments}, biases, c);
-    const auto& d = o.dims;
+    kernels::AttentionDims d = o.dims;
     const bool half = op_util::is_half(q.scalar_type());
-    // out and dout in q's storage (half: as stored, read by the kernel tile by tile)
-    const auto stored_as_q = [&](const torch::Tensor& t) {
-      return half ? t.to(q.scalar_type()).contiguous() : computed(t);
+    // out and dout in q's storage (half: as stored, read by the kernel tile by tile), their rows
+    // read where they lie
+    const auto stored_as_q = [&](const torch::Tensor& t, kernels::RowStrides& strides) {
+      torch::Tensor x;
+      std::tie(x, strides) = rows_in_place(half ? t.to(q.scalar_type())
+                                           : op_util::is_half(t.scalar_type()) ? t.to(torch::kFloat)
+                                                                               : t);
+      return x;
     };
-    const auto out = stored_as_q(out_in), lse = lse_in.contiguous();
-    const auto dout = grad_out.defined() ? stored_as_q(grad_out) : torch::zeros_like(out);
+    const auto out = stored_as_q(out_in, d.out_strides), lse = lse_in.contiguous();
+    const auto dout =
+        stored_as_q(grad_out.defined() ? grad_out : torch::zeros_like(out_in), d.dout_strides);
     // lse is differentiable: its gradient (when lse was used) enters the kernel's Delta
     const auto dlse = grad_lse && grad_lse->defined() ? computed(*grad_lse) : torch::Tensor();
     if (dout.sizes() != out.sizes() || lse.sizes() != torch::IntArrayRef({d.B, d.Hq, d.Tq}) ||
@@ -410,7 +441,11 @@ Grads fused_attention_backward_cpu(const torch::Tensor& grad_out, const torch::T
       return torch::empty({0}, o.q.options().dtype(compute_type(q.scalar_type())));
     };
     auto dq = mask[0] ? output_like(o.q) : empty(), dk = mask[1] ? output_like(o.k) : empty(),
-         dv = mask[2] ? output_like(o.v) : empty();
+         dv = !mask[2] ? empty()
+              : o.dims.v_strides.contiguous()
+                  ? output_like(o.v)
+                  : token_major_output(d.B, d.Hk, d.Tk, d.D, o.v.options());
+    d.dv_strides = dv.numel() ? rows_in_place(dv).second : kernels::RowStrides{};
     Biases db;
     for (int i = 0; i < kSlots; ++i)
       db[i] = mask[3 + i] && o.bias[i].defined() ? torch::zeros_like(o.bias[i]) : empty();
@@ -448,7 +483,7 @@ std::tuple<torch::Tensor, torch::Tensor> fused_attention_meta(
     const torch::Tensor& q, const torch::Tensor&, const torch::Tensor&, const BiasList&,
     const OptTensor&, const OptTensor&, bool, double, const OptTensor&, double, bool, double,
     const OptTensor&, const OptTensor&, const OptTensor&) {
-  return {torch::empty_like(q, torch::MemoryFormat::Contiguous),
+  return {torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2),
           torch::empty({q.size(0), q.size(1), q.size(2)},
                        q.options().dtype(compute_type(q.scalar_type())))};
 }
@@ -467,7 +502,10 @@ Grads fused_attention_backward_meta(const torch::Tensor&, const torch::Tensor& q
   const Biases in = unpack(biases);
   std::vector<torch::Tensor> db;
   for (int i = 0; i < kSlots; ++i) db.push_back(like(3 + i, in[i]));
-  return Grads{like(0, q), like(1, k), like(2, v), db};
+  auto dv = like(2, v);
+  if (mask[2] && strided_rows(v))  // as the CPU op: token-major beside a strided v
+    dv = torch::empty({v.size(0), v.size(2), v.size(1), v.size(3)}, v.options()).transpose(1, 2);
+  return Grads{like(0, q), like(1, k), dv, db};
 }
 
 // ---- Autograd: the backward is the fused_attention_backward op ---------------------------------

@@ -39,8 +39,8 @@ T* mptr(torch::Tensor& t) {
 // their first write: a fresh 16 MiB tensor otherwise costs 4096 page faults taken by the kernel's
 // threads at once, which can cost more than the kernel itself (measurements in
 // docs/performance.md). Harmless where THP is off or the memory reused.
-inline torch::Tensor output_like(const torch::Tensor& t) {
-  auto out = torch::empty_like(t, torch::MemoryFormat::Contiguous);
+inline torch::Tensor output_of(torch::IntArrayRef sizes, const torch::TensorOptions& options) {
+  auto out = torch::empty(sizes, options);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
   const auto begin = reinterpret_cast<uintptr_t>(out.data_ptr());
@@ -49,6 +49,9 @@ inline torch::Tensor output_like(const torch::Tensor& t) {
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 #endif
   return out;
+}
+inline torch::Tensor output_like(const torch::Tensor& t) {
+  return output_of(t.sizes(), t.options());
 }
 
 // Half-precision storage. bf16 and fp16 tensors are read into float32, computed there (angles,

@@ -154,6 +154,37 @@ std::vector<T> cast(const std::vector<double>& v) {
   return std::vector<T>(v.begin(), v.end());
 }
 
+// The float kernels' biases of x over float copies of its lag table and slopes.
+AttentionBias<float> float_bias(const Data& x, const std::vector<float>& lag,
+                                const std::vector<float>& slopes) {
+  AttentionBias<float> bias;
+  if (!lag.empty())
+    bias.lag_table = lag.data(), bias.lag_len = static_cast<int64_t>(lag.size()) / x.c.d.Hq;
+  if (!slopes.empty()) bias.slopes = slopes.data();
+  if (!x.cq.empty()) bias.cq = x.cq.data(), bias.ck = x.ck.data();
+  return bias;
+}
+
+// Zeroed gradients of every bias of `bias` (the float kernels accumulate into them).
+struct FloatGrads {
+  std::vector<float> dlag, dslopes;
+  std::vector<double> dcq, dck;
+  AttentionBiasGrads<float> g;
+};
+FloatGrads zero_grads(const AttentionBias<float>& bias, const Data& x) {
+  FloatGrads r;
+  if (bias.lag_table)
+    r.dlag.assign(static_cast<size_t>(x.c.d.Hq * bias.lag_len), 0.0f),
+        r.g.lag_table = r.dlag.data();
+  if (bias.slopes)
+    r.dslopes.assign(static_cast<size_t>(x.c.d.Hq), 0.0f), r.g.slopes = r.dslopes.data();
+  if (bias.cq) {
+    r.dcq.assign(x.cq.size(), 0.0), r.g.cq = r.dcq.data();
+    r.dck.assign(x.ck.size(), 0.0), r.g.ck = r.dck.data();
+  }
+  return r;
+}
+
 // Runs the kernel <T> (reference = false) or the float64 reference on x.
 template <class T>
 Result<T> run(const Data& x, bool reference = false, bool backward = true) {
@@ -322,6 +353,17 @@ std::vector<Case> random_cases() {
       cs.back().scheme = scheme;
     }
   return cs;
+}
+
+// random_cases and three of them with keys and values read in place from cache rows (k_rows
+// past Tk).
+std::vector<Case> cases_with_cache_rows() {
+  std::vector<Case> cases = random_cases();
+  for (Case c : {cases[1], cases[4], cases[19]}) {
+    c.d.k_rows = c.d.Tk + 5;
+    cases.push_back(c);
+  }
+  return cases;
 }
 
 }  // namespace
@@ -534,7 +576,7 @@ TEST(AttentionKernel, DecodeMatchesLastRowOfFullForward) {
 // forward; the backward refuses such a layout.
 TEST(AttentionKernel, KeysReadInPlaceFromCacheRows) {
   std::mt19937_64 rng(8);
-  for (const AttentionDims d :
+  for (const AttentionDims& d :
        {AttentionDims{2, 4, 2, 1, 300, 32}, AttentionDims{1, 8, 1, 2, 129, 16},
         AttentionDims{2, 2, 2, 70, 150, 32}}) {
     Case c;
@@ -586,11 +628,7 @@ TEST(AttentionKernel, KeysReadInPlaceFromCacheRows) {
 // bit-for-bit check).
 TEST(AttentionKernel, HalfStorageIsTheFloatKernelRoundedOnce) {
   std::mt19937_64 rng(9);
-  std::vector<Case> cases = random_cases();
-  for (Case c : {cases[1], cases[4], cases[19]}) {  // in place: k_rows past Tk
-    c.d.k_rows = c.d.Tk + 5;
-    cases.push_back(c);
-  }
+  const std::vector<Case> cases = cases_with_cache_rows();
   for (const Case& c : cases)
     for (const HalfType type : {HalfType::BFloat16, HalfType::Float16}) {
       SCOPED_TRACE(c.name() + (c.d.k_rows ? " in place" : "") +
@@ -619,11 +657,7 @@ TEST(AttentionKernel, HalfStorageIsTheFloatKernelRoundedOnce) {
                  vh = to_half(x.v, d.B * d.Hk, d.Tk, rows);
       const auto qf = widened(qh), kf = widened(kh), vf = widened(vh);
       const auto lag = cast<float>(x.lag), slopes = cast<float>(x.slopes);
-      AttentionBias<float> bias;
-      if (!lag.empty())
-        bias.lag_table = lag.data(), bias.lag_len = static_cast<int64_t>(lag.size()) / d.Hq;
-      if (!slopes.empty()) bias.slopes = slopes.data();
-      if (!x.cq.empty()) bias.cq = x.cq.data(), bias.ck = x.ck.data();
+      const AttentionBias<float> bias = float_bias(x, lag, slopes);
       std::vector<float> out(x.nq()), lse(x.rows()), lse_h(x.rows(), 7.0f);
       std::vector<uint16_t> out_h(x.nq(), 0x1234);
       attention_forward<float>(d, qf.data(), kf.data(), vf.data(), x.positions(), bias, x.options(),
@@ -677,22 +711,8 @@ TEST(AttentionKernel, HalfStorageIsTheFloatKernelRoundedOnce) {
       // the backward reads the half output, as the op's autograd saves it
       const auto douth = to_half(x.dout, d.B * d.Hq, d.Tq, d.Tq);
       const auto doutf = widened(douth), outf = widened(out_h);
-      struct Grads {
-        std::vector<float> dlag, dslopes;
-        std::vector<double> dcq, dck;
-        AttentionBiasGrads<float> g;
-      };
-      const auto grads = [&] {
-        Grads r;
-        if (bias.lag_table) r.dlag.assign(lag.size(), 0.0f), r.g.lag_table = r.dlag.data();
-        if (bias.slopes) r.dslopes.assign(slopes.size(), 0.0f), r.g.slopes = r.dslopes.data();
-        if (bias.cq) {
-          r.dcq.assign(x.cq.size(), 0.0), r.g.cq = r.dcq.data();
-          r.dck.assign(x.ck.size(), 0.0), r.g.ck = r.dck.data();
-        }
-        return r;
-      };
-      Grads gf = grads(), gh = grads();
+      const auto grads = [&] { return zero_grads(bias, x); };
+      FloatGrads gf = grads(), gh = grads();
       std::vector<float> dq(x.nq()), dk(x.nk()), dv(x.nk());
       std::vector<uint16_t> dqh(x.nq(), 0x1234), dkh(x.nk(), 0x1234), dvh(x.nk(), 0x1234);
       attention_backward<float>(d, qf.data(), kf.data(), vf.data(), x.positions(), bias,
@@ -725,6 +745,150 @@ TEST(AttentionKernel, HalfStorageIsTheFloatKernelRoundedOnce) {
       }
       same_float(gf.dcq, gh.dcq, "cq");
       same_float(gf.dck, gh.dck, "ck");
+    }
+}
+
+// Strided rows (RowStrides: v, out, dout and dv laid out token-major, [B, T, H, D] seen as
+// [B, H, T, D], with a gap after each token's heads that holds NaN): on every random case (both
+// backward schemes), float and both half storages, the output, lse and the gradients are the
+// contiguous call's bit for bit (the bias gradients summed across threads: to their order), the
+// gaps untouched; with keys read in place from cache rows too (forward only).
+TEST(AttentionKernel, StridedRowsAreTheContiguousCall) {
+  std::mt19937_64 rng(10);
+  const std::vector<Case> cases = cases_with_cache_rows();
+  // x ([B][H][T][D], T rows per head of which the first n are used) token-major with a gap of
+  // `gap` values after each token's heads; fill elsewhere
+  const auto token_major = [](int64_t H, int64_t T, int64_t D, int64_t gap) {
+    return RowStrides{T * (H * D + gap), D, H * D + gap};
+  };
+  const auto lay_out = []<class W>(const std::vector<W>& x, int64_t B, int64_t H, int64_t T,
+                                   int64_t D, const RowStrides& s, W fill) {
+    std::vector<W> y(static_cast<size_t>(B * s.batch), fill);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < T; ++t)
+          std::copy_n(x.begin() + ((b * H + h) * T + t) * D, D,
+                      y.begin() + b * s.batch + h * s.head + t * s.token);
+    return y;
+  };
+  const auto gather = []<class W>(const std::vector<W>& y, int64_t B, int64_t H, int64_t T,
+                                  int64_t D, const RowStrides& s) {
+    std::vector<W> x(static_cast<size_t>(B * H * T * D));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < T; ++t)
+          std::copy_n(y.begin() + b * s.batch + h * s.head + t * s.token, D,
+                      x.begin() + ((b * H + h) * T + t) * D);
+    return x;
+  };
+  const auto same = [](const auto& a, const auto& b, const char* what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(a[0])>, uint16_t>) {
+        ASSERT_EQ(a[i], b[i]) << what << " " << i;
+      } else {
+        ASSERT_TRUE(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) << what << " " << i;
+      }
+    }
+  };
+  const auto near = [](const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    float top = 0;
+    for (float y : a) top = std::isnan(y) ? top : std::max(top, std::abs(y));
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (std::isnan(a[i]) && std::isnan(b[i])) continue;
+      ASSERT_NEAR(a[i], b[i], 1e-4f * top + 1e-6f) << what;  // summed in thread order
+    }
+  };
+  for (const Case& c : cases)
+    for (int storage = 0; storage < 3; ++storage) {  // float, bfloat16, float16
+      const HalfType type = storage == 1 ? HalfType::BFloat16 : HalfType::Float16;
+      SCOPED_TRACE(c.name() + (c.d.k_rows ? " in place" : "") +
+                   (storage == 0   ? " float"
+                    : storage == 1 ? " bf16"
+                                   : " fp16"));
+      Data x = make_data(c, rng);
+      if (c.d.B * c.d.Hk > 1) x.v[c.d.D + 3] = std::nan("");  // a NaN value reaches its rows
+      const AttentionDims& d = c.d;
+      const int64_t rows = d.key_rows(), D = d.D;
+      AttentionDims sd = d;
+      sd.v_strides = token_major(d.Hk, rows, D, 3);
+      sd.out_strides = token_major(d.Hq, d.Tq, D, 5);
+      sd.dout_strides = token_major(d.Hq, d.Tq, D, 2);
+      sd.dv_strides = token_major(d.Hk, d.Tk, D, 4);
+      // k and v: rows per head, NaN past Tk (in place) and in the gaps
+      const auto kv = [&](const std::vector<double>& src) {
+        std::vector<float> y(static_cast<size_t>(d.B * d.Hk * rows * D), std::nanf(""));
+        for (int64_t h = 0; h < d.B * d.Hk; ++h)
+          for (int64_t t = 0; t < d.Tk * D; ++t)
+            y[h * rows * D + t] = static_cast<float>(src[h * d.Tk * D + t]);
+        return y;
+      };
+      const auto lag = cast<float>(x.lag), slopes = cast<float>(x.slopes);
+      const AttentionBias<float> bias = float_bias(x, lag, slopes);
+      const auto grads = [&] { return zero_grads(bias, x); };
+      // one storage: W the word (float or uint16_t), the calls through fwd and bwd
+      const auto check = [&]<class W>(auto to_w, W nan, auto fwd, auto bwd) {
+        std::vector<W> q, k, v, dout;
+        for (double y : x.q) q.push_back(to_w(static_cast<float>(y)));
+        for (float y : kv(x.k)) k.push_back(to_w(y));
+        for (float y : kv(x.v)) v.push_back(to_w(y));
+        for (double y : x.dout) dout.push_back(to_w(static_cast<float>(y)));
+        const auto vs = lay_out(v, d.B, d.Hk, rows, D, sd.v_strides, nan);
+        std::vector<W> out(x.nq()), outs(static_cast<size_t>(d.B * sd.out_strides.batch), nan);
+        std::vector<float> lse(x.rows()), lses(x.rows());
+        fwd(d, q, k, v, out, lse);
+        fwd(sd, q, k, vs, outs, lses);
+        same(gather(outs, d.B, d.Hq, d.Tq, D, sd.out_strides), out, "out");
+        same(lses, lse, "lse");
+        const auto gaps = lay_out(out, d.B, d.Hq, d.Tq, D, sd.out_strides, nan);
+        for (size_t i = 0; i < gaps.size(); ++i) {  // the gaps as they were
+          if constexpr (std::is_same_v<W, float>) {
+            ASSERT_EQ(std::isnan(gaps[i]), std::isnan(outs[i])) << "gap " << i;
+          } else {
+            ASSERT_EQ(gaps[i] == nan, outs[i] == nan) << "gap " << i;
+          }
+        }
+        if (d.k_rows) return;  // the backward reads contiguous keys only
+        const auto douts = lay_out(dout, d.B, d.Hq, d.Tq, D, sd.dout_strides, nan);
+        std::vector<W> dq(x.nq()), dk(x.nk()), dv(x.nk()), dqs(dq), dks(dk),
+            dvs(static_cast<size_t>(d.B * sd.dv_strides.batch), nan);
+        FloatGrads g = grads(), gs = grads();
+        bwd(d, q, k, v, dout, out, lse, dq, dk, dv, g.g);
+        bwd(sd, q, k, vs, douts, outs, lses, dqs, dks, dvs, gs.g);
+        same(dqs, dq, "dq");
+        same(dks, dk, "dk");
+        same(gather(dvs, d.B, d.Hk, d.Tk, D, sd.dv_strides), dv, "dv");
+        same(gs.dcq, g.dcq, "cq");
+        same(gs.dck, g.dck, "ck");
+        near(gs.dlag, g.dlag, "lag");
+        near(gs.dslopes, g.dslopes, "slopes");
+      };
+      if (storage == 0) {
+        check([](float y) { return y; }, std::nanf(""),
+              [&](const AttentionDims& dd, auto& q, auto& k, auto& v, auto& out, auto& lse) {
+                attention_forward<float>(dd, q.data(), k.data(), v.data(), x.positions(), bias,
+                                         x.options(), out.data(), lse.data());
+              },
+              [&](const AttentionDims& dd, auto& q, auto& k, auto& v, auto& dout, auto& out,
+                  auto& lse, auto& dq, auto& dk, auto& dv, const AttentionBiasGrads<float>& g) {
+                attention_backward<float>(dd, q.data(), k.data(), v.data(), x.positions(), bias,
+                                          x.options(), dout.data(), out.data(), lse.data(),
+                                          dq.data(), dk.data(), dv.data(), g);
+              });
+      } else {
+        check([&](float y) { return float_to_half(type, y); }, float_to_half(type, std::nanf("")),
+              [&](const AttentionDims& dd, auto& q, auto& k, auto& v, auto& out, auto& lse) {
+                attention_forward_half(dd, type, q.data(), k.data(), v.data(), x.positions(), bias,
+                                       x.options(), out.data(), lse.data());
+              },
+              [&](const AttentionDims& dd, auto& q, auto& k, auto& v, auto& dout, auto& out,
+                  auto& lse, auto& dq, auto& dk, auto& dv, const AttentionBiasGrads<float>& g) {
+                attention_backward_half(dd, type, q.data(), k.data(), v.data(), x.positions(), bias,
+                                        x.options(), dout.data(), out.data(), lse.data(), dq.data(),
+                                        dk.data(), dv.data(), g);
+              });
+      }
     }
 }
 

@@ -106,6 +106,58 @@ def test_keys_read_in_place_from_a_cache_prefix(B, Hq, Hk, Tq, Tk, rows):
     assert not kk.grad[:, :, Tk:].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16],
+                         ids=str)
+@pytest.mark.parametrize("B,Hq,Hk,T,D", [(2, 4, 2, 70, 32), (1, 2, 2, 130, 64), (3, 1, 1, 9, 8)])
+def test_layer_layout_read_and_written_in_place(B, Hq, Hk, T, D, dtype):
+    """v and the output's gradient as a layer hands them over (token-major views of one
+    projection, [B, T, H, D] memory) give the contiguous call's output and gradients bit for bit;
+    the output is stored token-major as SDPA's (its transpose back to [B, T, H D] a view), and
+    under the meta device (torch.compile) with the same strides."""
+    g = torch.Generator().manual_seed(11)
+    proj = torch.randn(B, T, (Hq + 2 * Hk) * D, generator=g).to(dtype)
+    q = proj[..., :Hq * D].view(B, T, Hq, D).transpose(1, 2).contiguous()
+    k = proj[..., Hq * D:(Hq + Hk) * D].view(B, T, Hk, D).transpose(1, 2).contiguous()
+    v = proj[..., (Hq + Hk) * D:].view(B, T, Hk, D).transpose(1, 2)  # strided rows
+    w = torch.randn(B, T, Hq * D, generator=g).to(dtype)
+    lag = 0.3 * torch.randn(Hq, 16, generator=g)
+    lag = lag.to(dtype) if dtype == torch.float64 else lag
+
+    def run(strided):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, proj)]
+        p = leaves[2]
+        v_in = p[..., (Hq + Hk) * D:].view(B, T, Hk, D).transpose(1, 2)  # a view of the leaf
+        out, _ = relpos.fused_attention(leaves[0], leaves[1], v_in if strided else v_in.contiguous(),
+                                        lag_table=lag)
+        y = out if strided else out.contiguous()
+        # the output's gradient arrives token-major (strided) unless the output was copied
+        (y.transpose(1, 2).reshape(B, T, Hq * D).float() * w.float()).sum().backward()
+        return out, [leaves[0].grad, leaves[1].grad, p.grad]
+
+    out, grads = run(strided=True)
+    want, want_grads = run(strided=False)
+    assert not v.is_contiguous() and out.stride() == (T * Hq * D, D, Hq * D, 1)
+    assert out.transpose(1, 2).reshape(B, T, Hq * D).data_ptr() == out.data_ptr()  # a view
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    def to_meta(t):  # with its strides, as torch.compile's fake tensors keep them
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    meta, _ = relpos.fused_attention(to_meta(q), to_meta(k), to_meta(v), lag_table=to_meta(lag))
+    assert meta.stride() == out.stride()
+    # dv beside a strided v: token-major (the meta kernel's too)
+    lse = torch.zeros(B, Hq, T, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    dv = torch.ops.relpos.fused_attention_backward(
+        out, q, k, v, out, lse, [lag] + [None] * 8, None, None, True, 0.0, None, 0.0, False, 1.0,
+        None, None, None, [False, False, True] + [False] * 9, None)[2]
+    dv_meta = torch.ops.relpos.fused_attention_backward(
+        *(to_meta(t) for t in (out, q, k, v, out, lse)), [to_meta(lag)] + [None] * 8, None,
+        None, True, 0.0, None, 0.0, False, 1.0, None, None, None, [False, False, True] + [False] * 9,
+        None)[2]
+    assert dv.stride() == dv_meta.stride() == (T * Hk * D, D, Hk * D, 1)
+
+
 @pytest.mark.parametrize("B,Hq,Hk,Tq,Tk,rows", [(1, 8, 8, 1, 300, 512), (2, 4, 2, 3, 70, 71),
                                                  (3, 2, 1, 1, 129, 200)])
 def test_key_side_biases_read_in_place_from_a_cache_prefix(B, Hq, Hk, Tq, Tk, rows):
@@ -407,13 +459,14 @@ def test_attention_prefetch_setting_is_checked(monkeypatch):
 
 def test_attention_layout_benchmark_runs():
     """bench/bench_attention_layout.py at a toy size: it checks relpos against SDPA, then prints
-    one row per layout and what the model layout adds to each; a bad shape is the parser's
-    error."""
+    one row per layout, what the model layout adds to each and the strides each op hands back (the
+    relpos output token-major); a bad shape is the parser's error."""
     rows = bench_rows("bench_attention_layout.py",
                       ["--shape", "1,2,40,8", "--rounds", "1", "--threads", "1"],
                       r"\| (separate|model) \||- (relpos|sdpa): ", ["--shape", "1,2,40"],
                       "--shape")
-    assert len(rows) == 4, rows
+    assert len(rows) == 6, rows
+    assert rows[4].startswith("- relpos: output strides (640, 8, 16, 1)"), rows[4]
 
 
 def test_attention_prefetch_benchmark_runs():

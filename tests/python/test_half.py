@@ -48,7 +48,7 @@ def test_half_storage_matches_float64(spec, dtype):
     ref_attn = attn.double()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = ref_attn(*leaves, inputs=x, positions=pos)
-    w = torch.randn_like(ref)
+    w = torch.randn(ref.shape, dtype=ref.dtype)  # the same weights whatever ref's layout
     ref_grads = torch.autograd.grad((ref * w).sum(), leaves + list(ref_attn.parameters()),
                                     allow_unused=True)
     attn = ref_attn.float()
@@ -84,7 +84,7 @@ def test_bf16_tiles_match_float64(spec):
     pos = None if dc is None else torch.randint(0, 6, (80, dc), generator=g).to(torch.float64)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = attn(*leaves, inputs=x, positions=pos)
-    w = torch.randn_like(ref)
+    w = torch.randn(ref.shape, dtype=ref.dtype)  # the same weights whatever ref's layout
     ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
     attn = attn.float()
     half = [t.bfloat16().requires_grad_() for t in (q, k, v)]

@@ -4,10 +4,11 @@
 // backward recomputes the probabilities from it. No LibTorch: an inference engine can take this
 // file alone.
 //
-// Layout: q, out, dout, dq [B, Hq, Tq, D]; k, v, dk, dv [B, Hk, Tk, D] (contiguous); lse
-// [B, Hq, Tq]. Grouped-query attention: Hk divides Hq, query head h reads key/value head
-// h / (Hq / Hk). float (fp32 accumulation) and double (for tests) instantiations; AVX2 and
-// AVX-512 builds chosen at run time (kernels/isa.hpp); OpenMP threads over batch x heads x tiles.
+// Layout: q, out, dout, dq [B, Hq, Tq, D]; k, v, dk, dv [B, Hk, Tk, D] (contiguous, or v, out
+// and dout strided rows: RowStrides); lse [B, Hq, Tq]. Grouped-query attention: Hk divides Hq,
+// query head h reads key/value head h / (Hq / Hk). float (fp32 accumulation) and double (for tests)
+// instantiations; AVX2 and AVX-512 builds chosen at run time (kernels/isa.hpp); OpenMP threads over
+// batch x heads x tiles.
 //
 // Visibility, on the position ids (float64): key j is visible to query i iff
 //   key_start[b] <= j < key_len[b]          (key padding, left and right; all keys when null)
@@ -32,12 +33,25 @@
 
 namespace relpos::kernels {
 
+// Where an operand's rows lie: row (b, h, t) (D values, contiguous) starts b * batch + h * head
+// + t * token values from its pointer. All zero: the contiguous [B, H, T, D] layout. A
+// token-major [B, T, H, D] tensor seen as [B, H, T, D] has batch T H D, head D, token H D: the
+// layout in which a layer's fused projection hands over v and takes the output back and in
+// which its backward stacks the gradients, read and written in place instead of copied.
+struct RowStrides {
+  int64_t batch = 0, head = 0, token = 0;
+  bool contiguous() const { return batch == 0 && head == 0 && token == 0; }
+};
+
 struct AttentionDims {
   int64_t B = 1, Hq = 1, Hk = 1, Tq = 1, Tk = 1, D = 1;
   // Rows from one key/value head's first row to the next's in k and v (>= Tk): a decode cache's
   // capacity, so that its used prefix is read in place; 0 means Tk (contiguous). Forward only.
   int64_t k_rows = 0;
   int64_t key_rows() const { return k_rows > 0 ? k_rows : Tk; }
+  // Layouts other than contiguous (k_rows) for v, for out (written by the forward, read by the
+  // backward), the backward's dout and its dv; q, k, lse, dq and dk are contiguous.
+  RowStrides v_strides = {}, out_strides = {}, dout_strides = {}, dv_strides = {};
 };
 
 // Position ids, float64 (integers, offsets, gaps or real values; not necessarily sorted).
