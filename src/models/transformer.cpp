@@ -45,9 +45,10 @@ void ModelConfig::validate() const {
   range(heads, 1, 1024, "heads");
   range(layers, 0, 1024, "layers");
   range(mlp_ratio, 1, 64, "mlp_ratio");
-  if (attention != "fused" && attention != "composed" && attention != "sdpa")
-    throw InputError(
-        fmt::format("model: attention must be fused, composed or sdpa, got '{}'", attention));
+  if (attention != "fused" && attention != "composed" && attention != "sdpa" &&
+      attention != "sdpa_table")
+    throw InputError(fmt::format(
+        "model: attention must be fused, composed, sdpa or sdpa_table, got '{}'", attention));
   if (d_model % heads)
     throw InputError(fmt::format("model: d_model {} is not divisible by heads {}", d_model, heads));
   if (weights != "softmax" && weights != "softplus")
@@ -177,6 +178,68 @@ torch::Tensor BlockImpl::step(const torch::Tensor& x, nn::GrapeDecodeState& stat
   return grape_mlp(x + proj_(y.transpose(1, 2).reshape({B, T, c_.d_model})));
 }
 
+namespace {
+// x's pairs (2p, 2p + 1) (interleaved) or (p, p + D/2) (half split) turned a quarter:
+// (x0, x1) -> (-x1, x0), the rotate_half of HF's RoPE
+torch::Tensor quarter_turn(const torch::Tensor& x, Layout layout) {
+  const int64_t D = x.size(-1);
+  if (layout == Layout::HalfSplit)
+    return torch::cat({-x.narrow(-1, D / 2, D / 2), x.narrow(-1, 0, D / 2)}, -1);
+  const auto pairs = x.unflatten(-1, {D / 2, 2});
+  return torch::stack({-pairs.select(-1, 1), pairs.select(-1, 0)}, -1).flatten(-2);
+}
+}  // namespace
+
+std::pair<torch::Tensor, torch::Tensor> BlockImpl::table_rotated(const torch::Tensor& q,
+                                                                 const torch::Tensor& k) {
+  const int64_t T = q.size(2), D = q.size(3);
+  if (!table_.defined() || table_.size(3) != T || table_.scalar_type() != q.scalar_type()) {
+    const torch::NoGradGuard no_grad;
+    const Mechanism& m = enc_->mechanism();
+    for (const auto& p : enc_->parameters())
+      if (p.requires_grad())
+        throw InputError(fmt::format(
+            "model: attention = sdpa_table precomputes the transform as a table; '{}' learns "
+            "parameters of it: use sdpa or fused",
+            m.spec));
+    // the first member of every pair set to 1: the transform turns it into (a, b), the pair's
+    // factors of x0 and of the quarter-turned pair, if it acts on pairs as [[a, -b], [b, a]]
+    const bool half = c_.layout == Layout::HalfSplit;
+    auto unit = torch::zeros({1, q.size(1), T, D}, q.options().requires_grad(false));
+    (half ? unit.narrow(-1, 0, D / 2) : unit.unflatten(-1, {D / 2, 2}).select(-1, 0)).fill_(1);
+    const auto o = enc_->forward(unit, unit, {});
+    std::vector<torch::Tensor> rows;
+    for (const auto& t : {o.q, o.k}) {
+      const auto a = half ? t.narrow(-1, 0, D / 2) : t.unflatten(-1, {D / 2, 2}).select(-1, 0);
+      const auto b = half ? t.narrow(-1, D / 2, D / 2) : t.unflatten(-1, {D / 2, 2}).select(-1, 1);
+      const auto both = [&](const torch::Tensor& f) {  // one factor for both members of a pair
+        return half ? torch::cat({f, f}, -1) : torch::stack({f, f}, -1).flatten(-2);
+      };
+      rows.push_back(both(a));
+      rows.push_back(both(b));
+    }
+    table_ = torch::stack(rows);  // [4 (q cos, q sin, k cos, k sin), 1, H, T, D]
+    // a transform that is not a rotation (and scaling) of pairs has no such table: refused
+    // (from a generator of its own: the model's draws stay those of the other attentions)
+    const auto x = torch::randn({1, q.size(1), T, D}, at::detail::createCPUGenerator(0),
+                                q.options().requires_grad(false));
+    const auto want = enc_->forward(x, x, {});
+    const auto xt = quarter_turn(x, c_.layout);
+    const auto gq = x * table_[0] + xt * table_[1], gk = x * table_[2] + xt * table_[3];
+    const double tol = 1e-4 * (want.q.abs().max().item<double>() + 1);
+    if ((gq - want.q).abs().max().item<double>() > tol ||
+        (gk - want.k).abs().max().item<double>() > tol) {
+      table_ = torch::Tensor();
+      throw InputError(fmt::format(
+          "model: attention = sdpa_table applies the transform as a cos/sin table of pair "
+          "rotations; '{}' is not one: use sdpa or fused",
+          m.spec));
+    }
+  }
+  return {q * table_[0] + quarter_turn(q, c_.layout) * table_[1],
+          k * table_[2] + quarter_turn(k, c_.layout) * table_[3]};
+}
+
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
                                  const torch::Tensor& frame) {
   const int64_t B = x.size(0), T = x.size(1), H = c_.heads, hd = c_.head_dim();
@@ -201,15 +264,19 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& po
     y = softplus_attention(q, k, qkv[2], positions, frame);
   } else if (c_.attention == "fused") {
     y = nn::attention(q, k, qkv[2], *enc_, args);
-  } else if (c_.attention == "sdpa") {
+  } else if (c_.attention == "sdpa" || c_.attention == "sdpa_table") {
     const Mechanism& m = enc_->mechanism();
     if (!m.biases.empty() || nn::journey_term(m) || positions.defined() || !c_.include_self)
       throw InputError(fmt::format(
-          "model: attention = sdpa takes mechanisms without biases or frames at the default "
+          "model: attention = {} takes mechanisms without biases or frames at the default "
           "positions, include_self; '{}' needs fused or composed",
-          m.spec));
-    const auto t = enc_->forward(q, k, positions);
-    y = at::scaled_dot_product_attention(t.q, t.k, qkv[2], {}, 0.0, /*is_causal=*/true);
+          c_.attention, m.spec));
+    const auto [qt, kt] = c_.attention == "sdpa" ? [&] {
+      const auto t = enc_->forward(q, k, positions);
+      return std::pair{t.q, t.k};
+    }()
+                                                 : table_rotated(q, k);
+    y = at::scaled_dot_product_attention(qt, kt, qkv[2], {}, 0.0, /*is_causal=*/true);
   } else {
     if (nn::journey_term(enc_->mechanism()))
       throw InputError(

@@ -58,7 +58,9 @@ struct ModelConfig {
   // same math from plain LibTorch ops with materialised T x T scores (the baseline of the
   // performance comparisons and a cross-check); "sdpa": the mechanism's transforms, then LibTorch's
   // scaled_dot_product_attention, causal (the strongest baseline a LibTorch user has: mechanisms
-  // without biases or frames, default positions, include_self)
+  // without biases or frames, default positions, include_self); "sdpa_table": the same SDPA model
+  // written as users write RoPE (HF's rotary embedding): q cos + rotate_half(q) sin with the
+  // cos/sin table computed once per length, for transforms that rotate (and scale) pairs
   std::string attention = "fused";
   // PJ-RoPE's synthetic bridge (spec pj-rope.md 3.3): include_self = false lets no query see its
   // own position (strictly causal); freeze_qk zeroes the query/key projections, so the logits are
@@ -114,6 +116,11 @@ class BlockImpl : public torch::nn::Module {
   nn::PositionEncoding enc_{nullptr};
   nn::GrapeAttention grape_{nullptr};  // grape preset
   torch::Tensor grape_mlp(const torch::Tensor& h);
+  // sdpa_table: q and k turned through the cos/sin table (made and checked against the
+  // transform on the first call of each length)
+  std::pair<torch::Tensor, torch::Tensor> table_rotated(const torch::Tensor& q,
+                                                        const torch::Tensor& k);
+  torch::Tensor table_;
 };
 TORCH_MODULE(Block);
 

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "core/types.hpp"
+
 namespace relpos::train {
 
 std::string step_benchmark(const models::ModelConfig& base, int64_t T, int64_t batch, int rounds,
@@ -56,29 +58,34 @@ std::string step_benchmark(const models::ModelConfig& base, int64_t T, int64_t b
     return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
   };
   std::string md = fmt::format(
-      "model d {} / {} heads / {} layers / ratio {}, T {}, batch {}, {} threads, {} rounds "
-      "(medians, round robin, order reversed every other round)\n\n"
+      "model d {} / {} heads / {} layers / ratio {} / {} pairs, T {}, batch {}, {} threads, {} "
+      "rounds (medians, round robin, order reversed every other round)\n\n"
       "| mechanism | attention | ms / step | tokens/s | step vs first | "
-      "vs sdpa (per round) | every round (ms) |\n|---|---|---:|---:|---:|---:|---|\n",
-      base.d_model, base.heads, base.layers, base.mlp_ratio, T, batch, threads, rounds);
+      "vs sdpa (per round) | vs sdpa_table (per round) | every round (ms) |\n"
+      "|---|---|---:|---:|---:|---:|---:|---|\n",
+      base.d_model, base.heads, base.layers, base.mlp_ratio, to_string(base.layout), T, batch,
+      threads, rounds);
   const double first = median(entries.front().ms);
   for (size_t i = 0; i < entries.size(); ++i) {
     const double m = median(entries[i].ms);
     std::string all;
     for (double x : entries[i].ms) all += fmt::format("{}{:.0f}", all.empty() ? "" : " ", x);
-    // against the same mechanism on SDPA, when it ran: ratio of the medians, and the median of
-    // the per-round ratios (the two ran in the same round)
-    std::string vs_sdpa = "-";
-    for (size_t j = 0; j < entries.size(); ++j)
-      if (cases[j].attention == "sdpa" && cases[j].mechanism == cases[i].mechanism) {
-        std::vector<double> per;
-        for (size_t r = 0; r < entries[i].ms.size(); ++r)
-          per.push_back(entries[i].ms[r] / entries[j].ms[r]);
-        vs_sdpa = fmt::format("{:.3f} ({:.3f})", m / median(entries[j].ms), median(per));
-      }
-    md += fmt::format("| {} | {} | {:.1f} | {:.0f} | {:.3f}x | {} | {} |\n", cases[i].mechanism,
-                      cases[i].attention, m, 1e3 * static_cast<double>(batch * T) / m, m / first,
-                      vs_sdpa, all);
+    // against the same mechanism on each SDPA model, when it ran: ratio of the medians, and the
+    // median of the per-round ratios (the two ran in the same round)
+    const auto versus = [&](const std::string& attention) {
+      for (size_t j = 0; j < entries.size(); ++j)
+        if (cases[j].attention == attention && cases[j].mechanism == cases[i].mechanism) {
+          std::vector<double> per;
+          for (size_t r = 0; r < entries[i].ms.size(); ++r)
+            per.push_back(entries[i].ms[r] / entries[j].ms[r]);
+          return fmt::format("{:.3f} ({:.3f})", m / median(entries[j].ms), median(per));
+        }
+      return std::string("-");
+    };
+    md +=
+        fmt::format("| {} | {} | {:.1f} | {:.0f} | {:.3f}x | {} | {} | {} |\n", cases[i].mechanism,
+                    cases[i].attention, m, 1e3 * static_cast<double>(batch * T) / m, m / first,
+                    versus("sdpa"), versus("sdpa_table"), all);
   }
   return md;
 }

@@ -88,6 +88,55 @@ TEST(Models, BadConfigsAreNamed) {
   EXPECT_THROW(m->forward(torch::full({1, 4}, 11, torch::kLong)), InputError);
 }
 
+// sdpa_table (the SDPA model with its transform as a cos/sin table, as users write RoPE) is the
+// sdpa model for transforms that rotate and scale pairs, in both layouts, values and gradients;
+// a transform with learned parameters or one that is not a pair rotation is refused by name.
+TEST(Models, SdpaTableIsTheSdpaModelForPairRotations) {
+  for (const Layout layout : {Layout::Interleaved, Layout::HalfSplit})
+    for (const std::string spec : {"rope", "xpos", "rope(theta=500)", "nope"}) {
+      SCOPED_TRACE(spec + (layout == Layout::HalfSplit ? " half" : " interleaved"));
+      auto c = small(spec);
+      c.layout = layout;
+      c.attention = "sdpa";
+      torch::manual_seed(5);
+      models::TransformerLM sdpa(c);
+      c.attention = "sdpa_table";
+      models::TransformerLM table(c);
+      {
+        torch::NoGradGuard ng;
+        const auto src = sdpa->parameters();
+        const auto dst = table->parameters();
+        for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+      }
+      for (const int64_t T : {40, 17}) {  // a second length makes a second table
+        const auto tokens = torch::randint(0, 11, {2, T}, torch::kLong);
+        const auto a = sdpa->forward(tokens), b = table->forward(tokens);
+        EXPECT_LT((a - b).abs().max().item<double>(), 1e-4 * a.abs().max().item<double>());
+        a.square().sum().backward();
+        b.square().sum().backward();
+        const auto ga = sdpa->parameters(), gb = table->parameters();
+        for (size_t i = 0; i < ga.size(); ++i) {
+          EXPECT_LT((ga[i].grad() - gb[i].grad()).abs().max().item<double>(),
+                    1e-3 * (ga[i].grad().abs().max().item<double>() + 1e-6));
+          ga[i].mutable_grad().zero_();
+          gb[i].mutable_grad().zero_();
+        }
+      }
+    }
+  for (const std::string spec : {"jordan(m=2)", "orthogonal_mix + rope"}) {
+    SCOPED_TRACE(spec);
+    auto c = small(spec);
+    c.attention = "sdpa_table";
+    models::TransformerLM m(c);
+    try {
+      m->forward(torch::randint(0, 11, {1, 8}, torch::kLong));
+      ADD_FAILURE() << "no refusal";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("sdpa_table"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // The fused engine, the materialised composition and (mechanisms without biases) LibTorch's SDPA
 // after the mechanism's transforms compute one model; SDPA refuses a bias by name.
 TEST(Models, FusedComposedAndSdpaAttentionAgree) {

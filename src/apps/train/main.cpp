@@ -289,15 +289,24 @@ int main(int argc, char** argv) {
   step_cmd->add_option("--rounds", bench_rounds, "Rounds (medians)")->check(CLI::Range(1, 1000));
   step_cmd->add_option("--threads", bench_threads, "Threads")->check(CLI::Range(1, 1024));
   step_cmd->add_option("--mechanisms", bench_specs, "Mechanisms (the first is the baseline)");
+  std::string bench_layout = "interleaved";
+  step_cmd
+      ->add_option("--layout", bench_layout,
+                   "Pair layout of every model's transforms: interleaved or half_split (HF's)")
+      ->check(CLI::IsMember({"interleaved", "half_split"}));
   step_cmd
       ->add_option("--attention", bench_attention,
                    "Attention paths: fused (the engine), sdpa (the mechanism's transforms, then "
-                   "LibTorch's SDPA; mechanisms without biases), composed (materialised scores)")
-      ->check(CLI::IsMember({"fused", "sdpa", "composed"}));
+                   "LibTorch's SDPA; mechanisms without biases), sdpa_table (the same SDPA model "
+                   "with the transform as users write RoPE: a cos/sin table made once, "
+                   "q cos + rotate_half(q) sin; pair rotations only), composed (materialised "
+                   "scores)")
+      ->check(CLI::IsMember({"fused", "sdpa", "sdpa_table", "composed"}));
   step_cmd->callback([&] {
     if (bench_model.d_model % bench_model.heads)
       throw InputError(fmt::format("--d-model {} must be a multiple of --heads {}",
                                    bench_model.d_model, bench_model.heads));
+    bench_model.layout = parse_layout(bench_layout);
     std::vector<train::StepBenchCase> cases;
     for (const auto& att : bench_attention)
       for (const auto& s : bench_specs) cases.push_back({s, att});
