@@ -179,14 +179,20 @@ torch::Tensor BlockImpl::step(const torch::Tensor& x, nn::GrapeDecodeState& stat
 }
 
 namespace {
-// x's pairs (2p, 2p + 1) (interleaved) or (p, p + D/2) (half split) turned a quarter:
-// (x0, x1) -> (-x1, x0), the rotate_half of HF's RoPE
-torch::Tensor quarter_turn(const torch::Tensor& x, Layout layout) {
+// member m (0 or 1) of x's pairs (2p, 2p + 1) (interleaved) or (p, p + D/2) (half split), a view
+torch::Tensor pair_member(const torch::Tensor& x, Layout layout, int m) {
   const int64_t D = x.size(-1);
-  if (layout == Layout::HalfSplit)
-    return torch::cat({-x.narrow(-1, D / 2, D / 2), x.narrow(-1, 0, D / 2)}, -1);
-  const auto pairs = x.unflatten(-1, {D / 2, 2});
-  return torch::stack({-pairs.select(-1, 1), pairs.select(-1, 0)}, -1).flatten(-2);
+  return layout == Layout::HalfSplit ? x.narrow(-1, m * D / 2, D / 2)
+                                     : x.unflatten(-1, {D / 2, 2}).select(-1, m);
+}
+// the tensor whose pairs are (a, b): pair_member's inverse
+torch::Tensor from_pairs(const torch::Tensor& a, const torch::Tensor& b, Layout layout) {
+  return layout == Layout::HalfSplit ? torch::cat({a, b}, -1)
+                                     : torch::stack({a, b}, -1).flatten(-2);
+}
+// x's pairs turned a quarter: (x0, x1) -> (-x1, x0), the rotate_half of HF's RoPE
+torch::Tensor quarter_turn(const torch::Tensor& x, Layout layout) {
+  return from_pairs(-pair_member(x, layout, 1), pair_member(x, layout, 0), layout);
 }
 }  // namespace
 
@@ -204,20 +210,15 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::table_rotated(const torch::Te
             m.spec));
     // the first member of every pair set to 1: the transform turns it into (a, b), the pair's
     // factors of x0 and of the quarter-turned pair, if it acts on pairs as [[a, -b], [b, a]]
-    const bool half = c_.layout == Layout::HalfSplit;
     auto unit = torch::zeros({1, q.size(1), T, D}, q.options().requires_grad(false));
-    (half ? unit.narrow(-1, 0, D / 2) : unit.unflatten(-1, {D / 2, 2}).select(-1, 0)).fill_(1);
+    pair_member(unit, c_.layout, 0).fill_(1);
     const auto o = enc_->forward(unit, unit, {});
     std::vector<torch::Tensor> rows;
-    for (const auto& t : {o.q, o.k}) {
-      const auto a = half ? t.narrow(-1, 0, D / 2) : t.unflatten(-1, {D / 2, 2}).select(-1, 0);
-      const auto b = half ? t.narrow(-1, D / 2, D / 2) : t.unflatten(-1, {D / 2, 2}).select(-1, 1);
-      const auto both = [&](const torch::Tensor& f) {  // one factor for both members of a pair
-        return half ? torch::cat({f, f}, -1) : torch::stack({f, f}, -1).flatten(-2);
-      };
-      rows.push_back(both(a));
-      rows.push_back(both(b));
-    }
+    for (const auto& t : {o.q, o.k})
+      for (const int m : {0, 1}) {  // one factor for both members of a pair
+        const auto f = pair_member(t, c_.layout, m);
+        rows.push_back(from_pairs(f, f, c_.layout));
+      }
     table_ = torch::stack(rows);  // [4 (q cos, q sin, k cos, k sin), 1, H, T, D]
     // a transform that is not a rotation (and scaling) of pairs has no such table: refused
     // (from a generator of its own: the model's draws stay those of the other attentions)
@@ -271,12 +272,14 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& po
           "model: attention = {} takes mechanisms without biases or frames at the default "
           "positions, include_self; '{}' needs fused or composed",
           c_.attention, m.spec));
-    const auto [qt, kt] = c_.attention == "sdpa" ? [&] {
+    std::pair<torch::Tensor, torch::Tensor> qk;
+    if (c_.attention == "sdpa") {
       const auto t = enc_->forward(q, k, positions);
-      return std::pair{t.q, t.k};
-    }()
-                                                 : table_rotated(q, k);
-    y = at::scaled_dot_product_attention(qt, kt, qkv[2], {}, 0.0, /*is_causal=*/true);
+      qk = {t.q, t.k};
+    } else {
+      qk = table_rotated(q, k);
+    }
+    y = at::scaled_dot_product_attention(qk.first, qk.second, qkv[2], {}, 0.0, /*is_causal=*/true);
   } else {
     if (nn::journey_term(enc_->mechanism()))
       throw InputError(
