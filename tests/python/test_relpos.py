@@ -311,6 +311,19 @@ def test_rope_scaling_dict_equals_rope_at_the_yarn_frequencies():
         relpos.PositionEncoding("nope", D, 2, rope_scaling=cfg)
 
 
+def test_alone_benchmark_runs():
+    """bench/bench_alone.py at a toy size: every process checks its variant against eager RoPE,
+    then one row per (heap, variant) and one ratio row per heap; a bad shape is the parser's
+    error."""
+    from bench_runs import bench_rows
+
+    rows = bench_rows("bench_alone.py",
+                      ["--shape", "1,2,8,8", "--runs", "1", "--calls", "2", "--threads", "1"],
+                      r"\| (glibc default|no trim, no mmap) \|", ["--shape", "1,2,8"], "--shape")
+    assert len(rows) == 6, rows
+    assert sum("| relpos |" in r for r in rows) == 2 and sum("| compiled |" in r for r in rows) == 2
+
+
 @pytest.mark.parametrize("moving", [False, True])
 def test_call_overhead_benchmark_runs(moving):
     """bench/bench_call_overhead.py at a toy size, with fixed and with moving positions: it runs,
