@@ -574,12 +574,14 @@ class Attention(nn.Module):
         self._check(q, k, v, cache, key_len, positions, inputs, finite=False)
         enc = self.encoding
         cache._reserve(q.shape[2])
-        out, lse, enc._warned = _op(
+        out, lse, warned = _op(
             torch.ops.relpos.attention_decode, q, k, v, cache._keys, cache._values,
             cache._positions, cache.lengths, positions, key_len,
             enc._inference_params(torch.float32 if q.dtype in _HALF else q.dtype), self.spec,
             self.head_dim, self.num_kv_heads, self.num_heads, enc.layout, self.causal, self.window,
             0.0 if self.scale is None else float(self.scale), self.check_finite, enc._warned)
+        if warned != enc._warned:  # (nn.Module.__setattr__ is slow: only on a change)
+            enc._warned = warned
         return (out, lse) if return_lse else out
 
     def _favor(self, qt, kt, vt, qpos, key_len, return_lse):
