@@ -52,6 +52,14 @@ struct AttentionArgs {
 std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::Tensor& k,
                                            const torch::Tensor& v, const AttentionArgs& args = {});
 
+// The CPU forward kernel of fused_attention called directly, without the dispatcher or autograd:
+// for a call that records no gradient and whose dispatch would cost a share of its time (a decode
+// step over a few hundred keys). Same arguments (kernel_storage unset) and results.
+std::vector<torch::Tensor> fused_attention_cpu_forward(const torch::Tensor& q,
+                                                       const torch::Tensor& k,
+                                                       const torch::Tensor& v,
+                                                       const AttentionArgs& args);
+
 // Attention with a mechanism: its transforms (a journey term rotates q, k, v by their frames and
 // the output back, torch/journey.hpp) (the encoding's parameters, so they train) on q and k,
 // its biases (ALiBi slopes) added to args' biases inside the kernel. The encoding is built for

@@ -203,14 +203,22 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
   AttentionArgs a;
   a.q_positions = pos;
   a.k_positions = cache.positions.narrow(1, 0, len);
-  a.key_len = cache.lengths.clone();
+  a.key_len = cache.lengths;  // (read by this call only: no gradient is recorded)
   a.causal = step.causal;
   a.window = step.window;
   a.scale = step.scale;
-  if (m.slope_bias())
-    a.slopes = torch::tensor(slopes_for_heads(m, step.num_heads), torch::kDouble)
-                   .to(op_util::compute_type(st));
-  auto r = fused_attention(qt, cache.keys.narrow(2, 0, len), cache.values.narrow(2, 0, len), a);
+  if (m.slope_bias()) {
+    const auto slopes = slopes_for_heads(m, step.num_heads);
+    a.slopes = torch::empty({static_cast<int64_t>(slopes.size())},
+                            torch::dtype(op_util::compute_type(st)));
+    AT_DISPATCH_FLOATING_TYPES(a.slopes.scalar_type(), "relpos_decode_slopes", [&] {
+      std::copy(slopes.begin(), slopes.end(), a.slopes.data_ptr<scalar_t>());
+    });
+  }
+  // the kernel called directly: a step's dispatch through the autograd layer (which records
+  // nothing here) cost about a tenth of the step at a few hundred keys (docs/performance.md)
+  auto r = fused_attention_cpu_forward(qt, cache.keys.narrow(2, 0, len),
+                                       cache.values.narrow(2, 0, len), a);
   r[0] = r[0].to(dt);
   return r;
 }

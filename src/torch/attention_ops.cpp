@@ -651,8 +651,8 @@ torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k, const
 
 // ---- the C++ entry points (torch/attention.hpp) ------------------------------------------------
 
-std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                           const torch::Tensor& v, const AttentionArgs& a) {
+namespace {
+Biases biases_of(const AttentionArgs& a) {
   Biases b;
   b[kLagTable] = a.lag_table;
   b[kSlopes] = a.slopes;
@@ -663,6 +663,13 @@ std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::
   b[kPathQ] = a.path_q;
   b[kPathK] = a.path_k;
   b[kPathBeta] = a.path_beta;
+  return b;
+}
+}  // namespace
+
+std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                           const torch::Tensor& v, const AttentionArgs& a) {
+  const Biases b = biases_of(a);
   const auto st = a.kernel_storage;
   const bool rounded = st && op_util::is_half(*st) && q.scalar_type() == torch::kFloat;
   const auto operand = [&](const torch::Tensor& t) { return rounded ? t.to(*st) : t; };
@@ -671,6 +678,19 @@ std::vector<torch::Tensor> fused_attention(const torch::Tensor& q, const torch::
       {opt(a.key_len), opt(a.key_start), opt(a.q_segments), opt(a.k_segments)},
       {a.causal, a.window, a.scale, a.exclude_self, a.path_scale});
   return {rounded ? out.to(torch::kFloat) : out, lse};
+}
+
+std::vector<torch::Tensor> fused_attention_cpu_forward(const torch::Tensor& q,
+                                                       const torch::Tensor& k,
+                                                       const torch::Tensor& v,
+                                                       const AttentionArgs& a) {
+  if (!q.is_cpu() || a.kernel_storage)
+    throw InputError("fused_attention_cpu_forward: CPU operands as they are (no kernel_storage)");
+  auto [out, lse] =
+      fused_attention_cpu(q, k, v, pack(biases_of(a)), opt(a.q_positions), opt(a.k_positions),
+                          a.causal, a.window, opt(a.key_len), a.scale, a.exclude_self, a.path_scale,
+                          opt(a.key_start), opt(a.q_segments), opt(a.k_segments));
+  return {out, lse};
 }
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
