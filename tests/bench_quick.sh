@@ -56,3 +56,14 @@ for r in rows:
     assert set(r["ours_over"]) == {"sdpa", base}, r
 print(f"ok: decode, {len(rows)} rows")
 PY
+rc=$?
+[ "$rc" != 0 ] && exit "$rc"
+# relpos bench step: the training step's benchmark, run by relpos-train (bench-step), one tiny round
+"$relpos" bench step --layers 1 --d-model 32 --heads 2 --vocab 64 --T 32 --batch 1 --rounds 1 \
+  --mechanisms rope --attention fused sdpa >"$tmp/step.txt" 2>"$tmp/err.txt"
+rc=$?
+if [ "$rc" != 0 ]; then echo "FAIL: relpos bench step exited $rc: $(tail -n 5 "$tmp/err.txt")"; exit 1; fi
+for path in fused sdpa; do
+  grep -q "^| rope | $path |" "$tmp/step.txt" || { echo "FAIL: relpos bench step has no rope/$path row: $(cat "$tmp/step.txt")"; exit 1; }
+done
+echo "ok: step"

@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
     if (argc > 1 && argv[1][0] != '-' && std::string_view(argv[1]) != "attention" &&
         std::string_view(argv[1]) != "decode")
       throw relpos::InputError("unknown benchmark '" + relpos::brief(argv[1]) +
-                               "' (available: attention, decode)");
+                               "' (available: attention, decode; relpos bench step runs the "
+                               "training step's, relpos-train bench-step)");
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);

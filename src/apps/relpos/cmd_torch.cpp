@@ -54,7 +54,8 @@ void add_torch_commands(CLI::App& app) {
        "A sweep's finished runs as records that --import-runs continues from elsewhere (FOLDER "
        "--out DIR)"},
       {"bench", "relpos-bench",
-       "Benchmarks against LibTorch: 'relpos bench attention|decode --help' lists the options"}};
+       "Benchmarks against LibTorch: 'relpos bench attention|decode|step --help' lists the "
+       "options (step: the training step, in relpos-train)"}};
   for (const auto& [name, program, help] : commands) {
     auto* cmd = app.add_subcommand(name, fmt::format("{} [{}]", help, program));
     cmd->prefix_command();  // everything after the name goes to the program as is
@@ -64,7 +65,13 @@ void add_torch_commands(CLI::App& app) {
       std::vector<std::string> args;
       if (program == "relpos-train") args.push_back(name);
       for (const auto& a : cmd->remaining()) args.push_back(a);
-      if (const int rc = run_beside(program, args); rc != 0) throw ExitStatus{rc};
+      // the training step's benchmark builds models, so it lives in relpos-train (bench-step)
+      std::string runs = program;
+      if (name == "bench" && !args.empty() && args[0] == "step") {
+        runs = "relpos-train";
+        args[0] = "bench-step";
+      }
+      if (const int rc = run_beside(runs, args); rc != 0) throw ExitStatus{rc};
     });
   }
 }
