@@ -336,6 +336,12 @@ class Attention(nn.Module):
                                    "the context length), so cached keys' frequencies would change; "
                                    "freeze it with a static rule to decode")
 
+    def __getstate__(self) -> dict:
+        # the decode plan is a cache of the spec (a TorchScript object): made again when needed
+        state = super().__getstate__()
+        state.pop("_decode_plan", None)
+        return state
+
     def extra_repr(self) -> str:
         return (f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}")
@@ -571,15 +577,41 @@ class Attention(nn.Module):
         """A cached step in one op call: the checks, the cache's step and append, the new
         tokens' transform and the kernel (the general path's calls, without the interpreter
         between them)."""
-        self._check(q, k, v, cache, key_len, positions, inputs, finite=False)
+        # _check's conditions for this call in a few comparisons; when one fails, _check runs
+        # for the message (its Python costs several microseconds a step)
+        kv = (q.shape[0], self.num_kv_heads, q.shape[2], self.head_dim) if q.dim() == 4 else None
+        if not (kv is not None and q.shape[1] == self.num_heads and k.shape == kv
+                and v.shape == kv and k.dtype == q.dtype and v.dtype == q.dtype
+                and (inputs is None or (isinstance(inputs, torch.Tensor) and inputs.dim() == 3
+                                        and inputs.shape[:2] == (kv[0], kv[2])))
+                and (positions is None or isinstance(positions, torch.Tensor))
+                and self._cache_refusal is None and self.causal
+                and cache._owner is not None and cache._owner() is self
+                and cache.batch == kv[0] and cache.num_kv_heads == kv[1]
+                and cache.head_dim == kv[3] and k.device == cache._keys.device):
+            self._check(q, k, v, cache, key_len, positions, inputs, finite=False)
         enc = self.encoding
-        cache._reserve(q.shape[2])
-        out, lse, warned = _op(
-            torch.ops.relpos.attention_decode, q, k, v, cache._keys, cache._values,
-            cache._positions, cache.lengths, positions, key_len,
-            enc._inference_params(torch.float32 if q.dtype in _HALF else q.dtype), self.spec,
-            self.head_dim, self.num_kv_heads, self.num_heads, enc.layout, self.causal, self.window,
-            0.0 if self.scale is None else float(self.scale), self.check_finite, enc._warned)
+        plan = self.__dict__.get("_decode_plan")
+        if plan is None:  # (the mechanism parsed once, not per step; not pickled: __getstate__)
+            plan = _op(torch.classes.relpos.DecodePlan, self.spec, self.head_dim,
+                       self.num_kv_heads)
+            self._decode_plan = plan
+        # one op call checks the inputs, compares the parameters' schema with the values the
+        # plan's parameters came from, and the cache's room; a second only after the parameters
+        # changed (or the dtype) or the storage grew
+        for _ in range(3):
+            out, lse, warned, status = _op(
+                plan.decode, q, k, v, cache._keys, cache._values,
+                cache._positions, cache.lengths, positions, key_len, enc._schema_tensors(),
+                self.num_heads, enc.layout, self.causal, self.window,
+                0.0 if self.scale is None else float(self.scale), self.check_finite, enc._warned)
+            if status == 0:
+                break
+            if status == 1:  # (the encoding's cache rebuilt when the values or dtype changed)
+                enc._inference_params(torch.float32 if q.dtype in _HALF else q.dtype)
+                plan.set_params(enc._inference_cache[1], enc._inference_cache[2])
+            else:
+                cache._reserve(q.shape[2])
         if warned != enc._warned:  # (nn.Module.__setattr__ is slow: only on a change)
             enc._warned = warned
         return (out, lse) if return_lse else out

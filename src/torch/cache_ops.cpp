@@ -11,14 +11,22 @@
 //   same_values(Tensor[] a, Tensor[] b) -> bool
 //       whether a and b hold the same tensors by dtype, shape and bytes (one call for a list: the
 //       module's per-step check that cached kernel parameters are still its parameters')
-//   attention_decode(q, k, v, keys!, values!, positions!, lengths!, new_positions?, key_len?,
-//                    kernel_params[4], spec, head_dim, kv_heads, num_heads, layout, causal, window,
-//                    scale, check_finite, warned) -> (out, lse, warned)
+//   DecodePlan(spec, head_dim, kv_heads), plan.set_params(schema_values[], kernel_params[4])
+//       a Python Attention's decode state: its mechanism parsed once (InputError when a step
+//       cannot run it in one call), and the kernel parameters with the schema values they were
+//       computed from
+//   attention_decode(plan, q, k, v, keys!, values!, positions!, lengths!, new_positions?,
+//                    key_len?, schema[], num_heads, layout, causal, window, scale, check_finite,
+//                    warned) -> (out, lse, warned, status)
 //       the Python Attention's cached step in one call, for a mechanism of one position term
 //       (or none) and slope or no biases, without autograd: the checks, the cache's step, the
 //       new tokens' transform, the append and the kernel over the used prefix. The same steps as
 //       AttentionImpl::assembled with a cache (the interpreter's share of a decode step was
-//       about as large as the kernel's at 1k keys)
+//       about as large as the kernel's at 1k keys). Nothing is done, and status says why, when
+//       the plan's parameters are not of the schema's present values in q's compute dtype
+//       (1: the caller hands it new ones) or a row has no room for the step's tokens (2: the
+//       caller grows the storage); then the caller calls again. 0: the step ran (the checks,
+//       the parameters' compare and the room in one call, not three from Python)
 //   transform_step(q, k, positions, kernel_params[4], schema[], cached_schema[], spec, head_dim,
 //                  kv_heads, layout, check_finite, warned) -> (q', k', warned, stale)
 //       a step's few new tokens transformed in one call without autograd (the switched Hugging
@@ -32,9 +40,11 @@
 //   transform_step_refusal(spec, head_dim, kv_heads) -> str
 //       why transform_step cannot run the mechanism ("" when it can)
 #include <fmt/format.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/registry.hpp"
@@ -91,22 +101,62 @@ int64_t nonfinite_op(at::TensorList tensors) {
   return -1;
 }
 
-std::tuple<torch::Tensor, torch::Tensor, int64_t> attention_decode_op(
-    const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v,
-    const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& positions,
-    const torch::Tensor& lengths, const c10::optional<torch::Tensor>& new_positions,
-    const c10::optional<torch::Tensor>& key_len, at::TensorList kernel_params,
-    const std::string& spec, int64_t head_dim, int64_t kv_heads, int64_t num_heads, int64_t layout,
-    bool causal, double window, double scale, bool check_finite, int64_t warned) {
+// attention_decode's status: the step ran, or nothing was done (empty outputs: a method returns
+// no undefined tensor) and the caller calls again after handing the plan new kernel parameters or
+// growing the cache's storage
+enum DecodeStatus : int64_t { kDecoded = 0, kStaleParams = 1, kNoRoom = 2 };
+
+// A Python Attention's decode state that outlives a step: its mechanism parsed once (the parse
+// cost about a tenth of a step at a few hundred keys) and the kernel parameters with the copy of
+// the schema's values they were computed from. Held by the module (not saved with it: pickled as
+// the spec and dims only, the parameters then handed again).
+struct DecodePlan : torch::CustomClassHolder {
+  std::string spec;
+  int64_t head_dim, kv_heads;
+  Mechanism mechanism;
+  std::vector<torch::Tensor> schema, params;  // params computed from these schema values
+
+  DecodePlan(std::string spec_in, int64_t head_dim_in, int64_t kv_heads_in)
+      : spec(std::move(spec_in)),
+        head_dim(head_dim_in),
+        kv_heads(kv_heads_in),
+        mechanism(op_util::value_errors([&] {
+          if (head_dim <= 0 || head_dim > kMaxHeadDim || kv_heads <= 0 || kv_heads > kMaxHeads)
+            throw InputError(
+                fmt::format("head dim {} / kv heads {} out of range", head_dim, kv_heads));
+          Mechanism m =
+              build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
+          if (auto why = one_call_decode_refusal(m)) throw InputError(*why);
+          return m;
+        })) {}
+
+  void set_params(std::vector<torch::Tensor> schema_values, std::vector<torch::Tensor> kernel) {
+    schema = std::move(schema_values);
+    params = std::move(kernel);
+  }
+};
+
+std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> attention_decode_op(
+    const c10::intrusive_ptr<DecodePlan>& plan, const torch::Tensor& q_in,
+    const torch::Tensor& k_in, const torch::Tensor& v, const torch::Tensor& keys,
+    const torch::Tensor& values, const torch::Tensor& positions, const torch::Tensor& lengths,
+    const c10::optional<torch::Tensor>& new_positions, const c10::optional<torch::Tensor>& key_len,
+    const std::vector<torch::Tensor>& schema, int64_t num_heads, int64_t layout, bool causal,
+    double window, double scale, bool check_finite, int64_t warned) {
   return op_util::value_errors([&] {
+    const auto stale = [&] {
+      return std::make_tuple(torch::empty({0}), torch::empty({0}), warned, int64_t{kStaleParams});
+    };
+    // the parameters of q's compute dtype, computed from the schema's present values
+    if (plan->params.size() != 4 || !same_values_op(schema, plan->schema)) return stale();
+    const auto ct = op_util::compute_type(q_in.scalar_type());
+    for (const auto& t : plan->params)
+      if (t.defined() && t.scalar_type() != ct) return stale();
     const torch::NoGradGuard no_grad;
-    if (head_dim <= 0 || head_dim > kMaxHeadDim || kv_heads <= 0 || kv_heads > kMaxHeads ||
-        num_heads <= 0 || num_heads % kv_heads)
+    const int64_t head_dim = plan->head_dim, kv_heads = plan->kv_heads;
+    if (num_heads <= 0 || num_heads % kv_heads)
       throw InputError(
           fmt::format("head dim {} / heads {}:{} out of range", head_dim, num_heads, kv_heads));
-    const Mechanism m =
-        build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
-    if (auto why = one_call_decode_refusal(m)) throw InputError(*why);
     for (auto [name, t] : {std::pair{"q", &q_in}, std::pair{"k", &k_in}, std::pair{"v", &v}})
       if (t->dim() != 4 || !t->is_cpu() || t->scalar_type() != keys.scalar_type())
         throw InputError(fmt::format(
@@ -115,14 +165,21 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> attention_decode_op(
     if (check_finite)
       for (auto [name, t] : {std::pair{"q", &q_in}, std::pair{"k", &k_in}, std::pair{"v", &v}})
         if (!all_finite(*t)) throw InputError(fmt::format("{} contains NaN or Inf", name));
+    // room for the step's tokens in every row (the caller grows the storage, then calls again)
+    if (lengths.dim() == 1 && lengths.scalar_type() == torch::kLong && lengths.is_contiguous() &&
+        lengths.numel() > 0 && keys.dim() == 4) {
+      const int64_t* L = lengths.data_ptr<int64_t>();
+      if (*std::max_element(L, L + lengths.numel()) + q_in.size(2) > keys.size(2))
+        return std::make_tuple(torch::empty({0}), torch::empty({0}), warned, int64_t{kNoRoom});
+    }
     EncodingWarnings w{(warned & 1) != 0, (warned & 2) != 0, (warned & 4) != 0};
     const DecodeStep step{layout ? Layout::HalfSplit : Layout::Interleaved, num_heads, causal,
                           window, scale};
     const auto o = decode_step(
-        m, kernel_params.vec(), q_in, k_in, v, {keys, values, positions, lengths},
+        plan->mechanism, plan->params, q_in, k_in, v, {keys, values, positions, lengths},
         new_positions.value_or(torch::Tensor()), key_len.value_or(torch::Tensor()), step, w);
     warned = (w.clamp ? 1 : 0) | (w.resolution ? 2 : 0) | (w.center ? 4 : 0);
-    return std::make_tuple(o[0], o[1], warned);
+    return std::make_tuple(o[0], o[1], warned, int64_t{kDecoded});
   });
 }
 
@@ -193,13 +250,19 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       relpos::nn::cache_append_op);
   m.def("nonfinite(Tensor[] tensors) -> int", relpos::nn::nonfinite_op);
   m.def("same_values(Tensor[] a, Tensor[] b) -> bool", relpos::nn::same_values_op);
-  m.def(
-      "attention_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, "
-      "Tensor(c!) positions, Tensor(d!) lengths, Tensor? new_positions, Tensor? key_len, "
-      "Tensor[] kernel_params, str spec, int head_dim, int kv_heads, int num_heads, int layout, "
-      "bool causal, float window, float scale, bool check_finite, int warned) -> "
-      "(Tensor, Tensor, int)",
-      relpos::nn::attention_decode_op);
+  m.class_<relpos::nn::DecodePlan>("DecodePlan")
+      .def(torch::init<std::string, int64_t, int64_t>())
+      .def("set_params", &relpos::nn::DecodePlan::set_params)
+      .def("decode", relpos::nn::attention_decode_op)
+      .def_pickle(
+          [](const c10::intrusive_ptr<relpos::nn::DecodePlan>& p) {
+            return std::make_tuple(p->spec, p->head_dim, p->kv_heads);
+          },
+          [](std::tuple<std::string, int64_t, int64_t> state) {
+            return c10::make_intrusive<relpos::nn::DecodePlan>(
+                std::get<0>(state), std::get<1>(state), std::get<2>(state));
+          });
+
   m.def(
       "transform_step(Tensor q, Tensor k, Tensor positions, Tensor[] kernel_params, "
       "Tensor[] schema, Tensor[] cached_schema, str spec, int head_dim, int kv_heads, int layout, "
