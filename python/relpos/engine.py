@@ -315,7 +315,7 @@ class Attention(nn.Module):
         # frames the runtime returns (journey) turn values in and outputs back out
         term = info["transforms"][0] if self._rotation is not None else {}
         self._frame_values, self._frame_outputs = term.get("values", False), term.get("outputs", False)
-        # a decode step in one op call (attention_decode): one position term (or none), slope
+        # a decode step in one C++ call (DecodePlan.decode): one position term (or none), slope
         # biases or none, no runtime of its own
         self._one_call_decode = (
             backend == "softmax" and self._rotation is None and self._content is None
@@ -443,7 +443,7 @@ class Attention(nn.Module):
                 inputs: torch.Tensor | None = None, cache: KVCache | None = None,
                 return_lse: bool = False):
         if (cache is not None and self._one_call_decode and key_start is None and segments is None
-                and q.device.type == "cpu" and q.dtype == cache._keys.dtype
+                and q.is_cpu and q.dtype == cache._keys.dtype
                 and not torch.compiler.is_compiling() and not self._needs_grad(q, k, v)):
             return self._decode(q, k, v, positions, key_len, inputs, cache, return_lse)
         self._check(q, k, v, cache, key_len, positions, inputs)
@@ -590,7 +590,7 @@ class Attention(nn.Module):
                 and cache.batch == kv[0] and cache.num_kv_heads == kv[1]
                 and cache.head_dim == kv[3] and k.device == cache._keys.device):
             self._check(q, k, v, cache, key_len, positions, inputs, finite=False)
-        enc = self.encoding
+        enc = self._modules["encoding"]  # (nn.Module.__getattr__ is the slow path)
         plan = self.__dict__.get("_decode_plan")
         if plan is None:  # (the mechanism parsed once, not per step; not pickled: __getstate__)
             plan = _op(torch.classes.relpos.DecodePlan, self.spec, self.head_dim,

@@ -81,8 +81,8 @@ struct DecodeStep {
 // (kernel_params: gamma, eta, gates, alpha0 in q's dtype, contiguous), the append into storage
 // with room for them, and the fused kernel over the used prefix. q [B, Hq, T, D], k and v
 // [B, Hk, T, D] in the storage's float32 or float64 (checked for finiteness by the caller).
-// Issues the clamp warning into `warned`. Returns {out, lse}. The Python Attention's step (op
-// attention_decode) and AttentionImpl's both run it.
+// Issues the clamp warning into `warned`. Returns {out, lse}. The Python Attention's step (the
+// decode method of DecodePlan, torch/cache_ops.cpp) and AttentionImpl's both run it.
 std::vector<torch::Tensor> decode_step(const Mechanism& m,
                                        const std::vector<torch::Tensor>& kernel_params,
                                        const torch::Tensor& q, const torch::Tensor& k,

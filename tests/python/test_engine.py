@@ -144,7 +144,7 @@ def test_forward_is_the_plain_torch_composition(spec):
 
 
 def one_call(info):
-    """Whether a cached step runs as one op call (attention_decode): at most one transform, driven
+    """Whether a cached step runs as one C++ call (DecodePlan.decode): at most one transform, driven
     by positions alone, biases of slope form only."""
     return (len(info["transforms"]) <= 1
             and all(t["kind"] not in ("fixed_linear", "vector_rotation") and t["time"] == "position"
