@@ -10,10 +10,10 @@ the caches cold, as in `generate`).
 Per layout (8 query heads of D 64, `--kv-heads` key/value heads), q [1, 8, T, 64] and k
 [1, Hk, T, 64] float32, T = --tokens at position ctx:
   relpos_step      `RelposAttention.transform` without autograd, as the layer's forward calls it
-                   in `generate`: one transform_step op (checks, grouping, kernels) on HF's int64
+                   in `generate`: one StepPlan.transform call (checks, grouping, kernels) on HF's int64
                    position_ids [1, T]
   relpos_encoding  the same layer's encoding path (the PositionEncoding module; grouped queries
-                   concatenated with the keys), which such calls ran before transform_step, on
+                   concatenated with the keys), which such calls ran before the one-call step, on
                    the float64 positions [T] the forward then made of position_ids (converted in
                    the timed call, as the forward did)
   hf_rope          HF's `apply_rotary_pos_emb(q, k, cos, sin)` with the step's cos and sin made
@@ -74,13 +74,13 @@ def main():
         cos, sin = rotary(x, pos_ids)
         step = rt.RelposAttention("rope", D, 8, hk, scale=D ** -0.5)
         encoding = rt.RelposAttention("rope", D, 8, hk, scale=D ** -0.5)
-        encoding._step_transform = False  # the encoding path, as before transform_step
+        encoding._step_transform = False  # the encoding path, as before the one-call step
         past = torch.randn(1, hk, a.ctx, D)
 
         with torch.no_grad():
             got, want = step.transform(q, k, pos_ids), encoding.transform(q, k, pos)
         if not all(torch.equal(g, w) for g, w in zip(got, want)):
-            raise SystemExit("transform_step and the encoding path gave different bits")
+            raise SystemExit("the one-call step and the encoding path gave different bits")
 
         def layer_work():  # a decoder layer's other work at this step
             with torch.no_grad():

@@ -260,15 +260,26 @@ class PositionEncoding(nn.Module):
                                      bool((params[0] == 0).all()))
         return self._inference_cache[2]
 
-    def _inference_params_unchecked(self, dtype) -> tuple[list, list, list]:
-        """(the schema's tensors, the inference cache's copy of them, its kernel params in dtype)
-        without comparing the two, for an op that compares them itself (transform_step: one
-        call instead of two); the cache is built first when it holds none in dtype."""
+    def _step_plan(self):
+        """The ``torch.classes.relpos.StepPlan`` of this encoding's cached steps (the mechanism
+        parsed once; made on first use, not pickled: __getstate__)."""
+        plan = self.__dict__.get("_plan")
+        if plan is None:
+            plan = _op(torch.classes.relpos.StepPlan, self.spec, self.head_dim, self.num_heads)
+            self._plan = plan
+        return plan
+
+    def _refresh_step_plan(self, dtype) -> None:
+        """Hands the step plan the kernel parameters of the schema's present values in dtype
+        (after one of its methods found those it holds stale)."""
+        self._inference_params(dtype)
         c = self._inference_cache
-        if c is None or c[0] != dtype:
-            self._inference_params(dtype)
-            c = self._inference_cache
-        return self._schema_tensors(), c[1], c[2]
+        self._step_plan().set_params(c[1], c[2])
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_plan", None)  # (a TorchScript object: made again when needed)
+        return state
 
     def lag_table(self, length: int) -> torch.Tensor | None:
         """The learned lag table ``b_h(d)``, ``d = 0..length-1``: float64 ``[bias_heads, length]``,

@@ -336,12 +336,6 @@ class Attention(nn.Module):
                                    "the context length), so cached keys' frequencies would change; "
                                    "freeze it with a static rule to decode")
 
-    def __getstate__(self) -> dict:
-        # the decode plan is a cache of the spec (a TorchScript object): made again when needed
-        state = super().__getstate__()
-        state.pop("_decode_plan", None)
-        return state
-
     def extra_repr(self) -> str:
         return (f"spec={self.spec!r}, head_dim={self.head_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}")
@@ -591,25 +585,20 @@ class Attention(nn.Module):
                 and cache.head_dim == kv[3] and k.device == cache._keys.device):
             self._check(q, k, v, cache, key_len, positions, inputs, finite=False)
         enc = self._modules["encoding"]  # (nn.Module.__getattr__ is the slow path)
-        plan = self.__dict__.get("_decode_plan")
-        if plan is None:  # (the mechanism parsed once, not per step; not pickled: __getstate__)
-            plan = _op(torch.classes.relpos.DecodePlan, self.spec, self.head_dim,
-                       self.num_kv_heads)
-            self._decode_plan = plan
-        # one op call checks the inputs, compares the parameters' schema with the values the
-        # plan's parameters came from, and the cache's room; a second only after the parameters
-        # changed (or the dtype) or the storage grew
+        plan = enc._step_plan()
+        # one call checks the inputs, compares the parameters' schema with the values the plan's
+        # parameters came from, and the cache's room; a second only after the parameters changed
+        # (or the dtype) or the storage grew
         for _ in range(3):
             out, lse, warned, status = _op(
-                plan.decode, q, k, v, cache._keys, cache._values,
-                cache._positions, cache.lengths, positions, key_len, enc._schema_tensors(),
-                self.num_heads, enc.layout, self.causal, self.window,
-                0.0 if self.scale is None else float(self.scale), self.check_finite, enc._warned)
+                plan.decode, q, k, v, cache._keys, cache._values, cache._positions, cache.lengths,
+                positions, key_len, enc._schema_tensors(), self.num_heads, enc.layout, self.causal,
+                self.window, 0.0 if self.scale is None else float(self.scale), self.check_finite,
+                enc._warned)
             if status == 0:
                 break
-            if status == 1:  # (the encoding's cache rebuilt when the values or dtype changed)
-                enc._inference_params(torch.float32 if q.dtype in _HALF else q.dtype)
-                plan.set_params(enc._inference_cache[1], enc._inference_cache[2])
+            if status == 1:
+                enc._refresh_step_plan(torch.float32 if q.dtype in _HALF else q.dtype)
             else:
                 cache._reserve(q.shape[2])
         if warned != enc._warned:  # (nn.Module.__setattr__ is slow: only on a change)

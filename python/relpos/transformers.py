@@ -323,6 +323,21 @@ class RelposAttention(nn.Module):
         return (f"spec={self.spec!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"window={self.window:g}")
 
+    def _step(self, q, k, positions):
+        """The transform of a step's few tokens in one C++ call (StepPlan.transform; a second
+        only after the parameters changed)."""
+        enc = self._modules["encoding"]
+        plan = enc._step_plan()
+        for _ in range(2):
+            qt, kt, warned, stale = _op(plan.transform, q, k, positions, enc._schema_tensors(),
+                                        enc.layout, enc.check_finite, enc._warned)
+            if not stale:
+                break
+            enc._refresh_step_plan(_compute_dtype(q.dtype))
+        if warned != enc._warned:  # (nn.Module.__setattr__ is slow: only on a change)
+            enc._warned = warned
+        return qt, kt
+
     def transform(self, q, k, positions):
         """q ``[B, Hq, T, D]`` and k ``[B, Hk, T, D]`` through the encoding at ``positions``
         (``[T]`` or ``[B, T]``; float64, or int64 as HF's position_ids), every query head through
@@ -350,19 +365,7 @@ class RelposAttention(nn.Module):
         if step:
             # a decode step: the checks, the grouping and the kernels in one op call (the
             # module's Python and dispatch cost more than the transform of a few tokens)
-            ct = _compute_dtype(q.dtype)
-            for _ in range(2):  # (a second call only after the parameters changed)
-                schema, cached, params = enc._inference_params_unchecked(ct)
-                qt, kt, warned, stale = _op(
-                    torch.ops.relpos.transform_step, q, k, positions, params, schema, cached,
-                    self.spec, self.head_dim, self.num_kv_heads, enc.layout, enc.check_finite,
-                    enc._warned)
-                if not stale:
-                    break
-                enc._inference_params(ct)  # the cache rebuilt from the new values
-            if warned != enc._warned:  # (nn.Module.__setattr__ is slow: only on a change)
-                enc._warned = warned
-            return qt, kt
+            return self._step(q, k, positions)
         both = torch.cat([q.reshape(B, Hk, g * T, D), k], 2)
         # the positions once per query head of the group and once for the keys (expanded, not
         # repeat: aten::repeat costs several times a copy at a decode step's sizes)

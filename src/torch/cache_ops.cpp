@@ -11,34 +11,29 @@
 //   same_values(Tensor[] a, Tensor[] b) -> bool
 //       whether a and b hold the same tensors by dtype, shape and bytes (one call for a list: the
 //       module's per-step check that cached kernel parameters are still its parameters')
-//   DecodePlan(spec, head_dim, kv_heads), plan.set_params(schema_values[], kernel_params[4])
-//       a Python Attention's decode state: its mechanism parsed once (InputError when a step
-//       cannot run it in one call), and the kernel parameters with the schema values they were
-//       computed from
-//   attention_decode(plan, q, k, v, keys!, values!, positions!, lengths!, new_positions?,
-//                    key_len?, schema[], num_heads, layout, causal, window, scale, check_finite,
-//                    warned) -> (out, lse, warned, status)
-//       the Python Attention's cached step in one call, for a mechanism of one position term
-//       (or none) and slope or no biases, without autograd: the checks, the cache's step, the
-//       new tokens' transform, the append and the kernel over the used prefix. The same steps as
+//   StepPlan(spec, head_dim, kv_heads), plan.set_params(schema_values[], kernel_params[4])
+//       a Python module's state for its cached steps: its mechanism parsed once, and the kernel
+//       parameters with the schema values they were computed from. Its methods run a step in one
+//       call; each does nothing and says so when the parameters are not of the schema's present
+//       values in q's compute dtype (the caller hands new ones with set_params and calls again):
+//   plan.decode(q, k, v, keys!, values!, positions!, lengths!, new_positions?, key_len?,
+//               schema[], num_heads, layout, causal, window, scale, check_finite, warned)
+//               -> (out, lse, warned, status)
+//       the Python Attention's cached step, for a mechanism of one position term (or none) and
+//       slope or no biases, without autograd: the checks, the cache's step, the new tokens'
+//       transform, the append and the kernel over the used prefix. The same steps as
 //       AttentionImpl::assembled with a cache (the interpreter's share of a decode step was
-//       about as large as the kernel's at 1k keys). Nothing is done, and status says why, when
-//       the plan's parameters are not of the schema's present values in q's compute dtype
-//       (1: the caller hands it new ones) or a row has no room for the step's tokens (2: the
-//       caller grows the storage); then the caller calls again. 0: the step ran (the checks,
-//       the parameters' compare and the room in one call, not three from Python)
-//   transform_step(q, k, positions, kernel_params[4], schema[], cached_schema[], spec, head_dim,
-//                  kv_heads, layout, check_finite, warned) -> (q', k', warned, stale)
-//       a step's few new tokens transformed in one call without autograd (the switched Hugging
-//       Face layer's decode step: q [B, Hq, T, D] grouped onto k's heads [B, Hk, T, D], at
-//       positions [T] or [B, T]), for a mechanism of one position term; the same kernels and
-//       rounding as the encoding's op (its module's checks and op calls cost more than the
-//       transform of a one-token step, most of all on caches the layer's other work left cold).
-//       kernel_params were computed from cached_schema: when schema holds other values
-//       (same_values) nothing is computed and stale is true (the caller recomputes them and calls
-//       again)
+//       about as large as the kernel's at 1k keys). status 0: the step ran; 1: stale
+//       parameters; 2: a row has no room for the step's tokens (the caller grows the storage)
+//   plan.transform(q, k, positions, schema[], layout, check_finite, warned)
+//                  -> (q', k', warned, stale)
+//       a step's few new tokens transformed without autograd (the switched Hugging Face layer's
+//       decode step: q [B, Hq, T, D] grouped onto k's heads [B, Hk, T, D], at positions [T] or
+//       [B, T]), for a mechanism of one position term; the same kernels and rounding as the
+//       encoding's op (its module's checks and op calls cost more than the transform of a
+//       one-token step, most of all on caches the layer's other work left cold)
 //   transform_step_refusal(spec, head_dim, kv_heads) -> str
-//       why transform_step cannot run the mechanism ("" when it can)
+//       why StepPlan.transform cannot run the mechanism ("" when it can)
 #include <fmt/format.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -101,57 +96,63 @@ int64_t nonfinite_op(at::TensorList tensors) {
   return -1;
 }
 
-// attention_decode's status: the step ran, or nothing was done (empty outputs: a method returns
-// no undefined tensor) and the caller calls again after handing the plan new kernel parameters or
-// growing the cache's storage
-enum DecodeStatus : int64_t { kDecoded = 0, kStaleParams = 1, kNoRoom = 2 };
+Mechanism step_mechanism(const std::string& spec, int64_t head_dim, int64_t kv_heads) {
+  if (head_dim <= 0 || head_dim > kMaxHeadDim || kv_heads <= 0 || kv_heads > kMaxHeads)
+    throw InputError(fmt::format("head dim {} / kv heads {} out of range", head_dim, kv_heads));
+  return build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
+}
 
-// A Python Attention's decode state that outlives a step: its mechanism parsed once (the parse
-// cost about a tenth of a step at a few hundred keys) and the kernel parameters with the copy of
-// the schema's values they were computed from. Held by the module (not saved with it: pickled as
-// the spec and dims only, the parameters then handed again).
-struct DecodePlan : torch::CustomClassHolder {
+// A Python module's state for its cached steps: its mechanism parsed once (the parse cost about
+// a tenth of a decode step at a few hundred keys, and a third of a transform step's C++ time on
+// cold caches) and the kernel parameters with the copy of the schema's values they were computed
+// from. Held by the module (not saved with it: pickled as the spec and dims, the parameters then
+// handed again).
+struct StepPlan : torch::CustomClassHolder {
   std::string spec;
   int64_t head_dim, kv_heads;
   Mechanism mechanism;
   std::vector<torch::Tensor> schema, params;  // params computed from these schema values
 
-  DecodePlan(std::string spec_in, int64_t head_dim_in, int64_t kv_heads_in)
+  StepPlan(std::string spec_in, int64_t head_dim_in, int64_t kv_heads_in)
       : spec(std::move(spec_in)),
         head_dim(head_dim_in),
         kv_heads(kv_heads_in),
-        mechanism(op_util::value_errors([&] {
-          if (head_dim <= 0 || head_dim > kMaxHeadDim || kv_heads <= 0 || kv_heads > kMaxHeads)
-            throw InputError(
-                fmt::format("head dim {} / kv heads {} out of range", head_dim, kv_heads));
-          Mechanism m =
-              build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
-          if (auto why = one_call_decode_refusal(m)) throw InputError(*why);
-          return m;
-        })) {}
+        mechanism(op_util::value_errors([&] { return step_mechanism(spec, head_dim, kv_heads); })) {
+  }
 
   void set_params(std::vector<torch::Tensor> schema_values, std::vector<torch::Tensor> kernel) {
     schema = std::move(schema_values);
     params = std::move(kernel);
   }
+
+  // whether params are of the schema's present values, in the compute dtype of `stored`
+  bool current(const std::vector<torch::Tensor>& now, c10::ScalarType stored) const {
+    if (params.size() != 4 || !same_values_op(now, schema)) return false;
+    const auto ct = op_util::compute_type(stored);
+    return std::all_of(params.begin(), params.end(), [&](const torch::Tensor& t) {
+      return !t.defined() || t.scalar_type() == ct;
+    });
+  }
 };
 
-std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> attention_decode_op(
-    const c10::intrusive_ptr<DecodePlan>& plan, const torch::Tensor& q_in,
-    const torch::Tensor& k_in, const torch::Tensor& v, const torch::Tensor& keys,
-    const torch::Tensor& values, const torch::Tensor& positions, const torch::Tensor& lengths,
+// decode's status: the step ran, or nothing was done (empty outputs: a method returns no
+// undefined tensor) and the caller calls again after handing the plan new kernel parameters or
+// growing the cache's storage
+enum DecodeStatus : int64_t { kDecoded = 0, kStaleParams = 1, kNoRoom = 2 };
+
+std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> decode_method(
+    const c10::intrusive_ptr<StepPlan>& plan, const torch::Tensor& q_in, const torch::Tensor& k_in,
+    const torch::Tensor& v, const torch::Tensor& keys, const torch::Tensor& values,
+    const torch::Tensor& positions, const torch::Tensor& lengths,
     const c10::optional<torch::Tensor>& new_positions, const c10::optional<torch::Tensor>& key_len,
     const std::vector<torch::Tensor>& schema, int64_t num_heads, int64_t layout, bool causal,
     double window, double scale, bool check_finite, int64_t warned) {
   return op_util::value_errors([&] {
-    const auto stale = [&] {
-      return std::make_tuple(torch::empty({0}), torch::empty({0}), warned, int64_t{kStaleParams});
+    const auto undone = [&](DecodeStatus why) {
+      return std::make_tuple(torch::empty({0}), torch::empty({0}), warned, int64_t{why});
     };
-    // the parameters of q's compute dtype, computed from the schema's present values
-    if (plan->params.size() != 4 || !same_values_op(schema, plan->schema)) return stale();
-    const auto ct = op_util::compute_type(q_in.scalar_type());
-    for (const auto& t : plan->params)
-      if (t.defined() && t.scalar_type() != ct) return stale();
+    if (auto why = one_call_decode_refusal(plan->mechanism)) throw InputError(*why);
+    if (!plan->current(schema, q_in.scalar_type())) return undone(kStaleParams);
     const torch::NoGradGuard no_grad;
     const int64_t head_dim = plan->head_dim, kv_heads = plan->kv_heads;
     if (num_heads <= 0 || num_heads % kv_heads)
@@ -160,8 +161,8 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> attention_decode_op(
     for (auto [name, t] : {std::pair{"q", &q_in}, std::pair{"k", &k_in}, std::pair{"v", &v}})
       if (t->dim() != 4 || !t->is_cpu() || t->scalar_type() != keys.scalar_type())
         throw InputError(fmt::format(
-            "attention_decode: {} must be a [B, H, T, D] CPU tensor of the cache's dtype ({})",
-            name, c10::toString(keys.scalar_type())));
+            "StepPlan.decode: {} must be a [B, H, T, D] CPU tensor of the cache's dtype ({})", name,
+            c10::toString(keys.scalar_type())));
     if (check_finite)
       for (auto [name, t] : {std::pair{"q", &q_in}, std::pair{"k", &k_in}, std::pair{"v", &v}})
         if (!all_finite(*t)) throw InputError(fmt::format("{} contains NaN or Inf", name));
@@ -170,7 +171,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> attention_decode_op(
         lengths.numel() > 0 && keys.dim() == 4) {
       const int64_t* L = lengths.data_ptr<int64_t>();
       if (*std::max_element(L, L + lengths.numel()) + q_in.size(2) > keys.size(2))
-        return std::make_tuple(torch::empty({0}), torch::empty({0}), warned, int64_t{kNoRoom});
+        return undone(kNoRoom);
     }
     EncodingWarnings w{(warned & 1) != 0, (warned & 2) != 0, (warned & 4) != 0};
     const DecodeStep step{layout ? Layout::HalfSplit : Layout::Interleaved, num_heads, causal,
@@ -183,36 +184,30 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> attention_decode_op(
   });
 }
 
-Mechanism step_mechanism(const std::string& spec, int64_t head_dim, int64_t kv_heads) {
-  if (head_dim <= 0 || head_dim > kMaxHeadDim || kv_heads <= 0 || kv_heads > kMaxHeads)
-    throw InputError(fmt::format("head dim {} / kv heads {} out of range", head_dim, kv_heads));
-  return build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
-}
-
-std::tuple<torch::Tensor, torch::Tensor, int64_t, bool> transform_step_op(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions,
-    at::TensorList kernel_params, at::TensorList schema, at::TensorList cached_schema,
-    const std::string& spec, int64_t head_dim, int64_t kv_heads, int64_t layout, bool check_finite,
-    int64_t warned) {
+std::tuple<torch::Tensor, torch::Tensor, int64_t, bool> transform_method(
+    const c10::intrusive_ptr<StepPlan>& plan, const torch::Tensor& q, const torch::Tensor& k,
+    const torch::Tensor& positions, const std::vector<torch::Tensor>& schema, int64_t layout,
+    bool check_finite, int64_t warned) {
   return op_util::value_errors([&] {
     const torch::NoGradGuard no_grad;
-    if (!same_values_op(schema, cached_schema))
-      return std::make_tuple(torch::Tensor(), torch::Tensor(), warned, true);
-    const Mechanism m = step_mechanism(spec, head_dim, kv_heads);
+    const Mechanism& m = plan->mechanism;
+    const int64_t head_dim = plan->head_dim, kv_heads = plan->kv_heads;
     if (auto why = step_transform_refusal(m)) throw InputError(*why);
     for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}})
       if (t->dim() != 4 || !t->is_cpu() || !op_util::storable(t->scalar_type()) ||
           t->size(3) != head_dim)
         throw InputError(fmt::format(
-            "transform_step: {} must be a [B, H, T, {}] CPU tensor of float32, float64, bfloat16 "
+            "transform step: {} must be a [B, H, T, {}] CPU tensor of float32, float64, bfloat16 "
             "or float16",
             name, head_dim));
     if (k.size(1) != kv_heads || q.size(1) % kv_heads || q.size(0) != k.size(0) ||
         q.size(2) != k.size(2) || q.scalar_type() != k.scalar_type())
       throw InputError(fmt::format(
-          "transform_step: q {} and k {} must share batch, tokens and dtype, k with {} heads and "
+          "transform step: q {} and k {} must share batch, tokens and dtype, k with {} heads and "
           "q a multiple of them",
           c10::str(q.sizes()), c10::str(k.sizes()), kv_heads));
+    if (!plan->current(schema, q.scalar_type()))
+      return std::make_tuple(torch::empty({0}), torch::empty({0}), warned, true);
     if (check_finite)
       for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}})
         if (!all_finite(*t)) throw InputError(fmt::format("{} contains NaN or Inf", name));
@@ -220,7 +215,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, bool> transform_step_op(
     auto pos = checked_position_values(positions, B, T);
     if (pos.dim() == 1) pos = B == 1 ? pos.view({1, T}) : pos.expand({B, T}).contiguous();
     EncodingWarnings w{(warned & 1) != 0, (warned & 2) != 0, (warned & 4) != 0};
-    auto [qt, kt] = step_transformed(m, kernel_params.vec(), q, k, pos,
+    auto [qt, kt] = step_transformed(m, plan->params, q, k, pos,
                                      layout ? Layout::HalfSplit : Layout::Interleaved,
                                      q.scalar_type(), w, positions);
     warned = (w.clamp ? 1 : 0) | (w.resolution ? 2 : 0) | (w.center ? 4 : 0);
@@ -250,24 +245,19 @@ TORCH_LIBRARY_FRAGMENT(relpos, m) {
       relpos::nn::cache_append_op);
   m.def("nonfinite(Tensor[] tensors) -> int", relpos::nn::nonfinite_op);
   m.def("same_values(Tensor[] a, Tensor[] b) -> bool", relpos::nn::same_values_op);
-  m.class_<relpos::nn::DecodePlan>("DecodePlan")
+  m.class_<relpos::nn::StepPlan>("StepPlan")
       .def(torch::init<std::string, int64_t, int64_t>())
-      .def("set_params", &relpos::nn::DecodePlan::set_params)
-      .def("decode", relpos::nn::attention_decode_op)
+      .def("set_params", &relpos::nn::StepPlan::set_params)
+      .def("decode", relpos::nn::decode_method)
+      .def("transform", relpos::nn::transform_method)
       .def_pickle(
-          [](const c10::intrusive_ptr<relpos::nn::DecodePlan>& p) {
+          [](const c10::intrusive_ptr<relpos::nn::StepPlan>& p) {
             return std::make_tuple(p->spec, p->head_dim, p->kv_heads);
           },
           [](std::tuple<std::string, int64_t, int64_t> state) {
-            return c10::make_intrusive<relpos::nn::DecodePlan>(
-                std::get<0>(state), std::get<1>(state), std::get<2>(state));
+            return c10::make_intrusive<relpos::nn::StepPlan>(std::get<0>(state), std::get<1>(state),
+                                                             std::get<2>(state));
           });
-
-  m.def(
-      "transform_step(Tensor q, Tensor k, Tensor positions, Tensor[] kernel_params, "
-      "Tensor[] schema, Tensor[] cached_schema, str spec, int head_dim, int kv_heads, int layout, "
-      "bool check_finite, int warned) -> (Tensor, Tensor, int, bool)",
-      relpos::nn::transform_step_op);
   m.def("transform_step_refusal(str spec, int head_dim, int kv_heads) -> str",
         relpos::nn::transform_step_refusal_op);
 }

@@ -1032,14 +1032,15 @@ def _step_layer(spec, hq, hk):
 
 
 def test_step_transform_gives_the_encodings_bits(monkeypatch):
-    """A switched layer's step of at most 8 tokens without autograd runs one transform_step op
-    (the checks, the query grouping and the kernels in C++); with autograd on it runs the
+    """A switched layer's step of at most 8 tokens without autograd runs one StepPlan.transform
+    call (the checks, the query grouping and the kernels in C++); with autograd on it runs the
     encoding. Across the catalog, for every mechanism the op takes (at least RoPE, its scaled
     forms, Jordan and the damped and coupled maps), MHA and GQA 4:2, float64, float32, bfloat16
     and float16, positions [T] and [B, T] far from 0, contiguous and strided q and k: the same
     bits as the encoding's path, or the same InputError."""
-    op, calls = torch.ops.relpos.transform_step, []
-    monkeypatch.setattr(torch.ops.relpos, "transform_step", lambda *a: calls.append(1) or op(*a))
+    step, calls = rt.RelposAttention._step, []
+    monkeypatch.setattr(rt.RelposAttention, "_step",
+                        lambda self, *a: calls.append(1) or step(self, *a))
     taken = []
     for spec in module_checks.CATALOG_SPECS:
         for hq, hk in ((2, 2), (4, 2)):
@@ -1117,7 +1118,7 @@ def test_step_transform_refuses_bad_input_by_name():
         for now, before in zip((bad_q, bad_k), kept):
             torch.testing.assert_close(now, before, rtol=0, atol=0, equal_nan=True)
     with torch.no_grad():
-        with pytest.raises(relpos.InputError, match="transform_step"):
+        with pytest.raises(relpos.InputError, match="transform step"):
             layer.transform(torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8), pos)
         with pytest.raises(relpos.InputError, match="position_ids"):
             layer.transform(q, k, torch.tensor([1.0, 2.0], dtype=torch.float64))
