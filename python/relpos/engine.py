@@ -315,7 +315,7 @@ class Attention(nn.Module):
         # frames the runtime returns (journey) turn values in and outputs back out
         term = info["transforms"][0] if self._rotation is not None else {}
         self._frame_values, self._frame_outputs = term.get("values", False), term.get("outputs", False)
-        # a decode step in one C++ call (DecodePlan.decode): one position term (or none), slope
+        # a decode step in one C++ call (StepPlan.decode): one position term (or none), slope
         # biases or none, no runtime of its own
         self._one_call_decode = (
             backend == "softmax" and self._rotation is None and self._content is None
@@ -568,7 +568,7 @@ class Attention(nn.Module):
             or any(p.requires_grad for p in self.encoding.parameters()))
 
     def _decode(self, q, k, v, positions, key_len, inputs, cache, return_lse):
-        """A cached step in one op call: the checks, the cache's step and append, the new
+        """A cached step in one C++ call: the checks, the cache's step and append, the new
         tokens' transform and the kernel (the general path's calls, without the interpreter
         between them)."""
         # _check's conditions for this call in a few comparisons; when one fails, _check runs
@@ -601,6 +601,8 @@ class Attention(nn.Module):
                 enc._refresh_step_plan(torch.float32 if q.dtype in _HALF else q.dtype)
             else:
                 cache._reserve(q.shape[2])
+        else:  # (never: one refresh and one growth are all a step can need)
+            raise RuntimeError(f"relpos: the decode step did not run (status {status})")
         if warned != enc._warned:  # (nn.Module.__setattr__ is slow: only on a change)
             enc._warned = warned
         return (out, lse) if return_lse else out

@@ -334,6 +334,8 @@ class RelposAttention(nn.Module):
             if not stale:
                 break
             enc._refresh_step_plan(_compute_dtype(q.dtype))
+        else:  # (never: the plan holds the present parameters after one refresh)
+            raise RuntimeError("relpos: the step transform found its parameters stale twice")
         if warned != enc._warned:  # (nn.Module.__setattr__ is slow: only on a change)
             enc._warned = warned
         return qt, kt
@@ -363,7 +365,7 @@ class RelposAttention(nn.Module):
             raise InputError(f"position_ids: expected [{T}] or [{B}, {T}] positions, got "
                              f"{list(positions.shape)}")
         if step:
-            # a decode step: the checks, the grouping and the kernels in one op call (the
+            # a decode step: the checks, the grouping and the kernels in one C++ call (the
             # module's Python and dispatch cost more than the transform of a few tokens)
             return self._step(q, k, positions)
         both = torch.cat([q.reshape(B, Hk, g * T, D), k], 2)

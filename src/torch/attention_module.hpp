@@ -82,7 +82,7 @@ struct DecodeStep {
 // with room for them, and the fused kernel over the used prefix. q [B, Hq, T, D], k and v
 // [B, Hk, T, D] in the storage's float32 or float64 (checked for finiteness by the caller).
 // Issues the clamp warning into `warned`. Returns {out, lse}. The Python Attention's step (the
-// decode method of DecodePlan, torch/cache_ops.cpp) and AttentionImpl's both run it.
+// decode method of StepPlan, torch/cache_ops.cpp) and AttentionImpl's both run it.
 std::vector<torch::Tensor> decode_step(const Mechanism& m,
                                        const std::vector<torch::Tensor>& kernel_params,
                                        const torch::Tensor& q, const torch::Tensor& k,

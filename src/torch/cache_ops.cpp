@@ -103,10 +103,10 @@ Mechanism step_mechanism(const std::string& spec, int64_t head_dim, int64_t kv_h
 }
 
 // A Python module's state for its cached steps: its mechanism parsed once (the parse cost about
-// a tenth of a decode step at a few hundred keys, and a third of a transform step's C++ time on
-// cold caches) and the kernel parameters with the copy of the schema's values they were computed
-// from. Held by the module (not saved with it: pickled as the spec and dims, the parameters then
-// handed again).
+// a tenth of a decode step at a hundred keys) and the kernel parameters with the copy of the
+// schema's values they were computed from. Held by the encoding (PositionEncoding._step_plan;
+// dropped when it is pickled; itself pickled as the spec and dims, the parameters then handed
+// again).
 struct StepPlan : torch::CustomClassHolder {
   std::string spec;
   int64_t head_dim, kv_heads;

@@ -144,7 +144,7 @@ def test_forward_is_the_plain_torch_composition(spec):
 
 
 def one_call(info):
-    """Whether a cached step runs as one C++ call (DecodePlan.decode): at most one transform, driven
+    """Whether a cached step runs as one C++ call (StepPlan.decode): at most one transform, driven
     by positions alone, biases of slope form only."""
     return (len(info["transforms"]) <= 1
             and all(t["kind"] not in ("fixed_linear", "vector_rotation") and t["time"] == "position"
@@ -285,6 +285,39 @@ def test_the_one_call_decode_step_reads_parameters_written_through_data():
     after = step(False)
     assert not torch.equal(before, after)
     torch.testing.assert_close(after, step(True), rtol=0, atol=0)
+
+
+def test_the_one_call_decode_step_survives_copies_pickles_and_dtypes():
+    """The step's plan (StepPlan: the parsed mechanism and its kernel parameters) is a cache of
+    the module: a deep copy or a pickled module decodes the next token as the original does, and
+    one module decodes float32 and float64 caches in turn (its parameters recomputed per dtype),
+    growing each cache from capacity 1 inside the step."""
+    import copy
+    import io
+
+    a = relpos.Attention("alibi + rope", 16, 4, 2).requires_grad_(False)
+    g = torch.Generator().manual_seed(3)
+    toks = [tuple(torch.randn(1, h, 1, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+            for _ in range(6)]
+
+    def run(module, cache, steps, dtype):
+        with torch.no_grad():
+            return [module(*(t.to(dtype) for t in x), cache=cache) for x in steps]
+
+    caches = {dt: relpos.KVCache(1, 2, 16, capacity=1, dtype=dt)
+              for dt in (torch.float32, torch.float64)}
+    for dt, cache in caches.items():  # interleaved dtypes: the plan's parameters follow
+        run(a, cache, toks[:3], dt)
+    assert caches[torch.float32].capacity == 4 and caches[torch.float32].length == 3
+    buf = io.BytesIO()
+    torch.save(a, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(a), torch.load(buf, weights_only=False)):
+        for dt, cache in caches.items():
+            mine, theirs = copy.deepcopy(cache), copy.deepcopy(cache)
+            want = run(a, mine, toks[3:], dt)
+            got = run(other, theirs, toks[3:], dt)
+            assert all(torch.equal(x, y) for x, y in zip(got, want)), dt
 
 
 def check_decode(spec, grad=False):

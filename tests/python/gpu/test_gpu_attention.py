@@ -369,7 +369,7 @@ def _captured(a, hq, hk, T=40, decode=False):
     pos = None if dc is None else torch.randn(2, T, dc, generator=g, dtype=torch.float64)
     calls = []
     original = engine.fused_attention
-    # the path a GPU module takes: the one-call decode step (DecodePlan.decode) is the CPU's, and
+    # the path a GPU module takes: the one-call decode step (StepPlan.decode) is the CPU's, and
     # its kernel call happens inside C++ where it cannot be captured
     a._one_call_decode = False
 
