@@ -216,7 +216,7 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
     });
   }
   // the kernel called directly: a step's dispatch through the autograd layer (which records
-  // nothing here) cost about a tenth of the step at a few hundred keys (docs/performance.md)
+  // nothing here) cost about a tenth of the step at a hundred keys (docs/performance.md)
   auto r = fused_attention_cpu_forward(qt, cache.keys.narrow(2, 0, len),
                                        cache.values.narrow(2, 0, len), a);
   r[0] = r[0].to(dt);
