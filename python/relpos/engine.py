@@ -437,7 +437,7 @@ class Attention(nn.Module):
                 inputs: torch.Tensor | None = None, cache: KVCache | None = None,
                 return_lse: bool = False):
         if (cache is not None and self._one_call_decode and key_start is None and segments is None
-                and q.is_cpu and q.dtype == cache._keys.dtype
+                and isinstance(q, torch.Tensor) and q.is_cpu and q.dtype == cache._keys.dtype
                 and not torch.compiler.is_compiling() and not self._needs_grad(q, k, v)):
             return self._decode(q, k, v, positions, key_len, inputs, cache, return_lse)
         self._check(q, k, v, cache, key_len, positions, inputs)
@@ -574,7 +574,8 @@ class Attention(nn.Module):
         # _check's conditions for this call in a few comparisons; when one fails, _check runs
         # for the message (its Python costs several microseconds a step)
         kv = (q.shape[0], self.num_kv_heads, q.shape[2], self.head_dim) if q.dim() == 4 else None
-        if not (kv is not None and q.shape[1] == self.num_heads and k.shape == kv
+        if not (kv is not None and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+                and q.shape[1] == self.num_heads and k.shape == kv
                 and v.shape == kv and k.dtype == q.dtype and v.dtype == q.dtype
                 and (inputs is None or (isinstance(inputs, torch.Tensor) and inputs.dim() == 3
                                         and inputs.shape[:2] == (kv[0], kv[2])))

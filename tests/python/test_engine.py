@@ -320,6 +320,16 @@ def test_the_one_call_decode_step_survives_copies_pickles_and_dtypes():
             assert all(torch.equal(x, y) for x, y in zip(got, want)), dt
 
 
+def test_the_one_call_decode_step_names_inputs_that_are_not_tensors():
+    a = relpos.Attention("rope", 16, 4, 2)
+    cache = relpos.KVCache(1, 2, 16)
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16)
+    for args, name in (((q, [1.0], k), "k"), ((q, k, "v"), "v"), (([0.0], k, k), "q")):
+        with torch.no_grad(), pytest.raises(relpos.InputError, match=f"{name} must be"):
+            a(*args, cache=cache)
+    assert cache.length == 0
+
+
 def check_decode(spec, grad=False):
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
         a = module(spec, dtype).requires_grad_(not grad)
