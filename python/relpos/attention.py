@@ -12,7 +12,8 @@ import functools
 
 import torch
 
-from .encoding import _HALF, InputError, PositionEncoding, _all_finite, _compute_dtype
+from .encoding import (_HALF, InputError, PositionEncoding, _all_finite, _compute_dtype,
+                       _raise_wrong_type, _tensors_or_none)
 from .frames import _journey_info, journey_attention
 
 # the names of the kernel's bias slots, in the order of the op's ``biases`` list
@@ -85,6 +86,11 @@ def fused_attention(
         )
     except ValueError as e:
         raise InputError(str(e)) from None
+    except RuntimeError as e:
+        _raise_wrong_type(e, dict(given, q_positions=q_positions, k_positions=k_positions,
+                                  key_len=key_len, key_start=key_start, q_segments=q_segments,
+                                  k_segments=k_segments))
+        raise
 
 
 @functools.lru_cache(maxsize=64)
@@ -277,6 +283,9 @@ def attention(
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise InputError(f"{name} must be a [B, H, T, D] tensor, got {shape}")
+    _tensors_or_none(q_positions=q_positions, k_positions=k_positions, key_len=key_len,
+                     lag_table=lag_table, slopes=slopes, cq=cq, ck=ck, key_start=key_start,
+                     q_segments=q_segments, k_segments=k_segments)
     if q.dtype in _HALF and k.dtype == q.dtype and v.dtype == q.dtype and q.device.type != "cuda":
         # half storage on the CPU: the mechanism and the kernel compute in float32 copies, the
         # output is stored back (the GPU kernels read half tiles as stored, fp32 math)

@@ -68,11 +68,37 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _op(op, *args):
-    """A relpos operator call with its bad-input errors (ValueError) as InputError."""
+    """A relpos operator call with its bad-input errors (ValueError) as InputError, and the
+    dispatcher's refusal of an argument's type too (it names the argument)."""
     try:
         return op(*args)
     except ValueError as e:
         raise InputError(str(e)) from None
+    except RuntimeError as e:
+        _raise_wrong_type(e)
+        raise
+
+
+# The dispatcher's words when an operator argument has the wrong type (a RuntimeError)
+_WRONG_TYPE = "Expected a value of type"
+
+
+def _raise_wrong_type(error: RuntimeError, named: dict | None = None) -> None:
+    """Raises InputError when `error` is the dispatcher's refusal of an argument's type: naming the
+    first of `named` (the caller's own argument names) that is neither None nor a tensor, else in
+    the dispatcher's words. Returns for any other error (the caller re-raises it). Called only
+    after a call failed: a valid call pays nothing for it."""
+    if _WRONG_TYPE not in str(error):
+        return
+    _tensors_or_none(**(named or {}))
+    raise InputError(str(error).split("\n")[0]) from None
+
+
+def _tensors_or_none(**named) -> None:
+    """InputError naming the first argument that is neither None nor a tensor."""
+    for name, t in named.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a tensor or None, got {type(t).__name__}")
 
 
 def _call(op, *args):

@@ -20,7 +20,7 @@ from torch import nn
 
 from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_attention
 from .encoding import (_HALF, _STORABLE, InputError, PositionEncoding, _compute_dtype, _integer,
-                       _op)
+                       _op, _tensors_or_none)
 from .frames import rotate_pairs
 
 
@@ -365,8 +365,7 @@ class Attention(nn.Module):
             got = list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
             raise InputError(f"inputs must be [B, T, model_dim] with q's B and T "
                              f"({q.shape[0]}, {q.shape[2]}), got {got}")
-        if positions is not None and not isinstance(positions, torch.Tensor):
-            raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
+        _tensors_or_none(positions=positions, key_len=key_len)
         if (finite and self.check_finite and not torch.compiler.is_compiling()
                 and q.device.type != "meta"):
             bad = torch.ops.relpos.nonfinite([q, k, v])
@@ -436,11 +435,13 @@ class Attention(nn.Module):
                 key_start: torch.Tensor | None = None, segments: torch.Tensor | None = None,
                 inputs: torch.Tensor | None = None, cache: KVCache | None = None,
                 return_lse: bool = False):
-        if (cache is not None and self._one_call_decode and key_start is None and segments is None
-                and isinstance(q, torch.Tensor) and q.is_cpu and q.dtype == cache._keys.dtype
+        if (isinstance(cache, KVCache) and self._one_call_decode and key_start is None
+                and segments is None and isinstance(q, torch.Tensor)
+                and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and q.is_cpu and q.dtype == cache._keys.dtype
                 and not torch.compiler.is_compiling() and not self._needs_grad(q, k, v)):
             return self._decode(q, k, v, positions, key_len, inputs, cache, return_lse)
         self._check(q, k, v, cache, key_len, positions, inputs)
+        _tensors_or_none(key_start=key_start, segments=segments)
         if segments is not None and cache is not None:
             raise InputError("segments (packed sequences) are a mask of full sequences; a cache "
                              "decodes one sequence per row")
@@ -580,6 +581,7 @@ class Attention(nn.Module):
                 and (inputs is None or (isinstance(inputs, torch.Tensor) and inputs.dim() == 3
                                         and inputs.shape[:2] == (kv[0], kv[2])))
                 and (positions is None or isinstance(positions, torch.Tensor))
+                and (key_len is None or isinstance(key_len, torch.Tensor))
                 and self._cache_refusal is None and self.causal
                 and cache._owner is not None and cache._owner() is self
                 and cache.batch == kv[0] and cache.num_kv_heads == kv[1]

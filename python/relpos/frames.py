@@ -52,6 +52,8 @@ def rotate_pairs(x: torch.Tensor, angles: torch.Tensor | None = None, *,
     ``[B, T, P]`` or ``[T, P]``): a table computed once for fixed frames, as models cache RoPE's.
     They are taken as given (gradients flow to each), so they must be the cosines and sines of
     the same angles for the map to be a rotation."""
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"rotate_pairs: x must be a tensor, got {type(x).__name__}")
     layout = {"interleaved": 0, "half_split": 1}.get(pair_layout)
     if layout is None:
         raise InputError(f"pair_layout must be interleaved or half_split, got {pair_layout!r}")

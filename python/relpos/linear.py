@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .encoding import InputError, _integer
+from .encoding import InputError, _integer, _op
 
 
 def random_projection(m: int, head_dim: int, *, orthogonal: bool = True, seed: int = 0) -> torch.Tensor:
@@ -30,8 +30,5 @@ def favor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projectio
                     causal: bool = True, scale: float | None = None) -> torch.Tensor:
     """Linear attention on the random features of q and k with ``projection [m, D]``; returns
     ``[B, H, T, Dv]``. ``scale`` multiplies q and k before the features (default ``D^(-1/4)``)."""
-    try:
-        return torch.ops.relpos.favor_attention(q, k, v, projection, causal,
-                                                0.0 if scale is None else float(scale))
-    except ValueError as e:
-        raise InputError(str(e)) from None
+    return _op(torch.ops.relpos.favor_attention, q, k, v, projection, causal,
+               0.0 if scale is None else float(scale))

@@ -259,3 +259,66 @@ def test_structured_rotate_needs_tensors():
     x = torch.randn(1, 1, 4, 8)
     with pytest.raises(relpos.InputError, match="basis must be a tensor"):
         relpos.structured_rotate(x, [[1.0]], torch.ones(2, 4), torch.zeros(4, 2))
+
+
+# ---- arguments that are not tensors ------------------------------------------------------------
+
+_B, _H, _T, _D = 1, 2, 4, 8
+
+
+def _qkv():
+    torch.manual_seed(0)
+    return [torch.randn(_B, _H, _T, _D) for _ in range(3)]
+
+
+def _fused(name, bad):
+    return relpos.fused_attention(*_qkv(), **{name: bad})
+
+
+def _composed(name, bad):
+    return relpos.attention(*_qkv(), "rope", **{name: bad})
+
+
+def _module(name, bad, cached):
+    q, k, v = _qkv()
+    kw = {"cache": relpos.KVCache(_B, _H, _D)} if cached else {}
+    kw[name] = bad
+    return relpos.Attention("rope", _D, _H)(q, k, v, **kw)
+
+
+_NOT_TENSORS = [[0, 1, 2, 3], 3, "x"]
+
+
+@pytest.mark.parametrize("bad", _NOT_TENSORS, ids=["list", "int", "str"])
+@pytest.mark.parametrize("call, name", [
+    *[(_fused, n) for n in ("q_positions", "k_positions", "key_len", "key_start", "q_segments",
+                            "k_segments", "lag_table", "slopes", "cq", "ck", "gq", "gk", "path_q",
+                            "path_k", "path_beta")],
+    *[(_composed, n) for n in ("q_positions", "k_positions", "key_len", "key_start", "lag_table",
+                               "slopes", "cq", "ck", "q_segments", "k_segments")],
+    *[(lambda n, b: _module(n, b, False), n) for n in ("positions", "key_len", "key_start",
+                                                        "segments")],
+    *[(lambda n, b: _module(n, b, True), n) for n in ("positions", "key_len", "key_start",
+                                                       "segments")],
+])
+def test_an_optional_tensor_argument_that_is_not_a_tensor_is_named(call, name, bad):
+    """A key_len, position, mask or bias argument given as a list, a number or a string is an
+    InputError that names the argument, on every path (fused kernel, composed attention, the
+    module with and without a cache; the dispatcher's own refusal was a RuntimeError)."""
+    with pytest.raises(relpos.InputError, match=f"^{name} must be a tensor or None, got "
+                                                f"{type(bad).__name__}$"):
+        call(name, bad)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, k, v: relpos.Attention("rope", _D, _H)(q, k, [1.0], cache=relpos.KVCache(_B, _H, _D)),
+     r"v must be a \[B, H, T, D\] tensor, got list"),
+    (lambda q, k, v: relpos.Attention("rope", _D, _H)(q, k, v, cache=[1.0]),
+     "cache must be a relpos.KVCache, got list"),
+    (lambda q, k, v: relpos.rotate_pairs([1.0], torch.zeros(_T, _D // 2)),
+     "x must be a tensor, got list"),
+    (lambda q, k, v: relpos.favor_attention(q, k, v, [1.0]), "argument 'projection'"),
+])
+def test_required_arguments_that_are_not_tensors_are_input_errors(call, match):
+    with pytest.raises(relpos.InputError, match=match):
+        call(*_qkv())
