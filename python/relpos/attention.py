@@ -14,7 +14,7 @@ import torch
 
 from .encoding import (_HALF, InputError, PositionEncoding, _all_finite, _compute_dtype,
                        _raise_wrong_type, _tensors_or_none)
-from .frames import _journey_info, journey_attention
+from .frames import _journey, _journey_info
 
 # the names of the kernel's bias slots, in the order of the op's ``biases`` list
 _BIAS_SLOTS = tuple(torch.ops.relpos.attention_bias_slots())
@@ -206,10 +206,21 @@ def _transform_qk(enc: PositionEncoding, q, k, q_positions, k_positions, checked
     shared = g == 1 and Tq == Tk and (
         (q_positions is None and k_positions is None) or q_positions is k_positions
     )
+    def as_float64(p, T, name):
+        # real, finite, within +-2^53 (int64 checked before its conversion), [T] or [B, T]: the
+        # encoding's checks, before float64 could round a bool, complex or huge position away
+        if checked or torch.compiler.is_compiling():
+            return p.to(torch.float64)
+        try:
+            return torch.ops.relpos.encoding_positions(p, B, T)
+        except ValueError as e:
+            raise InputError(str(e) if name == "positions" else f"{name}: {e}") from None
+
     qpos = (torch.arange(Tk - Tq, Tk, dtype=torch.float64) if q_positions is None
-            else q_positions.to(torch.float64))
+            else as_float64(q_positions, Tq, "positions" if shared else "q_positions"))
     kpos = qpos if shared else (
-        torch.arange(Tk, dtype=torch.float64) if k_positions is None else k_positions.to(torch.float64)
+        torch.arange(Tk, dtype=torch.float64) if k_positions is None
+        else as_float64(k_positions, Tk, "k_positions")
     )
     if shared and checked:
         q, k = enc._encode(q, k, qpos, checked=True)
@@ -338,18 +349,14 @@ def attention(
         if _journey_info(spec, D, Hk)[1]:
             raise InputError(f"{spec!r} has per-token angles: call relpos.journey_attention "
                              "with the increments")
-        s = _alibi_slopes(spec, D, Hq)
-        if s is not None:
-            t = torch.tensor(s, dtype=q.dtype)
-            slopes = t if slopes is None else slopes + t
-        if learned:  # the encoding's learned table (a spec string went to the C++ op above)
-            pos = torch.arange(Tk, dtype=torch.float64)
-            lag_table = _learned_lag_table(mechanism, pos, pos, Hq, Hk, q.dtype)
-        out = journey_attention(q, k, v, spec, pair_layout=pair_layout, causal=causal,
-                                window=window, key_len=key_len, scale=scale, lag_table=lag_table,
-                                slopes=slopes, cq=cq, ck=ck, key_start=key_start,
-                                q_segments=q_segments, k_segments=k_segments)
-        return (out, None) if return_lse else out
+        # (a learned table of a spec string went to the C++ op above: here it is the encoding's)
+        out, lse = _journey(q, k, v, spec, None, pair_layout,
+                            mechanism if learned else None,
+                            dict(causal=causal, window=window, key_len=key_len, scale=scale,
+                                 lag_table=lag_table, slopes=slopes, cq=cq, ck=ck,
+                                 key_start=key_start, q_segments=q_segments,
+                                 k_segments=k_segments))
+        return (out, lse) if return_lse else out
     if isinstance(mechanism, str):
         enc = _fixed_encoding(mechanism, D, Hk, pair_layout, q.dtype)
     elif isinstance(mechanism, PositionEncoding) or mechanism is None:

@@ -39,6 +39,10 @@ def _journey_info(spec: str, head_dim: int, heads: int):
         if info is not None and len(transforms) != 1:
             # as the C++ journey_term: the frames would be applied and the other maps dropped
             raise InputError(f"{spec}: a journey term composes with bias terms only (not with other transforms)")
+        if info is not None and mechanism(spec, head_dim, heads)["rope_scaling"]:
+            # as the C++ journey_term: the frames would ignore the rule (or its attention factor)
+            raise InputError(f"{spec}: context-extension rules are not implemented for journey "
+                             "frames yet")
         _INFO[key] = info
     return _INFO[key]
 
@@ -117,9 +121,18 @@ def journey_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mechani
                       increments: torch.Tensor | None = None, pair_layout: str = "interleaved",
                       **kwargs) -> torch.Tensor:
     """Causal journey attention over one sequence (queries and keys at 0..T-1): q, k, v
-    ``[B, H, T, D]``; ``increments [B, T, D/2]`` for per-token angles. Other keyword arguments go
-    to :func:`relpos.fused_attention` (biases, scale)."""
-    from .attention import fused_attention
+    ``[B, H, T, D]``; ``increments [B, T, D/2]`` for per-token angles. The spec's bias terms apply
+    as in :func:`relpos.attention` (ALiBi's slopes, a learned lag table at its initial values; a
+    per-token bias needs its ``cq`` / ``ck``). Other keyword arguments go to
+    :func:`relpos.fused_attention` (masks, scale, biases of your own)."""
+    return _journey(q, k, v, mechanism, increments, pair_layout, None, kwargs)[0]
+
+
+def _journey(q, k, v, mechanism: str, increments, pair_layout: str, encoding, kwargs: dict):
+    """journey_attention's (out, lse); ``encoding``: a PositionEncoding whose learned lag table
+    the call uses (relpos.attention), else the spec's initial table."""
+    from .attention import (_alibi_slopes, _check_biases, _fixed_encoding, _learned_lag_table,
+                            fused_attention)
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -136,13 +149,32 @@ def journey_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mechani
     B, H, T, D = q.shape
     if k.shape[2] != T:
         raise InputError("journey_attention scores one sequence: q and k need the same length")
-    info = _journey_info(mechanism, D, k.shape[1])
+    Hk = k.shape[1]
+    info = _journey_info(mechanism, D, Hk)
     if info is None:
         raise InputError(f"{mechanism!r} has no journey term: call relpos.attention for it")
-    _, _, values, outputs, _ = info
-    theta = frame_angles(mechanism, D, k.shape[1], increments=increments, length=T)
+    _, _, values, outputs, scan = info
+    if scan != "exclusive" and kwargs.get("causal", True):
+        raise InputError(f"{mechanism!r}: the reversed inclusive scan reads later tokens (the "
+                         "reference code's leak); causal journey attention runs the exclusive scan")
+    # the spec's bias terms, as relpos.attention applies them (never dropped)
+    spec = _spec_text(mechanism)
+    learned = _check_biases(spec, D, H, cq=kwargs.get("cq"), ck=kwargs.get("ck"),
+                            lag_table=None if encoding is not None else kwargs.get("lag_table"))
+    slopes = _alibi_slopes(spec, D, H)
+    if slopes is not None:
+        s = torch.tensor(slopes, dtype=q.dtype)
+        kwargs = dict(kwargs, slopes=s if kwargs.get("slopes") is None else kwargs["slopes"] + s)
+    if learned:
+        enc = encoding if encoding is not None else _fixed_encoding(spec, D, Hk, pair_layout,
+                                                                    q.dtype)
+        pos = torch.arange(T, dtype=torch.float64)
+        kwargs = dict(kwargs, lag_table=_learned_lag_table(enc, pos, pos, H, Hk, q.dtype))
+    theta = frame_angles(mechanism, D, Hk, increments=increments, length=T)
     qt = rotate_pairs(q, theta, pair_layout=pair_layout)
     kt = rotate_pairs(k, theta, pair_layout=pair_layout)
     vt = rotate_pairs(v, theta, pair_layout=pair_layout) if values else v
-    out, _ = fused_attention(qt, kt, vt, **kwargs)
-    return rotate_pairs(out, theta, inverse=True, pair_layout=pair_layout) if outputs else out
+    out, lse = fused_attention(qt, kt, vt, **kwargs)
+    if outputs:
+        out = rotate_pairs(out, theta, inverse=True, pair_layout=pair_layout)
+    return out, lse

@@ -236,9 +236,30 @@ def test_bool_and_complex_positions_are_refused(dtype):
     x = torch.randn(1, 1, 4, 8)
     with pytest.raises(relpos.InputError, match="real numbers"):
         enc(x, x, torch.ones(4, dtype=dtype))
-    # as fused_attention refuses them
-    with pytest.raises(relpos.InputError, match="real numbers"):
-        relpos.fused_attention(x, x, x, q_positions=torch.ones(4, dtype=dtype))
+    # as fused_attention refuses them, and every path that converts positions to float64 (before
+    # the conversion: it would make them 0/1 or drop the imaginary part)
+    p = torch.ones(4, dtype=dtype)
+    for call in (lambda: relpos.fused_attention(x, x, x, q_positions=p),
+                 lambda: relpos.attention(x, x, x, "rope", q_positions=p),
+                 lambda: relpos.attention(x, x, x, "alibi", k_positions=p),
+                 lambda: relpos.Attention("rope", 8, 1)(x, x, x, positions=p),
+                 lambda: relpos.Attention("alibi", 8, 1)(x, x, x, positions=p)):
+        with pytest.raises(relpos.InputError, match="real numbers"):
+            call()
+
+
+@pytest.mark.parametrize("first", [2**53 + 1, 2**60])
+def test_int64_positions_past_2_to_53_are_refused_on_every_path(first):
+    """An int64 position past 2^53 would round in float64 (2^53 + 1 to 2^53): neighbours merge and
+    the causal mask breaks. Checked before the conversion on every path."""
+    x = torch.randn(1, 1, 4, 8)
+    p = torch.tensor([first + i for i in range(4)])
+    for call in (lambda: relpos.attention(x, x, x, "rope", q_positions=p, k_positions=p),
+                 lambda: relpos.attention(x, x, x, "alibi", q_positions=p),
+                 lambda: relpos.Attention("rope", 8, 1)(x, x, x, positions=p),
+                 lambda: relpos.Attention("t5_bias", 8, 1)(x, x, x, positions=p)):
+        with pytest.raises(relpos.InputError, match="2\\^53"):
+            call()
 
 
 @pytest.mark.parametrize("W", [torch.randn(3, 4), torch.randn(2, 5, 4), torch.randn(4),

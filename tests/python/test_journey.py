@@ -139,3 +139,57 @@ def test_journey_with_another_transform_is_refused(spec):
         relpos.attention(q, q, q, spec)
     with pytest.raises(ValueError, match="composes with bias terms only"):
         torch.ops.relpos.attention(q, q, q, spec)
+
+
+def test_journey_attention_applies_the_specs_bias_terms():
+    """journey_attention took the journey term alone: "journey + alibi" and "journey + t5_bias" gave
+    plain journey's output bit for bit, and "journey + fox" ran without its gates. Now the bias
+    terms apply as relpos.attention and the C++ paths apply them, or the call is refused."""
+    torch.manual_seed(2)
+    H, T, D = 2, 6, 8
+    q, k, v = (torch.randn(1, H, T, D, dtype=torch.float64) for _ in range(3))
+    plain = relpos.journey_attention(q, k, v, "journey")
+    slopes = torch.tensor(relpos.mechanism("alibi", D, H)["biases"][0]["slopes"], dtype=torch.float64)
+    alibi = relpos.journey_attention(q, k, v, "journey + alibi")
+    assert not torch.allclose(alibi, plain)
+    assert torch.equal(alibi, relpos.journey_attention(q, k, v, "journey", slopes=slopes))
+    assert torch.equal(alibi, relpos.Attention("journey + alibi", D, H).double()(q, k, v))
+    t5 = relpos.journey_attention(q, k, v, "journey + t5_bias")
+    assert not torch.allclose(t5, plain)
+    assert torch.equal(t5, relpos.attention(q, k, v, "journey + t5_bias"))  # the C++ op
+    with pytest.raises(relpos.InputError, match="cq and ck"):
+        relpos.journey_attention(q, k, v, "journey + fox")
+
+
+@pytest.mark.parametrize("rule", ["yarn(factor=4, original=4)", "dynamic_ntk(factor=4, original=4)",
+                                  "pj_pi(L=4)"])
+def test_journey_frames_refuse_context_extension_rules(rule):
+    """The frames ignored the rule (or, for YaRN, its attention factor): refused on every path, as
+    relpos.Attention refuses them."""
+    q = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    for call in (lambda: relpos.journey_attention(q, q, q, f"journey + {rule}"),
+                 lambda: relpos.attention(q, q, q, f"journey + {rule}"),
+                 lambda: relpos.Attention(f"journey + {rule}", 8, 2)):
+        with pytest.raises(relpos.InputError, match="context-extension rules"):
+            call()
+
+
+def test_journey_attention_refuses_the_reversed_scan_when_causal():
+    """The reference code's reversed inclusive scan reads later tokens: a causal call would leak
+    them (row 0 moved with the last token's increment). Without causality it runs."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 5, 6, dtype=torch.float64) for _ in range(3))
+    inc = torch.randn(1, 5, 3, dtype=torch.float64)
+    spec = "journey(angles=token, scan=reversed_inclusive)"
+    with pytest.raises(relpos.InputError, match="reads later tokens"):
+        relpos.journey_attention(q, k, v, spec, increments=inc)
+    assert relpos.journey_attention(q, k, v, spec, increments=inc, causal=False).shape == q.shape
+
+
+def test_journey_attention_returns_its_log_sum_exp():
+    """relpos.attention(..., "journey", return_lse=True) returned (out, None)."""
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    out, lse = relpos.attention(q, k, v, "journey + alibi", return_lse=True)
+    ref_out, ref_lse = relpos.Attention("journey + alibi", 8, 2).double()(q, k, v, return_lse=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
