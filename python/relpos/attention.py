@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .encoding import (_HALF, InputError, PositionEncoding, _all_finite, _compute_dtype,
+from .encoding import (_HALF, _LAYOUTS, _STORABLE, InputError, PositionEncoding, _all_finite, _compute_dtype,
                        _raise_wrong_type, _tensors_or_none)
 from .frames import _journey, _journey_info
 
@@ -257,7 +257,7 @@ def attention(
     slopes: torch.Tensor | None = None,
     cq: torch.Tensor | None = None,
     ck: torch.Tensor | None = None,
-    pair_layout: str = "interleaved",
+    pair_layout: str | None = None,
     return_lse: bool = False,
     check_finite: bool = True,
     key_start: torch.Tensor | None = None,
@@ -270,11 +270,22 @@ def attention(
     (no position encoding). Other arguments as :func:`fused_attention`. With grouped-query
     attention every query head uses the transform of its key/value head (the relative law needs one
     map per scored pair). ``tensor_layout="BTHD"`` takes q, k, v ``[B, T, H, D]`` (HF's and
-    flash-attention's layout) and returns ``out`` in it. Returns ``out`` (and ``lse [B, H, T]``
-    with ``return_lse``).
+    flash-attention's layout) and returns ``out`` in it. ``pair_layout``: a spec string's pairs
+    (default interleaved); a PositionEncoding has its own (a different one is an error). Returns
+    ``out`` (and ``lse [B, H, T]`` with ``return_lse``).
     """
     if tensor_layout not in ("BHTD", "BTHD"):
         raise InputError(f"unknown tensor layout '{tensor_layout}' (valid: BHTD, BTHD)")
+    if pair_layout is not None and pair_layout not in _LAYOUTS:
+        raise InputError(f"unknown pair layout '{pair_layout}' (valid: {', '.join(_LAYOUTS)})")
+    if isinstance(mechanism, PositionEncoding):
+        # the encoding's own layout: another one asked for here would be ignored
+        if pair_layout is not None and _LAYOUTS[pair_layout] != mechanism.layout:
+            raise InputError(f"pair_layout {pair_layout!r} differs from the encoding's (built with "
+                             f"{'half_split' if mechanism.layout else 'interleaved'}); omit it")
+        pair_layout = "half_split" if mechanism.layout else "interleaved"
+    elif pair_layout is None:
+        pair_layout = "interleaved"
     if tensor_layout == "BTHD":
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -294,6 +305,9 @@ def attention(
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise InputError(f"{name} must be a [B, H, T, D] tensor, got {shape}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _STORABLE:
+            raise InputError(f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
     _tensors_or_none(q_positions=q_positions, k_positions=k_positions, key_len=key_len,
                      lag_table=lag_table, slopes=slopes, cq=cq, ck=ck, key_start=key_start,
                      q_segments=q_segments, k_segments=k_segments)
@@ -329,9 +343,7 @@ def attention(
             if key_start is not None or q_segments is not None or k_segments is not None:
                 raise InputError(f"{spec!r}: key_start and segments with a learned lag table: "
                                  "use relpos.Attention")
-            layout = {"interleaved": 0, "half_split": 1}.get(pair_layout)
-            if layout is None:
-                raise InputError(f"unknown pair layout '{pair_layout}' (valid: interleaved, half_split)")
+            layout = _LAYOUTS[pair_layout]
             try:
                 return torch.ops.relpos.attention(
                     q, k, v, spec, q_positions, k_positions, causal, float(window), key_len,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import operator
 
 import torch
@@ -61,6 +62,26 @@ def _integer(value, name: str) -> int:
     return v
 
 
+def _real(value, name: str, *, above: float | None = None, at_least: float | None = None) -> float:
+    """A real-number argument as a float: no bool, string or tensor, finite, and above / at least
+    the bound given (InputError naming it otherwise: NaN would slip past a range comparison)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputError(f"{name} must be a real number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or (above is not None and not v > above) or (
+            at_least is not None and not v >= at_least):
+        bound = f" > {above:g}" if above is not None else f" >= {at_least:g}" if at_least is not None else ""
+        raise InputError(f"{name} must be a finite number{bound}, got {value!r}")
+    return v
+
+
+def _flag(value, name: str) -> bool:
+    """A yes/no argument: a bool (or 0 / 1), never a string's truthiness ("no" is not True)."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise InputError(f"{name} must be True or False, got {value!r}")
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     """Whether t holds no NaN or Inf: one pass over its exponent bits in C++ (the C++ modules'
     check; ``isfinite(t).all()`` writes a mask as large as t first, ~5x the time)."""
@@ -110,10 +131,23 @@ def rope_scaling_spec(rope_scaling: dict | None, max_position_embeddings: float 
     """The spec term of a model config's ``rope_scaling`` dictionary (Hugging Face keys; ``""`` for
     ``None`` or ``{"rope_type": "default"}``), e.g. ``"yarn(factor=4, original=4096, ...)"``: add it
     to a rotary spec with ``+``. Unknown keys and bad values raise InputError naming them."""
+    return _op(torch.ops.relpos.rope_scaling_spec, _json(rope_scaling, "rope_scaling"),
+               _context(max_position_embeddings))
+
+
+def _json(d, name: str) -> str:
+    """A config dictionary as the operators read it, or InputError naming what JSON cannot hold."""
     try:
-        return torch.ops.relpos.rope_scaling_spec(json.dumps(rope_scaling), float(max_position_embeddings or 0))
-    except ValueError as e:
-        raise InputError(str(e)) from None
+        return json.dumps(d)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{name}: {e}") from None
+
+
+def _context(max_position_embeddings) -> float:
+    """A config's max_position_embeddings as the operators take it (None or 0: not given)."""
+    if max_position_embeddings is None:
+        return 0.0
+    return _real(max_position_embeddings, "max_position_embeddings", at_least=0)
 
 
 def rope_parameters_spec(spec: str, rope_parameters: dict | None,
@@ -125,8 +159,8 @@ def rope_parameters_spec(spec: str, rope_parameters: dict | None,
     ``factor`` takes ``max_position_embeddings / original_max_position_embeddings``, and the
     rule's keys become its term, e.g. ``rope_parameters_spec("rope", cfg.rope_parameters, 4096)``
     -> ``"rope(theta=500000) + yarn(...)"``. Conflicts and unread keys raise InputError."""
-    return _op(torch.ops.relpos.rope_parameters_spec, _spec_text(spec), json.dumps(rope_parameters),
-               float(max_position_embeddings or 0))
+    return _op(torch.ops.relpos.rope_parameters_spec, _spec_text(spec),
+               _json(rope_parameters, "rope_parameters"), _context(max_position_embeddings))
 
 
 def frequencies(spec: str, head_dim: int, length: float | None = None) -> torch.Tensor:
@@ -135,14 +169,14 @@ def frequencies(spec: str, head_dim: int, length: float | None = None) -> torch.
     with its context-extension rule evaluated at context ``length`` (max position + 1; None: as
     built). Pairs no rotary term turns are 0; learned frequencies are left at their spec values."""
     return _op(torch.ops.relpos.frequencies, _spec_text(spec), _integer(head_dim, "head_dim"), 1,
-               float(length or 0))
+               0.0 if length is None else _real(length, "length", above=0))
 
 
 def attention_factor(spec: str, head_dim: int, length: float) -> float:
     """The factor a context-extension rule applies to q and k (logits scale by its square) at
     context ``length``; 1.0 without a rule (HF's ``attention_scaling``)."""
     return _op(torch.ops.relpos.attention_factor, _spec_text(spec), _integer(head_dim, "head_dim"),
-               1, float(length))
+               1, _real(length, "length", above=0))
 
 
 class PositionEncoding(nn.Module):
@@ -209,7 +243,7 @@ class PositionEncoding(nn.Module):
             raise InputError(f"bias_heads must be >= 1 (or None: num_heads), got {self.bias_heads}")
         self.layout = _LAYOUTS[pair_layout]
         self.tensor_layout = tensor_layout
-        self.check_finite = check_finite
+        self.check_finite = _flag(check_finite, "check_finite")
         self._info = info
         self._scaled = bool(info.get("rope_scaling"))  # a context-extension rule
         self._trig_cache: tuple | None = None  # (key, positions, cos, sin) of the last eager call
@@ -226,6 +260,10 @@ class PositionEncoding(nn.Module):
         self._has_position_term = any(kind == "position" for kind, _ in self._terms)
         self._only_position_term = [kind for kind, _ in self._terms] == ["position"]
         self._vector_term = next((i for kind, i in self._terms if kind == "vector"), None)
+        # a rotation by per-token angles (journey(angles=token), grape_m(context=true)): its phases
+        # come from the tokens, which the encoding never sees
+        self._phase_term = next((t["name"] for t in info["transforms"]
+                                 if t["time"] == "content_phase"), None)
         # the C++ module's parameters and buffers as it creates them (fixed maps fixed<i>_m, the
         # schema's raw_<name> / <name>_fixed / _bound / _learn, a learned lag table's tensors drawn
         # from torch's generator in the same order): the same names and bits
@@ -448,6 +486,10 @@ class PositionEncoding(nn.Module):
             raise InputError(f"{self.spec!r} rotates by vector positions [T, {dc}]: run it "
                              f"through relpos.Attention with positions [T, {dc}], not "
                              "through the encoding")
+        if self._phase_term is not None:  # (as the C++ module refuses it)
+            raise InputError(f"{self.spec!r}: term '{self._phase_term}' is driven by per-token "
+                             "angles, not positions: run it through relpos.Attention (inputs=) or "
+                             "relpos.journey_attention (increments=), not through the encoding")
         if positions is None:
             pos = torch.arange(T, dtype=torch.float64, device=q.device)
         elif checked:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from .attention import _alibi_slopes, _learned_lag_table, _transform_qk, fused_attention
-from .encoding import (_HALF, _STORABLE, InputError, PositionEncoding, _compute_dtype, _integer,
-                       _op, _tensors_or_none)
+from .encoding import (_HALF, _STORABLE, InputError, PositionEncoding, _compute_dtype, _flag,
+                       _integer, _op, _real, _tensors_or_none)
 from .frames import rotate_pairs
 
 
@@ -62,7 +62,10 @@ class KVCache:
             raise InputError("KVCache: dtype must be torch.float32, float64, bfloat16 or float16, "
                              f"got {dtype}")
         self.dtype = dtype
-        self.device = torch.device("cpu" if device is None else device)
+        try:
+            self.device = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as e:
+            raise InputError(f"KVCache: device {device!r} is not a device ({e})") from None
         self._keys = torch.zeros(self.batch, self.num_kv_heads, cap, self.head_dim, dtype=dtype,
                                  device=self.device)
         self._values = torch.zeros_like(self._keys)
@@ -132,7 +135,10 @@ class KVCache:
 
     def next_positions(self, n: int) -> torch.Tensor:
         """The default positions of n new tokens per row: ``lengths[b] + 0..n-1``, ``[B, n]``."""
-        return self._step(None, None, _integer(n, "n"))[0]
+        n = _integer(n, "n")
+        if n < 0:
+            raise InputError(f"KVCache.next_positions: n must be >= 0, got {n}")
+        return self._step(None, None, n)[0]
 
     def _check(self, k: torch.Tensor) -> None:
         B, Hk, _, D = k.shape
@@ -181,6 +187,16 @@ class KVCache:
             self._values = grown(self._values, 2, grow)
             self._positions = grown(self._positions, 1, grow)
             self._content = [grown(c, 2, grow) for c in self._content]
+
+
+def _model_dim(model_dim) -> int:
+    """The width of a layer's inputs as the runtimes take it (0: not given)."""
+    if model_dim is None:
+        return 0
+    d = _integer(model_dim, "model_dim")
+    if d < 1:
+        raise InputError(f"model_dim must be >= 1, got {d}")
+    return d
 
 
 class Attention(nn.Module):
@@ -269,7 +285,7 @@ class Attention(nn.Module):
                 raise InputError(f"{self.spec!r}: its rotation scans phases from the layer's "
                                  "hidden states: give model_dim (the width of inputs)")
             init = _op(torch.ops.relpos.rotation_initial, self.spec, self.head_dim,
-                       self.num_kv_heads, 0 if model_dim is None else _integer(model_dim, "model_dim"))
+                       self.num_kv_heads, _model_dim(model_dim))
             for name, t in zip(self._rotation["names"], init):
                 self.register_parameter(name, nn.Parameter(t))
             s = _alibi_slopes(self.spec, self.head_dim, self.num_heads)
@@ -278,9 +294,8 @@ class Attention(nn.Module):
             if self._content["reads_inputs"] and model_dim is None:
                 raise InputError(f"{self.spec!r}: its bias projects the layer's hidden states: "
                                  "give model_dim (the width of inputs)")
-            dim = 0 if model_dim is None else _integer(model_dim, "model_dim")
             init = _op(torch.ops.relpos.content_initial, self.spec, self.head_dim,
-                       self.num_heads, dim)
+                       self.num_heads, _model_dim(model_dim))
             for name, t in zip(self._content["names"], init):
                 owner = self
                 *parents, leaf = name.split(".")
@@ -297,7 +312,7 @@ class Attention(nn.Module):
             why = _op(torch.ops.relpos.favor_refusal, self.spec, self.head_dim, self.num_kv_heads)
             if why:
                 raise InputError(why)
-            if float(window) > 0:
+            if _real(window, "window", at_least=0) > 0:
                 raise InputError(f"{self.spec!r}: backend favor has no sliding window")
             m = 4 * self.head_dim if features is None else _integer(features, "features")
             if m < 1:
@@ -310,8 +325,9 @@ class Attention(nn.Module):
             raise InputError("features and feature_seed are options of backend favor; this module "
                              "is backend softmax")
         self.pair_layout = "half_split" if self.encoding.layout == 1 else "interleaved"
-        self.causal, self.window, self.scale = bool(causal), float(window), scale
-        self.check_finite = check_finite
+        self.causal, self.window = _flag(causal, "causal"), _real(window, "window", at_least=0)
+        self.scale = None if scale is None else _real(scale, "scale", above=0)
+        self.check_finite = _flag(check_finite, "check_finite")
         # frames the runtime returns (journey) turn values in and outputs back out
         term = info["transforms"][0] if self._rotation is not None else {}
         self._frame_values, self._frame_outputs = term.get("values", False), term.get("outputs", False)
@@ -359,6 +375,8 @@ class Attention(nn.Module):
             raise InputError(f"q has head dim {D}; the module was built for {self.head_dim}")
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise InputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if q.dtype not in _STORABLE:
+            raise InputError(f"q, k, v must be float32, float64, bfloat16 or float16, got {q.dtype}")
         if inputs is not None and (not isinstance(inputs, torch.Tensor) or inputs.dim() != 3
                                    or tuple(inputs.shape[:2]) != (q.shape[0], q.shape[2])):
             # unread by most mechanisms (a model passes them to every layer), but never mismatched

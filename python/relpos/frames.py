@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .encoding import InputError, _integer, _spec_text
+from .encoding import InputError, _flag, _integer, _spec_text
 
 _INFO: dict = {}
 
@@ -68,12 +68,14 @@ def rotate_pairs(x: torch.Tensor, angles: torch.Tensor | None = None, *,
         raise InputError("rotate_pairs: cos= and sin= must both be tensors")
     if not table and not isinstance(angles, torch.Tensor):
         raise InputError(f"rotate_pairs: angles must be a tensor, got {type(angles).__name__}")
+    if not table and (angles.is_complex() or angles.dtype == torch.bool):
+        raise InputError(f"rotate_pairs: angles must be real numbers, got {angles.dtype}")
     try:
         if not table:
             # angles of half tensors stay float32: in bfloat16 an angle of 100 rad is off by 0.25
             a = angles.to(torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype)
             cos, sin = torch.ops.relpos.cos_sin(a)
-        return torch.ops.relpos.rotate_pairs(x, cos, sin, inverse, layout)
+        return torch.ops.relpos.rotate_pairs(x, cos, sin, _flag(inverse, "inverse"), layout)
     except ValueError as e:
         raise InputError(str(e)) from None
 
@@ -88,6 +90,9 @@ def frame_angles(spec: str, head_dim: int, heads: int, *, positions: torch.Tenso
     freqs, per_token, _, _, scan = info
     if per_token:
         P = len(freqs)
+        if positions is not None:  # (the scan's angles do not depend on them)
+            raise InputError(f"{spec!r} has per-token angles: they come from the increments, "
+                             "not positions")
         if increments is None:
             raise InputError(f"{spec!r} has per-token angles: pass increments [B, T, {P}]")
         # one increment per rotated pair: a narrower table would leave pairs unrotated
@@ -101,17 +106,25 @@ def frame_angles(spec: str, head_dim: int, heads: int, *, positions: torch.Tenso
     if increments is not None:
         raise InputError(f"{spec!r} has fixed frames (angle = position x frequency): increments "
                          "are for journey(angles=token)")
+    if positions is not None and length is not None:
+        raise InputError("frame_angles: pass positions or length, not both")
     if positions is None:
         if length is None:
             raise InputError("frame_angles: pass positions or length")
-        positions = torch.arange(_integer(length, "length"), dtype=torch.float64)
+        n = _integer(length, "length")
+        if n < 0:
+            raise InputError(f"frame_angles: length must be >= 0, got {n}")
+        positions = torch.arange(n, dtype=torch.float64)
     elif not isinstance(positions, torch.Tensor):
         raise InputError(f"positions must be a tensor, got {type(positions).__name__}")
     else:
+        if positions.dim() not in (1, 2):
+            raise InputError(f"frame_angles: positions must be [T] or [B, T], got "
+                             f"{list(positions.shape)}")
         try:  # real, finite, within +-2^53 (the PositionEncoding checks)
             rows = positions.shape[0] if positions.dim() == 2 else 1
             positions = torch.ops.relpos.encoding_positions(positions, rows, positions.shape[-1])
-        except (ValueError, IndexError) as e:
+        except ValueError as e:
             raise InputError(str(e)) from None
     f = torch.tensor(freqs, dtype=torch.float64)
     return torch.remainder(positions.unsqueeze(-1) * f, 2 * math.pi)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .attention import fused_attention
-from .encoding import InputError
+from .encoding import InputError, _flag
 
 
 def structured_rotate(x: torch.Tensor, basis: torch.Tensor, freqs: torch.Tensor,
@@ -26,9 +26,12 @@ def structured_rotate(x: torch.Tensor, basis: torch.Tensor, freqs: torch.Tensor,
     for name, t in (("x", x), ("basis", basis), ("freqs", freqs), ("positions", positions)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"structured_rotate: {name} must be a tensor, got {type(t).__name__}")
+    for name, t in (("basis", basis), ("freqs", freqs)):  # (a complex one would lose its imaginary part)
+        if not t.is_floating_point():
+            raise InputError(f"structured_rotate: {name} must be real floating point, got {t.dtype}")
     try:
         return torch.ops.relpos.structured_rotate(x, basis.to(x.dtype), freqs.to(x.dtype),
-                                                  positions, inverse)
+                                                  positions, _flag(inverse, "inverse"))
     except ValueError as e:
         raise InputError(str(e)) from None
 
@@ -38,8 +41,8 @@ def cayley_basis(W: torch.Tensor) -> torch.Tensor:
     if not isinstance(W, torch.Tensor) or W.dim() < 2 or W.shape[-1] != W.shape[-2]:
         shape = list(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
         raise InputError(f"cayley_basis: W must be square matrices [..., D, D], got {shape}")
-    if not W.is_floating_point():
-        raise InputError(f"cayley_basis: W must be floating point, got {W.dtype}")
+    if W.dtype not in (torch.float32, torch.float64):  # (the solve has no half kernels)
+        raise InputError(f"cayley_basis: W must be float32 or float64, got {W.dtype}")
     A = W - W.transpose(-1, -2)
     eye = torch.eye(W.shape[-1], dtype=W.dtype, device=W.device).expand_as(A)
     return torch.linalg.solve(eye - A, eye + A)

@@ -343,3 +343,78 @@ def test_an_optional_tensor_argument_that_is_not_a_tensor_is_named(call, name, b
 def test_required_arguments_that_are_not_tensors_are_input_errors(call, match):
     with pytest.raises(relpos.InputError, match=match):
         call(*_qkv())
+
+
+def _x(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("call, match", [
+    # numbers a call cannot honour: NaN, infinities, negatives, strings (a NaN passed every range
+    # comparison; a negative length returned the frequencies as built)
+    (lambda: relpos.frequencies("rope + yarn(factor=4, original=4)", 8, float("nan")), "length"),
+    (lambda: relpos.frequencies("rope", 8, -5), "length"),
+    (lambda: relpos.frequencies("rope", 8, "x"), "length"),
+    (lambda: relpos.attention_factor("rope + pj_yarn(L=4)", 8, float("inf")), "length"),
+    (lambda: relpos.attention_factor("rope", 8, None), "length"),
+    (lambda: relpos.rope_scaling_spec({"rope_type": "linear", "factor": torch.tensor(2.0)}),
+     "rope_scaling"),
+    (lambda: relpos.rope_scaling_spec({"rope_type": "linear", "factor": 2.0}, "x"),
+     "max_position_embeddings"),
+    (lambda: relpos.Attention("rope", 8, 2, window=float("nan")), "window"),
+    (lambda: relpos.Attention("rope", 8, 2, window=-1), "window"),
+    (lambda: relpos.Attention("rope", 8, 2, window="x"), "window"),
+    (lambda: relpos.Attention("rope", 8, 2, scale=-1.0), "scale"),
+    (lambda: relpos.Attention("rope", 8, 2, causal="no"), "causal"),
+    (lambda: relpos.Attention("rope", 8, 2, causal=None), "causal"),
+    (lambda: relpos.Attention("rope", 8, 2, max_position_embeddings="x",
+                              rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     "max_position_embeddings"),
+    (lambda: relpos.Attention("fox", 8, 2, model_dim=0), "model_dim"),
+    (lambda: relpos.Attention("fox", 8, 2, model_dim=-1), "model_dim"),
+    (lambda: relpos.PositionEncoding("rope", 8, 2, check_finite="yes"), "check_finite"),
+    (lambda: relpos.rotate_pairs(_x(1, 1, 4, 8), _x(4, 4), inverse="x"), "inverse"),
+    (lambda: relpos.rotate_pairs(_x(1, 1, 4, 8), torch.ones(4, 4, dtype=torch.bool)), "real"),
+    (lambda: relpos.rotate_pairs(_x(1, 1, 4, 8), torch.ones(4, 4, dtype=torch.complex64)), "real"),
+    (lambda: relpos.structured_rotate(_x(1, 1, 4, 8), torch.eye(8), torch.ones(2, 4),
+                                      torch.zeros(4, 2), inverse="x"), "inverse"),
+    (lambda: relpos.structured_rotate(_x(1, 1, 4, 8), torch.eye(8, dtype=torch.complex64),
+                                      torch.ones(2, 4), torch.zeros(4, 2)), "basis"),
+    (lambda: relpos.KVCache(1, 1, 8).next_positions(-1), "n must be >= 0"),
+    (lambda: relpos.KVCache(1, 1, 8, device="bogus"), "device"),
+    (lambda: relpos.frame_angles("journey", 8, 2, length=-1), "length"),
+    (lambda: relpos.cayley_basis(_x(4, 4).bfloat16()), "float32 or float64"),
+    # q, k, v of a dtype no kernel computes in
+    (lambda: relpos.attention(*(torch.ones(1, 2, 4, 8, dtype=torch.long) for _ in range(3)), "rope"),
+     "float32, float64"),
+    (lambda: relpos.attention(*(_x(1, 2, 4, 8, dtype=torch.complex64) for _ in range(3))),
+     "float32, float64"),
+    (lambda: relpos.Attention("rope", 8, 2)(*(_x(1, 2, 4, 8, dtype=torch.complex64) for _ in range(3))),
+     "float32, float64"),
+    # a layout the call would ignore
+    (lambda: relpos.attention(*(_x(1, 2, 4, 8) for _ in range(3)), None, pair_layout="bogus"),
+     "pair layout"),
+    (lambda: relpos.attention(*(_x(1, 2, 4, 8) for _ in range(3)), relpos.PositionEncoding("rope", 8, 2),
+                              pair_layout="half_split"), "differs from the encoding's"),
+    # per-token angles the encoding never sees (it rotated by position instead)
+    (lambda: relpos.PositionEncoding("journey(angles=token)", 8, 2)(_x(1, 2, 4, 8), _x(1, 2, 4, 8)),
+     "per-token angles"),
+    (lambda: relpos.PositionEncoding("grape_m(context=true)", 8, 2)(_x(1, 2, 4, 8), _x(1, 2, 4, 8)),
+     "per-token angles"),
+])
+def test_arguments_a_call_cannot_honour_are_input_errors(call, match):
+    """Found by probing every public call with wrong values: each was a silent no-op, a wrong
+    result, or a TypeError / RuntimeError / plain ValueError from inside."""
+    with pytest.raises(relpos.InputError, match=match):
+        call()
+
+
+def test_attention_takes_the_encodings_pair_layout():
+    """relpos.attention ignored pair_layout beside a PositionEncoding; the encoding's own applies
+    (and a journey encoding built half-split was rotated interleaved)."""
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    for spec in ("rope", "journey"):
+        enc = relpos.PositionEncoding(spec, 8, 2, pair_layout="half_split").double()
+        assert torch.equal(relpos.attention(q, k, v, enc),
+                           relpos.attention(q, k, v, spec, pair_layout="half_split"))
