@@ -231,6 +231,9 @@ class PositionEncoding(nn.Module):
         head_dim, num_heads = _integer(head_dim, "head_dim"), _integer(num_heads, "num_heads")
         if rope_scaling is not None:
             spec = rope_parameters_spec(spec, rope_scaling, max_position_embeddings)
+        elif max_position_embeddings is not None:
+            # (a config's value passed along with its rope_scaling of None: no rule reads it)
+            _context(max_position_embeddings)
         try:
             info = json.loads(torch.ops.relpos.mechanism(spec, head_dim, num_heads))
         except ValueError as e:

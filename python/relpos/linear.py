@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import torch
 
-from .encoding import InputError, _integer, _op
+from .encoding import InputError, _flag, _integer, _op, _real
 
 
 def random_projection(m: int, head_dim: int, *, orthogonal: bool = True, seed: int = 0) -> torch.Tensor:
     """``W [m, head_dim]`` float64: rows N(0, I), or orthogonal blocks with chi-distributed norms."""
-    try:
-        return torch.ops.relpos.random_projection(_integer(m, "m"), _integer(head_dim, "head_dim"),
-                                                  bool(orthogonal), _integer(seed, "seed"))
-    except (ValueError, RuntimeError) as e:
-        raise InputError(str(e)) from None
+    seed = _integer(seed, "seed")
+    if seed < 0:  # (as the CLI's --seed)
+        raise InputError(f"seed must be >= 0, got {seed}")
+    return _op(torch.ops.relpos.random_projection, _integer(m, "m"), _integer(head_dim, "head_dim"),
+               _flag(orthogonal, "orthogonal"), seed)
 
 
 def favor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
                     causal: bool = True, scale: float | None = None) -> torch.Tensor:
     """Linear attention on the random features of q and k with ``projection [m, D]``; returns
     ``[B, H, T, Dv]``. ``scale`` multiplies q and k before the features (default ``D^(-1/4)``)."""
-    return _op(torch.ops.relpos.favor_attention, q, k, v, projection, causal,
-               0.0 if scale is None else float(scale))
+    return _op(torch.ops.relpos.favor_attention, q, k, v, projection, _flag(causal, "causal"),
+               0.0 if scale is None else _real(scale, "scale", above=0))

@@ -418,3 +418,18 @@ def test_attention_takes_the_encodings_pair_layout():
         enc = relpos.PositionEncoding(spec, 8, 2, pair_layout="half_split").double()
         assert torch.equal(relpos.attention(q, k, v, enc),
                            relpos.attention(q, k, v, spec, pair_layout="half_split"))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: relpos.random_projection(4, 8, orthogonal="no"), "orthogonal"),
+    (lambda: relpos.random_projection(4, 8, seed=-1), "seed"),
+    (lambda: relpos.favor_attention(*(_x(1, 1, 4, 8) for _ in range(3)),
+                                    relpos.random_projection(4, 8).float(), causal="no"), "causal"),
+    (lambda: relpos.favor_attention(*(_x(1, 1, 4, 8) for _ in range(3)),
+                                    relpos.random_projection(4, 8).float(), scale=float("nan")), "scale"),
+    (lambda: relpos.PositionEncoding("rope", 8, 2, max_position_embeddings="x"),
+     "max_position_embeddings"),
+])
+def test_feature_and_config_arguments_are_checked(call, match):
+    with pytest.raises(relpos.InputError, match=match):
+        call()
