@@ -437,8 +437,9 @@ class RelposAttention(nn.Module):
                              f"only; {got} (a hole in the padding, a custom mask) needs the "
                              "materialised path")
         if cache is None:
-            return self.engine(q, k, v, positions=self._padded_positions(pos, start, 0, B, T),
-                               inputs=inputs, segments=segments,
+            pos = self._padded_positions(pos, start, 0, B, T)
+            self._refuse_unordered(pos, start, end, segments)
+            return self.engine(q, k, v, positions=pos, inputs=inputs, segments=segments,
                                key_start=None if start is None or not bool((start > 0).any()) else start,
                                key_len=end)
         if getattr(cache, "is_compileable", False):
@@ -480,6 +481,28 @@ class RelposAttention(nn.Module):
             out = self.engine(q, k, v, positions=pos, inputs=inputs, cache=layer.kv, **padding)
         layer.tokens += T
         return out
+
+    def _refuse_unordered(self, pos, start, end, segments):
+        """The engine's causality is by position (p_j <= p_i), HF's mask by token order: they
+        agree only where positions increase along each row's visible tokens (within each packed
+        document). Anywhere else a token would see later ones: refused."""
+        if pos is None or pos.shape[-1] < 2:
+            return
+        rows = pos if pos.dim() == 2 else pos[None]
+        ahead = rows[:, 1:] > rows[:, :-1]  # [b, t]: slot t + 1 after slot t
+        T = rows.shape[1]
+        pair = torch.arange(1, T)  # the later slot of each adjacent pair
+        seen = torch.ones_like(ahead)
+        if start is not None:
+            seen &= (pair[None, :] - 1 >= start[:, None]) & (pair[None, :] < end[:, None])
+        if segments is not None:
+            seen &= segments[:, 1:] == segments[:, :-1]
+        if bool((seen & ~ahead).any()):
+            raise InputError(f"{self.spec!r} {self.runtime_state}, so it runs relpos.Attention, "
+                             "whose causality follows the positions: position_ids must increase "
+                             "along each row's visible tokens (packed documents under an "
+                             "attention_mask of ones would let a token see later ones; pass them "
+                             "without the mask, and HF masks each document)")
 
     def _padded_positions(self, pos, start, past, B, T):
         """The positions of a call's tokens at slots past..past+T-1 for the engine, with left
@@ -840,6 +863,17 @@ def _switched_class(cls: type, forward) -> type:
 _OPTIONS = {"pair_layout", "check_finite"}
 
 
+def _refuse_attention_weights(module, args, kwargs):
+    """A switched model has no attention weights to return (the kernel never forms them): asking
+    for them is refused rather than answered with empty ones."""
+    asked = kwargs.get("output_attentions")
+    if asked is None:
+        asked = getattr(module.config, "output_attentions", False)
+    if asked:
+        raise InputError("output_attentions: a model switched to relpos attention runs a fused "
+                         "kernel that never forms the attention weights; call without them")
+
+
 def apply(model, spec: str | None = None, **options):
     """Switches a loaded HF model (``supported()``) to relpos attention, in place; returns it.
 
@@ -875,6 +909,11 @@ def apply(model, spec: str | None = None, **options):
     if any(hasattr(m, "relpos") for m in layers):
         raise InputError(f"{type(model).__name__} is already switched to relpos")
     own = spec is None
+    if own and options.get("pair_layout", "half_split") not in ("half_split", "neox", "rotate_half"):
+        # (interleaved pairs would be another model than the one spec=None promises)
+        raise InputError(f"spec=None runs the model's own encoding, whose pairs are HF's "
+                         f"rotate_half (half_split); pair_layout={options['pair_layout']!r} is for "
+                         "a spec you give")
     if own:
         spec = spec_for(config)
     elif not isinstance(spec, str):
@@ -903,6 +942,9 @@ def apply(model, spec: str | None = None, **options):
         m.relpos = state
         m.__class__ = _switched_class(type(m), family["forward"])
     _neutralise(model, model_type)
+    for m in model.modules():  # the model and its base model, whichever the caller runs
+        if isinstance(m, transformers.PreTrainedModel):
+            m.register_forward_pre_hook(_refuse_attention_weights, with_kwargs=True)
     config._attn_implementation_internal = IMPLEMENTATION
     # what from_pretrained needs to switch a saved copy alike (saved with the config): the spec,
     # whether it was the model's own encoding (its slope scale follows from the config), options

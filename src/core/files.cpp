@@ -278,21 +278,30 @@ void OutputDir::finish() {
   fs::remove(dir_ / kMarker, ec);
 }
 
-void check_output_file(const fs::path& path, const std::string& header) {
-  check_output_path(path, "output file");
+void check_output_file(const fs::path& path, const std::string& header, const std::string& what) {
+  check_output_path(path, what.c_str());
   std::error_code ec;
   const std::string shown = brief(path.string(), 120);
+  if (fs::is_symlink(fs::symlink_status(path, ec)))
+    throw InputError(fmt::format(
+        "{} '{}' is a symbolic link: relpos writes its output files in place of a link, so it "
+        "refuses one; name the file itself",
+        what, shown));
   if (fs::is_directory(path, ec))
-    throw InputError(fmt::format("output file '{}' is a folder, not a file", shown));
+    throw InputError(fmt::format("{} '{}' is a folder, not a file", what, shown));
   if (!fs::exists(path, ec)) return;
   std::ifstream in(path, std::ios::binary);
   std::string start(header.size(), '\0');
   in.read(start.data(), static_cast<std::streamsize>(header.size()));
-  if (!in || start != header)
+  if (!in || start != header) {
+    std::string expected;  // the header on one line
+    for (const char c : brief(header, 60))
+      expected += c == '\n' ? std::string("\\n") : std::string(1, c);
     throw InputError(fmt::format(
-        "output file '{}' exists and was not written by this command (it does not start with "
-        "'{}'): remove it or choose another path",
-        shown, brief(header, 60)));
+        "{} '{}' exists and was not written by this command (it does not start with '{}'): "
+        "remove it or choose another path; relpos never writes over files it did not make",
+        what, shown, expected));
+  }
 }
 
 uint64_t checksum64(std::string_view bytes) {

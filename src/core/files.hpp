@@ -84,10 +84,14 @@ class OutputDir {
   bool existed_ = false;
 };
 
-// An output file that a command writes whole (eval --profiles): refused (InputError naming it and
-// why) when it is a folder, a dangling symlink, under a file, has an over-long name, or exists
-// without starting with `header` (a file that is not an earlier output of the same command).
-void check_output_file(const std::filesystem::path& path, const std::string& header);
+// An output file that a command writes whole (eval --profiles, bench --json-out): refused
+// (InputError naming `what` - the flag - the path and why) when it is a folder, a symbolic link
+// (dangling or not: the file written would replace the link, not what it points to), under a
+// file, has an over-long name, or exists without starting with `header` (a file that is not an
+// earlier output of the same command). Call it before the work, and again before the write
+// (write_file_atomic).
+void check_output_file(const std::filesystem::path& path, const std::string& header,
+                       const std::string& what = "output file");
 
 // Files with an integrity check (checkpoints): a first line "relpos-checksum fnv1a64 HEX" over
 // the bytes that follow. read_checked_file throws InputError naming the file when the bytes do not

@@ -322,4 +322,32 @@ std::vector<LagFeature> lag_features(const Mechanism& m, const ParamValues& p, i
   return out;
 }
 
+std::string lag_features_refusal(const Mechanism& m) {
+  for (const auto& t : m.transforms) {
+    if (t.time == TimeSource::ContentPhase)
+      return fmt::format(
+          "its transform '{}' is driven by a phase scanned from per-token inputs, so its scores "
+          "depend on the tokens between i and j, not on the lag alone",
+          t.name);
+    if (t.time == TimeSource::VectorPosition)
+      return fmt::format(
+          "its transform '{}' turns by vector positions [T, d_c], so its scores depend on the "
+          "difference of two vectors, not on a scalar lag",
+          t.name);
+  }
+  for (const auto& b : m.biases) {
+    if (b.content_dependent())
+      return fmt::format(
+          "its bias '{}' is computed from per-token inputs (content-gated), so its scores are "
+          "not a function of the lag alone",
+          b.name);
+    if (b.learned)
+      return fmt::format(
+          "its bias '{}' is a learned lag table, whose values are not among the primitive lag "
+          "features this command prints",
+          b.name);
+  }
+  return {};
+}
+
 }  // namespace relpos

@@ -262,6 +262,12 @@ struct LagFeature {
 };
 // Features at lag d with |gamma d| clamped at each segment's max_exp, as the kernels clamp.
 std::vector<LagFeature> lag_features(const Mechanism& m, const ParamValues& p, int head, double d);
+// Why lag_features do not describe the scores of `m` (empty when they do), from its terms: a
+// content-dependent bias (per-token scalars, gates or probes computed from the tokens), a
+// transform driven by a content phase scanned from the tokens or by vector positions, or a
+// learned lag table (its values are not among the primitive features). `relpos kernel` refuses
+// such a mechanism by name rather than print a table without its terms.
+std::string lag_features_refusal(const Mechanism& m);
 
 // max over damped segments (and heads, or one head when head >= 0) of |gamma| * t / max_exp:
 // above 1 the exponent clamp binds at distance t from the centre.

@@ -19,6 +19,7 @@
 #include "kernels/attention/mechanism_attention.hpp"
 #include "kernels/isa.hpp"
 #include "torch/attention.hpp"
+#include "torch/encoding.hpp"
 #include "torch/finite.hpp"
 #include "torch/journey.hpp"
 #include "torch/op_util.hpp"
@@ -150,9 +151,9 @@ torch::Tensor attention_positions(const torch::Tensor& p, int64_t B, int64_t T, 
         fmt::format("attention: {} must be [{}] or [{}, {}], got {}", name, T, B, T, shape_of(p)));
   if (p.is_complex() || p.scalar_type() == torch::kBool)
     throw InputError(fmt::format("attention: {} must be real numbers", name));
-  auto d = p.to(torch::kDouble).contiguous();
-  if (!all_finite(d)) throw InputError(fmt::format("attention: {} contain NaN or Inf", name));
-  return d;
+  // finite and within +-2^53, int64 checked before its conversion to float64 (which would round
+  // 2^60 + i to one value and break causality): the encoding's check (docs/errors.md, "Positions")
+  return checked_position_values(p, B, T, name);
 }
 
 // R when t, [B, H, T] or [B, H, T, w], is the used prefix of a decode cache's storage ([B, H, R]

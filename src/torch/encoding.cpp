@@ -360,26 +360,27 @@ void warn_about_positions(const Mechanism& m, const torch::Tensor& user_position
   }
 }
 
-torch::Tensor checked_position_values(const torch::Tensor& given, int64_t B, int64_t T) {
+torch::Tensor checked_position_values(const torch::Tensor& given, int64_t B, int64_t T,
+                                      const char* name) {
   if (!given.defined()) return torch::arange(T, torch::kDouble);
   if (given.device().is_meta())
-    throw InputError("positions are meta tensors, which hold no values to check");
+    throw InputError(fmt::format("{} are meta tensors, which hold no values to check", name));
   // checked and kept on the host (O(T) values; a GPU kernel takes them to its device)
   const auto positions = given.device().is_cpu() ? given : given.to(torch::kCPU);
   const bool ok = (positions.dim() == 1 && positions.size(0) == T) ||
                   (positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T);
   if (!ok)
-    throw InputError(fmt::format("positions must be [T] or [B, T] = [{}, {}], got [{}]", B, T,
+    throw InputError(fmt::format("{} must be [T] or [B, T] = [{}, {}], got [{}]", name, B, T,
                                  shape_str(positions)));
   if (positions.is_complex() || positions.scalar_type() == torch::kBool)
     throw InputError(
-        fmt::format("positions must be real numbers, got {}", dtype_name(positions.scalar_type())));
+        fmt::format("{} must be real numbers, got {}", name, dtype_name(positions.scalar_type())));
   const auto limit = static_cast<int64_t>(kMaxPosition);
   const auto beyond = [&](auto lo, auto hi) {
     return fmt::format(
-        "positions span [{}, {}], beyond +-2^53 = {}, where float64 no longer holds every "
+        "{} span [{}, {}], beyond +-2^53 = {}, where float64 no longer holds every "
         "integer: shift them (only differences matter to an exact mechanism)",
-        lo, hi, limit);
+        name, lo, hi, limit);
   };
   if (positions.scalar_type() == torch::kLong) {
     // (HF's position_ids) range-checked and widened in one host loop: min, max and a conversion
@@ -408,7 +409,7 @@ torch::Tensor checked_position_values(const torch::Tensor& given, int64_t B, int
   const double* v = p.data_ptr<double>();
   double lo = 0, hi = 0;
   for (int64_t i = 0; i < p.numel(); ++i) {
-    if (!std::isfinite(v[i])) throw InputError("positions contain NaN or Inf");
+    if (!std::isfinite(v[i])) throw InputError(fmt::format("{} contain NaN or Inf", name));
     lo = i ? std::min(lo, v[i]) : v[i];
     hi = i ? std::max(hi, v[i]) : v[i];
   }

@@ -141,8 +141,10 @@ double scaling_attention_factor(const Mechanism& m, const torch::Tensor& positio
 
 // Positions of a call checked: [T] or [B, T], real numbers (not bool or complex), finite and
 // within +-kMaxPosition (checked before any conversion, so an int64 beyond 2^53 is refused, not
-// rounded). Returns them as contiguous float64; undefined positions give 0..T-1.
-torch::Tensor checked_position_values(const torch::Tensor& positions, int64_t B, int64_t T);
+// rounded). Returns them as contiguous float64 on the host; undefined positions give 0..T-1.
+// `name` names them in the messages (the op's "q_positions", "k_positions").
+torch::Tensor checked_position_values(const torch::Tensor& positions, int64_t B, int64_t T,
+                                      const char* name = "positions");
 
 // The warnings of docs/errors.md for one call, each issued (TORCH_WARN: a UserWarning in Python)
 // at most once per `issued` record: the exponent clamp binds (gamma: the kernels' [H, NB] damping,

@@ -295,6 +295,36 @@ TEST(Files, OutputFilesReplaceOnlyTheirOwnKind) {
   EXPECT_THROW(check_output_file(d.path / "notes.txt" / "x.csv", header), InputError);
 }
 
+// A symbolic link is refused, dangling or not, even to an earlier output (the write would replace
+// the link); the message names the flag given as `what`; the files stay as they were.
+TEST(Files, OutputFilesRefuseLinksAndNameTheFlag) {
+  TempDir d;
+  const std::string header = "{\n  \"benchmark\": \"attention\",\n";
+  std::ofstream(d.path / "mine.json") << header << "}\n";
+  std::ofstream(d.path / "notes.txt") << "hi\n";
+  fs::create_symlink(d.path / "mine.json", d.path / "link.json");
+  fs::create_symlink(d.path / "nowhere.json", d.path / "dangling.json");
+  const auto refusal = [&](const fs::path& p) {
+    try {
+      check_output_file(p, header, "--json-out");
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(refusal(d.path / "link.json").find("--json-out"), std::string::npos);
+  EXPECT_NE(refusal(d.path / "link.json").find("symbolic link"), std::string::npos);
+  EXPECT_NE(refusal(d.path / "dangling.json").find("symbolic link"), std::string::npos);
+  const std::string foreign = refusal(d.path / "notes.txt");
+  EXPECT_NE(foreign.find("--json-out"), std::string::npos) << foreign;
+  EXPECT_EQ(foreign.find('\n'), std::string::npos) << foreign;  // the header shown on one line
+  EXPECT_NE(refusal(d.path).find("is a folder"), std::string::npos);
+  EXPECT_EQ(refusal(d.path / "mine.json"), "");
+  EXPECT_EQ(refusal(d.path / "new.json"), "");
+  EXPECT_TRUE(fs::is_symlink(d.path / "link.json"));
+  EXPECT_FALSE(fs::exists(d.path / "new.json"));
+}
+
 TEST(Files, CheckedFilesRefuseChangedBytes) {
   TempDir d;
   const fs::path p = d.path / "last.pt";
@@ -380,6 +410,22 @@ TEST(Files, NoShellCallsInTheSources) {
         EXPECT_FALSE(calls(line, f)) << e.path() << ":" << no << ": " << line;
   }
   EXPECT_GT(scanned, 20);
+}
+
+// Mechanisms whose scores the lag features do not describe are named (relpos kernel refuses
+// them), from their terms' metadata: content-gated biases, content phases, vector positions,
+// learned lag tables. Position-driven maps and slope biases are described.
+TEST(LagFeatures, MechanismsTheyCannotDescribeAreNamed) {
+  for (const char* spec : {"fox", "grape_a", "grape_ap", "structured", "journey(angles=token)",
+                           "grape_m(context=true)", "t5_bias", "kerple", "rope + fox"}) {
+    const Mechanism m = build_mechanism(spec, 16, 2);
+    EXPECT_FALSE(lag_features_refusal(m).empty()) << spec;
+  }
+  for (const char* spec : {"rope", "alibi", "damped_rope", "jordan(m=2)", "journey", "grape_m",
+                           "orthogonal_mix + rope", "nope"}) {
+    const Mechanism m = build_mechanism(spec, 16, 2);
+    EXPECT_EQ(lag_features_refusal(m), "") << spec;
+  }
 }
 
 // The lag kernel clamps |gamma d| as the kernels clamp |gamma p|: never inf at long negative lags.

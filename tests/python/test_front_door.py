@@ -254,7 +254,9 @@ def test_int64_positions_past_2_to_53_are_refused_on_every_path(first):
     the causal mask breaks. Checked before the conversion on every path."""
     x = torch.randn(1, 1, 4, 8)
     p = torch.tensor([first + i for i in range(4)])
-    for call in (lambda: relpos.attention(x, x, x, "rope", q_positions=p, k_positions=p),
+    for call in (lambda: relpos.fused_attention(x, x, x, q_positions=p, k_positions=p),
+                 lambda: relpos.attention(x, x, x, None, q_positions=p, k_positions=p),
+                 lambda: relpos.attention(x, x, x, "rope", q_positions=p, k_positions=p),
                  lambda: relpos.attention(x, x, x, "alibi", q_positions=p),
                  lambda: relpos.Attention("rope", 8, 1)(x, x, x, positions=p),
                  lambda: relpos.Attention("t5_bias", 8, 1)(x, x, x, positions=p)):

@@ -1140,3 +1140,55 @@ def test_step_transform_warns_as_the_encoding():
             layer.transform(q, k, pos)
             layer.transform(q, k, pos)
         assert sum("resolves only steps" in str(w.message) for w in seen) == 1, (grad, seen)
+
+
+def test_runtime_mechanisms_refuse_positions_that_would_let_tokens_see_later_ones():
+    """relpos.Attention's causality follows the positions, HF's mask the token order: packed
+    documents under an attention_mask of ones (positions restarting in a row) let a token see
+    later ones (the first token's logits moved with the last token). Refused; without the mask
+    HF finds the documents and nothing leaks; increasing positions run."""
+    model = _model("llama", num_key_value_heads=4)
+    rt.apply(model, "fox")
+    torch.manual_seed(1)
+    ids = torch.randint(1, 50, (1, 6))
+    ones = torch.ones(1, 6, dtype=torch.long)
+    later = ids.clone()
+    later[0, 5] += 1
+    with torch.no_grad():
+        for pos in ([0, 1, 2, 0, 1, 2], [5, 6, 7, 0, 1, 2], [0, 1, 1, 2, 3, 4]):
+            p = torch.tensor([pos])
+            with pytest.raises(relpos.InputError, match="must increase"):
+                model(ids, position_ids=p, attention_mask=ones, use_cache=False)
+            if pos[3] == 0:  # packed documents without a mask: HF's per-document masks
+                a = model(ids, position_ids=p, use_cache=False).logits
+                b = model(later, position_ids=p, use_cache=False).logits
+                assert torch.equal(a[0, :5], b[0, :5])
+        p = torch.tensor([[3, 4, 6, 7, 9, 10]])
+        a = model(ids, position_ids=p, attention_mask=ones, use_cache=False).logits
+        b = model(later, position_ids=p, attention_mask=ones, use_cache=False).logits
+        assert torch.equal(a[0, :5], b[0, :5])
+
+
+@pytest.mark.parametrize("family", ["llama", "bloom"])
+def test_attention_weights_are_refused_not_returned_empty(family):
+    """HF returns the attention weights with output_attentions=True; a switched model never forms
+    them and returned () or (None, None) silently. Refused, from the model, its base model and
+    generate."""
+    model = _model(family)
+    rt.apply(model)
+    ids = torch.randint(1, 50, (1, 5))
+    for call in (lambda: model(ids, output_attentions=True),
+                 lambda: model.base_model(ids, output_attentions=True),
+                 lambda: model.generate(ids, max_new_tokens=2, output_attentions=True,
+                                        return_dict_in_generate=True)):
+        with pytest.raises(relpos.InputError, match="output_attentions"):
+            call()
+    assert model(ids).logits.shape[:2] == (1, 5)
+
+
+def test_the_models_own_encoding_keeps_its_pairs():
+    """spec=None promises the model's own encoding; interleaved pairs were accepted and gave
+    another model (logits 1.5e-3 off HF's in float64)."""
+    with pytest.raises(relpos.InputError, match="rotate_half"):
+        rt.apply(_model("llama"), pair_layout="interleaved")
+    rt.apply(_model("llama"), pair_layout="half_split")

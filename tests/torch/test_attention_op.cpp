@@ -184,7 +184,8 @@ TEST(AttentionOp, MechanismAttentionAppliesTransformsAndBiases) {
 TEST(AttentionOp, GroupedQueriesUseTheirKeyValueHeadsTransform) {
   torch::manual_seed(4);
   const int64_t B = 1, Hq = 4, Hk = 2, T = 19, D = 32;
-  for (const std::string spec : {"rope", "alibi", "jordan(m=2, regime=raw)", "jordan(m=2, regime=raw) + alibi"}) {
+  for (const std::string spec :
+       {"rope", "alibi", "jordan(m=2, regime=raw)", "jordan(m=2, regime=raw) + alibi"}) {
     SCOPED_TRACE(spec);
     const auto q = torch::randn({B, Hq, T, D}, torch::kDouble),
                k = torch::randn({B, Hk, T, D}, torch::kDouble),
@@ -218,6 +219,25 @@ TEST(AttentionOp, BadInputIsNamed) {
   a = {};
   a.q_positions = torch::full({8}, std::numeric_limits<double>::quiet_NaN(), torch::kDouble);
   expect_error([&] { nn::fused_attention(q, k4, v4, a); }, "q_positions contain NaN");
+  a = {};
+  a.k_positions = torch::arange(8, torch::kDouble);
+  a.k_positions[3] = std::numeric_limits<double>::infinity();
+  expect_error([&] { nn::fused_attention(q, k4, v4, a); }, "k_positions contain NaN or Inf");
+  // int64 positions beyond 2^53 are refused before their conversion to float64, which would
+  // round 2^60 + i to one value: every key would then look causal-visible to every query
+  a = {};
+  a.q_positions = a.k_positions = torch::arange(8, torch::kLong) + (int64_t{1} << 60);
+  expect_error([&] { nn::fused_attention(q, k4, v4, a); }, "q_positions span");
+  expect_error([&] { nn::fused_attention(q, k4, v4, a); }, "2^53");
+  a.q_positions = torch::arange(8, torch::kLong);
+  expect_error([&] { nn::fused_attention(q, k4, v4, a); }, "k_positions span");
+  a.k_positions = torch::arange(8, torch::kDouble) - 1e17;
+  expect_error([&] { nn::fused_attention(q, k4, v4, a); }, "2^53");
+  // up to 2^53 they stay exact, and the causal mask holds there
+  a = {};
+  a.q_positions = a.k_positions = torch::arange(8, torch::kLong) + ((int64_t{1} << 53) - 8);
+  const auto near = nn::fused_attention(q, k4, v4, a)[0];
+  EXPECT_TRUE(torch::allclose(near, nn::fused_attention(q, k4, v4)[0], 1e-6, 1e-6));
   a = {};
   a.cq = torch::zeros({1, 4, 8});
   expect_error([&] { nn::fused_attention(q, k4, v4, a); }, "needs both cq and ck");

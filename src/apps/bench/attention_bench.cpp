@@ -53,6 +53,7 @@
 
 #include "apps/bench/bench_util.hpp"
 #include "apps/bench/proc_memory.hpp"
+#include "apps/cli_checks.hpp"
 #include "core/charts.hpp"
 #include "core/files.hpp"
 #include "core/types.hpp"
@@ -1064,6 +1065,10 @@ json targets_json(const Report& rep) {
   return t;
 }
 
+// The first bytes of report_json(...).dump(2): "benchmark" is its first key (nlohmann::json
+// orders keys), so an earlier report can be told from anyone else's file (--json-out).
+constexpr const char* kJsonHeader = "{\n  \"benchmark\": \"attention\",\n";
+
 json report_json(const Report& rep) {
   const Args& a = rep.a;
   json j;
@@ -1318,12 +1323,7 @@ void run(const Args& in_args) {
   for (int64_t T : a.T)
     if (T < 1 || T > (int64_t{1} << 20))
       throw InputError(fmt::format("--T {}: must be in [1, 2^20]", T));
-  if (!a.json_out.empty()) {
-    const fs::path dir = fs::path(a.json_out).parent_path();
-    if (!dir.empty() && !fs::is_directory(dir))
-      throw InputError(
-          fmt::format("--json-out {}: {} is not a directory", a.json_out, dir.string()));
-  }
+  check_json_out(a.json_out, kJsonHeader);  // before anything runs
   Report rep;
   rep.a = a;
   if (a.long_T < 0) rep.a.long_T = 0;
@@ -1366,7 +1366,7 @@ void run(const Args& in_args) {
     std::cout << report_json(rep).dump(2) << "\n";
   else
     write_md(std::cout, rep);
-  if (!a.json_out.empty()) write_file_atomic(a.json_out, report_json(rep).dump(2) + "\n");
+  write_json_out(a.json_out, kJsonHeader, report_json(rep).dump(2) + "\n");
   if (!rep.checks_ok) {
     std::cerr << "relpos bench attention: a correctness check failed (see 'checks')\n";
     throw CheckFailed{};
@@ -1428,7 +1428,7 @@ void add_attention_command(CLI::App& app) {
   cmd->add_option("--max-mask-gib", a->max_mask_gib,
                   "skip sdpa_mask where the [1,H,T,T] mask is larger, and the materialised FoX / "
                   "GRAPE-AP cases where their estimated peak is (default: 60% of MemAvailable)")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(app::FiniteRange(0.0, 1e6));
   cmd->add_option("--mm-n", a->mm_n, "at::mm size for the machine's GFLOP/s")
       ->check(CLI::Range(16, 16384));
   cmd->add_flag("!--no-memory", a->memory, "skip the peak-memory measurements (child processes)");

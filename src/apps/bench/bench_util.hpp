@@ -11,8 +11,11 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "core/files.hpp"
 
 namespace relpos::bench {
 
@@ -58,6 +61,24 @@ inline int used_omp_threads() {
 
 inline void set_threads(int n) {
   if (n > 0) at::set_num_threads(n);  // OpenMP (and MKL) threads of LibTorch and our kernels
+}
+
+// --json-out FILE of a benchmark (docs/errors.md, "Output directories"): the file must be new or
+// an earlier report of the same benchmark, which starts with `header` (the first bytes of its
+// JSON); a folder, a symbolic link or anyone else's file is refused naming the flag. Checked
+// before the benchmark runs (check_json_out) and again when the report is written, atomically
+// (write_json_out).
+inline void check_json_out(const std::string& path, const std::string& header) {
+  if (!path.empty()) check_output_file(path, header, "--json-out");
+}
+inline void write_json_out(const std::string& path, const std::string& header,
+                           const std::string& text) {
+  if (path.empty()) return;
+  // a report that did not start with its header could never be replaced by the next run
+  if (text.compare(0, header.size(), header) != 0)
+    throw std::logic_error("a benchmark report does not start with its own header");
+  check_json_out(path, header);
+  write_file_atomic(path, text);
 }
 
 }  // namespace relpos::bench

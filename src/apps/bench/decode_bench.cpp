@@ -35,6 +35,7 @@
 #include "apps/bench/attention_bench.hpp"
 #include "apps/bench/bench_util.hpp"
 #include "core/files.hpp"
+#include "core/parse.hpp"
 #include "core/types.hpp"
 #include "torch/attention_module.hpp"
 
@@ -59,16 +60,20 @@ at::ScalarType dtype_named(const std::string& s) {
 
 std::pair<int64_t, int64_t> parse_heads(const std::string& s) {
   const auto colon = s.find(':');
-  try {
-    if (colon == std::string::npos) throw std::invalid_argument(s);
-    const int64_t hq = std::stoll(s.substr(0, colon)), hk = std::stoll(s.substr(colon + 1));
-    if (hq < 1 || hk < 1 || hq % hk || hq > 1024) throw std::invalid_argument(s);
-    return {hq, hk};
-  } catch (const std::logic_error&) {
-    throw InputError(
-        fmt::format("--heads takes Hq:Hk pairs with Hk dividing Hq (e.g. 8:8,8:2), got '{}'", s));
-  }
+  const auto hq =
+      colon == std::string::npos ? std::nullopt : parse_int64(s.substr(0, colon), 1, 1024);
+  const auto hk =
+      colon == std::string::npos ? std::nullopt : parse_int64(s.substr(colon + 1), 1, 1024);
+  if (!hq || !hk || *hq % *hk)
+    throw InputError(fmt::format(
+        "--heads takes Hq:Hk pairs of integers in [1, 1024] with Hk dividing Hq (e.g. 8:8,8:2), "
+        "got '{}'",
+        brief(s)));
+  return {*hq, *hk};
 }
+
+// The first bytes of the JSON report ("header" is its first key): an earlier report (--json-out).
+constexpr const char* kJsonHeader = "{\n  \"header\": \"relpos bench decode:";
 
 double time_ms(const std::function<void()>& f) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -90,36 +95,60 @@ struct Row {
   std::map<std::string, double> ratio = {};  // case -> median over rounds of ours / case
 };
 
+// The module of one mechanism and head layout, in --dtype, and the key-side tensors it stores in a
+// cache (content biases) in `scratch`, by a short cached call: a mechanism without a decode cache
+// for this layout refuses it by name (InputError).
+nn::Attention decode_module(const Args& a, const std::string& spec, int64_t Hq, int64_t Hk,
+                            nn::DecodeCache& scratch) {
+  const int64_t D = a.D, model_dim = Hq * D;
+  nn::AttentionOptions opt;
+  opt.num_kv_heads = Hk;
+  opt.model_dim = model_dim;
+  nn::Attention module(spec, D, Hq, opt);
+  module->eval();
+  const auto dtype = dtype_named(a.dtype);
+  module->to(dtype);
+  const torch::NoGradGuard no_grad;
+  const auto opts = torch::TensorOptions().dtype(dtype);
+  module->forward(torch::randn({1, Hq, 4, D}, opts), torch::randn({1, Hk, 4, D}, opts),
+                  torch::randn({1, Hk, 4, D}, opts),
+                  {.inputs = torch::randn({1, 4, model_dim}, opts), .cache = &scratch});
+  return module;
+}
+
+// Every --specs entry must be a mechanism this benchmark can decode: one that is malformed,
+// unknown, out of range or refused by the decode cache whatever the head layout (checked with
+// the key/value heads of each --heads layout as plain multi-head attention) is bad input, refused
+// before anything runs. A refusal that only grouped-query heads bring stays a table row.
+void check_specs(const Args& a, const std::vector<std::pair<int64_t, int64_t>>& layouts) {
+  if (a.specs.empty()) throw InputError("--specs names no mechanism");
+  for (const auto& spec : a.specs)
+    for (const auto& layout : layouts) {
+      const int64_t hk = layout.second;
+      nn::DecodeCache scratch(1, hk, a.D, dtype_named(a.dtype));
+      try {
+        decode_module(a, spec, hk, hk, scratch);
+      } catch (const InputError& e) {
+        throw InputError(fmt::format("--specs '{}': {}", brief(spec), e.what()));
+      }
+    }
+}
+
 // One mechanism and head layout at every --ctx (the cache filled once for the largest).
 std::vector<Row> bench_mechanism(const Args& a, const std::string& spec, int64_t Hq, int64_t Hk) {
   const int64_t D = a.D, model_dim = Hq * D;
   const int64_t cap = *std::max_element(a.ctx.begin(), a.ctx.end());
   const std::string heads = fmt::format("{}:{}", Hq, Hk);
-  nn::AttentionOptions opt;
-  opt.num_kv_heads = Hk;
-  opt.model_dim = model_dim;
+  nn::DecodeCache scratch(1, Hk, D, dtype_named(a.dtype));
   std::optional<nn::Attention> module;
   try {
-    module.emplace(spec, D, Hq, opt);
-  } catch (const InputError& e) {
-    Row r{spec, heads, fmt::format("refused: {}", e.what())};
-    return {r};
-  }
-  (*module)->eval();
-  const auto dtype = dtype_named(a.dtype);
-  (*module)->to(dtype);
-  const torch::NoGradGuard no_grad;
-  const auto opts = torch::TensorOptions().dtype(dtype);
-  // the key-side tensors the module stores for this mechanism (content biases), by a short call
-  // (a mechanism without a decode cache refuses it by name)
-  nn::DecodeCache scratch(1, Hk, D, dtype);
-  try {
-    (*module)->forward(torch::randn({1, Hq, 4, D}, opts), torch::randn({1, Hk, 4, D}, opts),
-                       torch::randn({1, Hk, 4, D}, opts),
-                       {.inputs = torch::randn({1, 4, model_dim}, opts), .cache = &scratch});
+    module.emplace(decode_module(a, spec, Hq, Hk, scratch));
   } catch (const InputError& e) {
     return {Row{spec, heads, fmt::format("refused: {}", e.what())}};
   }
+  const auto dtype = dtype_named(a.dtype);
+  const torch::NoGradGuard no_grad;
+  const auto opts = torch::TensorOptions().dtype(dtype);
   const bool biased = !(*module)->mechanism().biases.empty();
   // the cache: cap - 1 random tokens at positions 0..cap-2 (and room for the step's token)
   nn::DecodeCache cache(1, Hk, D, dtype, cap);
@@ -198,6 +227,9 @@ void run(const Args& a) {
     if (c < 2) throw InputError(fmt::format("--ctx values must be >= 2, got {}", c));
   std::vector<std::pair<int64_t, int64_t>> layouts;
   for (const auto& h : a.heads) layouts.push_back(parse_heads(h));
+  if (layouts.empty()) throw InputError("--heads names no layout");
+  check_specs(a, layouts);
+  check_json_out(a.json_out, kJsonHeader);  // before anything runs
   std::vector<Row> rows;
   for (const auto& spec : a.specs)
     for (const auto& [hq, hk] : layouts)
@@ -237,8 +269,7 @@ void run(const Args& a) {
           r.ratio.at("sdpa"), base, r.ms.at(base), r.ratio.at(base));
     }
   }
-  if (!a.json_out.empty())
-    write_file_atomic(a.json_out, json{{"header", head}, {"rows", out}}.dump(2) + "\n");
+  write_json_out(a.json_out, kJsonHeader, json{{"header", head}, {"rows", out}}.dump(2) + "\n");
 }
 
 }  // namespace

@@ -68,6 +68,11 @@ void add_kernel_command(CLI::App& app) {
   add_seed_option(cmd, &a->seed, "seed for --params random");
   cmd->callback([a] {
     const Mechanism m = build_mechanism(a->spec, a->head_dim, a->heads);
+    // a mechanism whose scores these features do not describe: refused by name, never a table
+    // without its terms
+    if (const std::string why = lag_features_refusal(m); !why.empty())
+      throw InputError(fmt::format("--enc '{}' ({}) has no lag kernel to print: {}", brief(a->spec),
+                                   m.name, why));
     if (a->head >= m.heads)
       throw InputError(fmt::format("--head {} >= heads {}", a->head, m.heads));
     std::mt19937_64 rng(a->seed);

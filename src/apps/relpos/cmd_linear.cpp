@@ -14,6 +14,7 @@
 #include <random>
 #include <sstream>
 
+#include "apps/cli_checks.hpp"
 #include "apps/relpos/commands.hpp"
 #include "apps/relpos/table.hpp"
 #include "core/files.hpp"
@@ -219,7 +220,7 @@ void add_linear_attention_command(CLI::App& app) {
   cmd->add_option("--qk-std", a->qk_std,
                   "standard deviation of the entries of q and k (v, dout: 1); FAVOR+'s variance "
                   "grows like exp(|q + k|^2 / sqrt(D))")
-      ->check(CLI::Range(0.0, 100.0));
+      ->check(FiniteRange(0.0, 100.0));
   add_seed_option(cmd, &a->seed, "seed of the inputs and the feature draws");
   cmd->callback([a] {
     const auto Ts = parse_T_list(a->T_list);
