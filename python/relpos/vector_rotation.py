@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .attention import fused_attention
-from .encoding import InputError, _flag
+from .encoding import InputError, _compute_dtype, _flag
 
 
 def structured_rotate(x: torch.Tensor, basis: torch.Tensor, freqs: torch.Tensor,
@@ -29,8 +29,11 @@ def structured_rotate(x: torch.Tensor, basis: torch.Tensor, freqs: torch.Tensor,
     for name, t in (("basis", basis), ("freqs", freqs)):  # (a complex one would lose its imaginary part)
         if not t.is_floating_point():
             raise InputError(f"structured_rotate: {name} must be real floating point, got {t.dtype}")
+    # half x: the basis and frequencies in float32, as computed (a basis rounded to half is no
+    # longer orthogonal to the check's tolerance)
+    dtype = x.dtype if x.device.type == "cuda" else _compute_dtype(x.dtype)
     try:
-        return torch.ops.relpos.structured_rotate(x, basis.to(x.dtype), freqs.to(x.dtype),
+        return torch.ops.relpos.structured_rotate(x, basis.to(dtype), freqs.to(dtype),
                                                   positions, _flag(inverse, "inverse"))
     except ValueError as e:
         raise InputError(str(e)) from None

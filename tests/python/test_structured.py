@@ -101,3 +101,16 @@ def test_named_errors():
         relpos.structured_rotate(x, U[:4, :4], lam, pos)
     with pytest.raises(relpos.InputError, match=r"\[B, H, T, D\]"):
         relpos.structured_rotate(x[0], U, lam, pos)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_half_inputs_take_a_float64_basis(dtype, tol):
+    """A half x with an orthogonal float64 basis was refused as "not orthogonal": the basis was
+    rounded to x's dtype before the check. It is computed in float32 now, as half storage is."""
+    torch.manual_seed(6)
+    U = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))[0]
+    x = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    f, p = torch.rand(2, 4, dtype=torch.float64), torch.rand(4, 2, dtype=torch.float64)
+    out = relpos.structured_rotate(x.to(dtype), U, f, p)
+    assert out.dtype == dtype
+    assert (out.double() - relpos.structured_rotate(x, U, f, p)).abs().max() < tol
