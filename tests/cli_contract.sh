@@ -149,6 +149,36 @@ check_bad "enc huge m" "$relpos" kernel --enc jordan_m99999999999 --lags 0:2
 check_bad "enc empty" "$relpos" kernel --enc "" --lags 0:2
 check_bad "enc 3 KB" "$relpos" kernel --enc "$(printf 'j%.0s' $(seq 3000))" --lags 0:2
 
+# an explicitly empty value is bad input naming the flag (every option of every command, one
+# check: refuse_empty_values), never "not given": `--out ""` wrote no report or the default
+# folder, `--rope-scaling ""` verified without the rule
+check_empty() {
+  local flag=$1; shift
+  local out got
+  out=$("$@" 2>&1 </dev/null); got=$?
+  nchecks=$((nchecks + 1))
+  if [ "$got" -ne 2 ] || ! grep -q -- "^relpos: error: $flag: the value is empty" <<<"$out"; then
+    echo "FAIL: empty $flag (exit $got; wanted 2 naming $flag): $(printable "$out")"; fail=1
+  else
+    echo "ok: empty $flag refused"
+  fi
+}
+mkdir -p "$tmp/empty" && cd "$tmp/empty" || exit 3
+check_empty --out "$relpos" probe --suite jordan-t3 --out ""
+check_empty --out "$relpos" verify --structured-sweep --dims 1 --out ""
+check_empty --out "$relpos" linear-attention --T 64 --m 16 --D 16 --H 1 --repeats 1 --out ""
+check_empty --rope-scaling "$relpos" verify --enc rope --len 64 --positions 8 --rope-scaling ""
+check_empty --enc "$relpos" verify --enc "" --len 64 --positions 8
+check_empty --lags "$relpos" kernel --enc rope --lags ""
+check_empty --seed "$relpos" verify --enc rope --len 64 --positions 8 --seed ""
+nchecks=$((nchecks + 1))
+if [ -n "$(ls -A "$tmp/empty")" ]; then
+  echo "FAIL: an empty value wrote into the working folder: $(ls -A "$tmp/empty" | head -c 200)"; fail=1
+else
+  echo "ok: empty values wrote nothing"
+fi
+cd "$tmp" || exit 3
+
 # --out paths with shell metacharacters (legal file names: any of 0, 1, 2 is fine), each run in its
 # own directory: nothing may be executed, i.e. no file named PWNED may appear.
 outs=('out/$(touch PWNED)' 'out/`touch PWNED`' "out/a'\$(touch PWNED)'b" "out/c';touch PWNED;'d"

@@ -75,6 +75,32 @@ check 2 "rope_scaling: unknown key" "$relpos" verify --enc rope --rope-scaling "
 check 2 "rope_scaling: no --enc" "$relpos" verify --rope-scaling "$tmp/llama3.json"
 check 2 "rope_scaling: no file" "$relpos" verify --enc rope --rope-scaling "$tmp/none.json"
 check 2 "a rule without a rotary term" "$relpos" verify --enc "nope + yarn"
+# --max-position-embeddings: a finite number in [1, 1e15] (nan, -1, 0 were read as "not given"; 0.5
+# and inf were refused later without the flag's name), refused by
+# name with the value; read only with --rope-scaling (alone it was ignored without a word)
+printf '{"rope_type": "dynamic", "factor": 2.0}' > "$tmp/dynamic.json"
+check_msg() { # expected-exit description pattern command...
+  local want=$1 what=$2 pattern=$3; shift 3
+  out=$("$@" 2>&1); got=$?
+  if [ "$got" != "$want" ]; then echo "FAIL: $what (exit $got, wanted $want): $out"; fail=1
+  elif ! grep -qE -- "$pattern" <<<"$out"; then echo "FAIL: $what: no /$pattern/ in: $out"; fail=1
+  else echo "ok: $what"; fi
+}
+for v in nan -1 0 0.5 inf; do
+  check_msg 2 "--max-position-embeddings $v" "--max-position-embeddings: '$v' is not a finite number in \[1," \
+    "$relpos" verify --enc rope --rope-scaling "$tmp/dynamic.json" --max-position-embeddings "$v"
+done
+check_msg 2 "--max-position-embeddings without --rope-scaling" \
+  "--max-position-embeddings is read only with --rope-scaling" \
+  "$relpos" verify --enc rope --len 64 --positions 8 --max-position-embeddings 4096
+check_msg 2 "--max-position-embeddings with --structured" \
+  "--max-position-embeddings is read only with --rope-scaling" \
+  "$relpos" verify --structured --max-position-embeddings 4096
+check_msg 0 "dynamic rope_scaling with --max-position-embeddings" "dynamic" \
+  "$relpos" verify --enc rope --rope-scaling "$tmp/dynamic.json" --max-position-embeddings 4096 \
+  --len 64 --positions 8 --format csv
+check_msg 2 "dynamic rope_scaling without it" "original_max_position_embeddings is required" \
+  "$relpos" verify --enc rope --rope-scaling "$tmp/dynamic.json" --len 64 --positions 8
 out=$("$relpos" verify --enc "bogus" 2>&1); echo "$out" | grep -q "unknown mechanism 'bogus'" || { echo "FAIL: error text does not name the mechanism: $out"; fail=1; }
 # kernel: a mechanism whose scores are not a function of the lag alone (content-gated biases,
 # content phases, vector positions) or whose lag table is learned is refused by name, never

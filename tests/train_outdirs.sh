@@ -154,5 +154,87 @@ PY
 expect 2 "eval of a patched checkpoint" "last.pt.*integrity" \
   "$relpos" eval --checkpoint "$tmp/run" --lengths 16
 
+# --- --overwrite removes the run's own files only: the user's files in checkpoints/ (and beside
+# it) survive, byte-identical
+expect 0 "a run to overwrite" "" "$relpos" train "${common[@]}" --out "$tmp/ow"
+mkdir -p "$tmp/ow/checkpoints/sub"
+echo 'my weights' >"$tmp/ow/checkpoints/best_manual.pt"
+echo 'mine' >"$tmp/ow/checkpoints/sub/notes.txt"
+echo 'mine' >"$tmp/ow/notes.txt"
+expect 0 "--overwrite a run with the user's files in checkpoints/" "" \
+  "$relpos" train "${common[@]}" --set seed=5 --out "$tmp/ow" --overwrite
+{ [ "$(cat "$tmp/ow/checkpoints/best_manual.pt" 2>/dev/null)" = 'my weights' ] &&
+  [ -f "$tmp/ow/checkpoints/sub/notes.txt" ] && [ -f "$tmp/ow/notes.txt" ]; } ||
+  { echo "FAIL: --overwrite deleted files relpos did not make"; fail=1; }
+[ -f "$tmp/ow/checkpoints/last.pt" ] || { echo "FAIL: --overwrite wrote no new last.pt"; fail=1; }
+grep -q '^seed = 5' "$tmp/ow/config.toml" || { echo "FAIL: --overwrite kept the old run"; fail=1; }
+
+# --- --resume with the checkpoint gone: a recorded history is never restarted over (exit 2, the
+# run byte-identical); a run that recorded nothing past step 0 starts from step 0
+expect 0 "a run to lose its checkpoint" "" \
+  "$relpos" train "${common[@]}" --set eval.every=3 --out "$tmp/nockpt"
+rm "$tmp/nockpt/checkpoints/last.pt"
+before=$(digest "$tmp/nockpt")
+expect 2 "--resume without checkpoints/last.pt over a recorded run" \
+  "checkpoints/last.pt' is missing.*metrics.csv rows up to step 3.*history.*--overwrite" \
+  "$relpos" train "${common[@]}" --set optim.steps=1 --set eval.every=3 --out "$tmp/nockpt" --resume
+same "the run whose checkpoint is missing" "$before" "$(digest "$tmp/nockpt")"
+rm "$tmp/nockpt/summary.json"
+expect 2 "--resume without checkpoint, metrics.csv only" "metrics.csv rows up to step 3" \
+  "$relpos" train "${common[@]}" --out "$tmp/nockpt" --resume
+head -n 1 "$tmp/nockpt/metrics.csv" >"$tmp/header" && cp "$tmp/header" "$tmp/nockpt/metrics.csv"
+expect 0 "--resume without checkpoint and no rows past step 0 starts" "" \
+  "$relpos" train "${common[@]}" --out "$tmp/nockpt" --resume
+grep -q '^3,train' "$tmp/nockpt/metrics.csv" || { echo "FAIL: the restarted run has no rows"; fail=1; }
+
+# --- an explicitly empty value is bad input naming the flag, never "not given" (which wrote to
+# runs/NAME, skipped the profile, used the default target)
+# (run in an empty folder: an empty path read as "" or "." finds nothing there and writes nothing)
+mkdir -p "$tmp/cwd"
+cd "$tmp/cwd" || exit 1
+expect 2 "train --out ''" "--out: the value is empty" "$relpos" train "${common[@]}" --out ""
+expect 2 "train --config ''" "--config: the value is empty" \
+  "$relpos" train --config "" "${common[@]}" --out "$tmp/e1"
+expect 2 "eval --profiles ''" "--profiles: the value is empty" \
+  "$relpos" eval --checkpoint "$tmp/ow" --lengths 16 --profiles ""
+expect 2 "eval --checkpoint ''" "--checkpoint: the value is empty" "$relpos" eval --checkpoint ""
+expect 2 "diagnose --target ''" "--target: the value is empty" \
+  "$relpos" diagnose --checkpoint "$tmp/ow" --target ""
+expect 2 "diagnose --out ''" "--out: the value is empty" \
+  "$relpos" diagnose --checkpoint "$tmp/ow" --out ""
+expect 2 "sweep --out ''" "--out: the value is empty" \
+  "$relpos" sweep --config "$tmp/sweep.toml" --out "" --quiet
+expect 2 "export-runs --out ''" "--out: the value is empty" "$relpos" export-runs "$tmp" --out ""
+expect 2 "bench attention --json-out ''" "--json-out: the value is empty" \
+  "$relpos" bench attention --T 64 --repeats 1 --json-out ""
+cd "$tmp" || exit 1
+{ [ -n "$(ls -A "$tmp/cwd")" ] || [ -e "$tmp/e1" ]; } &&
+  { echo "FAIL: an empty value wrote into the working folder or --out"; fail=1; }
+
+# --- export-runs: a folder with no finished run, and one run's folder, are refused (no records)
+mkdir -p "$tmp/no-runs/sub"
+expect 2 "export-runs of a folder without finished runs" "no-runs' holds no finished run" \
+  "$relpos" export-runs "$tmp/no-runs" --out "$tmp/rec-none"
+expect 2 "export-runs of one run's folder" "one run's folder.*pass the sweep" \
+  "$relpos" export-runs "$tmp/ow" --out "$tmp/rec-one"
+{ [ -e "$tmp/rec-none" ] || [ -e "$tmp/rec-one" ]; } && { echo "FAIL: a refused export wrote"; fail=1; }
+
+# --- a sweep's run killed before its first checkpoint (metrics.csv rows, no last.pt) starts again
+# on the next call, in this process and in a child (--jobs 2): the sweep drops its partial history
+printf '%s\n' 'name = "resweep"' 'threads = 1' '[model]' 'd_model = 16' 'heads = 2' 'layers = 1' \
+  '[task]' 'train_length = 16' '[optim]' 'steps = 2' 'batch = 2' '[eval]' 'every = 0' \
+  'lengths = [16]' 'batches = 1' '[sweep]' 'methods = ["nope", "rope"]' >"$tmp/resweep.toml"
+for jobs in 1 2; do
+  expect 0 "a sweep (--jobs $jobs)" "" \
+    "$relpos" sweep --config "$tmp/resweep.toml" --jobs "$jobs" --quiet --out "$tmp/resweep$jobs"
+  for m in nope rope; do
+    rm -f "$tmp/resweep$jobs/$m/s0/checkpoints/last.pt" "$tmp/resweep$jobs/$m/s0/summary.json"
+  done
+  expect 0 "the sweep again, its runs killed before a checkpoint (--jobs $jobs)" "" \
+    "$relpos" sweep --config "$tmp/resweep.toml" --jobs "$jobs" --quiet --out "$tmp/resweep$jobs"
+  [ -f "$tmp/resweep$jobs/rope/s0/summary.json" ] ||
+    { echo "FAIL: the sweep did not finish its restarted run (--jobs $jobs)"; fail=1; }
+done
+
 echo "train_outdirs: $([ $fail = 0 ] && echo 'all ok' || echo 'some FAILED')"
 exit $fail

@@ -243,7 +243,7 @@ size_t import_records(const std::vector<Job>& jobs, const fs::path& root, const 
     d.command = fmt::format("relpos sweep --import-runs {}", from.string());
     d.existing = Existing::Continue;
     OutputDir dir(j.dir, d);
-    fs::remove_all(j.dir / "checkpoints", ec);
+    remove_checkpoints(j.dir);          // a killed run's last.pt; the user's files there stay
     for (const char* f : kRecordFiles)  // summary.json last: it marks the run finished
       dir.write(f, tasks::read_file_bytes(rec / f));
     dir.finish();
@@ -355,6 +355,16 @@ void write_plots(const fs::path& root, const std::vector<Job>& jobs,
                   common, series("length_accuracy.csv")));
 }
 
+// An unfinished job killed before its first checkpoint holds rows in metrics.csv but nothing to
+// resume from; `train --resume` refuses to start such a run again over its history, so the sweep,
+// whose job it is, drops that partial metrics.csv (its own file) and the run starts from step 0
+// (the same seed gives the same rows). The caller holds the job folder's lock.
+void restart_if_unsaved(const Job& j) {
+  std::error_code ec;
+  if (!fs::exists(j.dir / "summary.json", ec) && !fs::exists(j.dir / "checkpoints" / "last.pt", ec))
+    fs::remove(j.dir / "metrics.csv", ec);
+}
+
 // Runs the unfinished jobs `jobs` at a time, each in a child process of this program
 // (`train --config DIR/job.toml --out DIR --resume --quiet`, output in DIR/train.log): runs of a
 // sweep are independent, and on a few cores several single-threaded runs of small models go
@@ -394,6 +404,7 @@ void run_jobs_in_processes(std::vector<const Job*> todo, int64_t jobs, bool prog
         d.existing = Existing::Continue;
         OutputDir dir(j.dir, d);
         dir.write("job.toml", c.to_toml());
+        restart_if_unsaved(j);
       }
       SpawnOptions so;
       so.log = j.dir / "train.log";
@@ -498,6 +509,14 @@ SweepOutcome run_sweep_text(const std::string& text, const std::string& source,
     if (progress)
       fmt::print(stderr, "sweep: run {}/{}: {} seed {}{}\n", i + 1, jobs.size(), j.method, j.seed,
                  j.setting.empty() ? std::string() : fmt::format(" ({})", j.setting));
+    {  // the run's folder, made ours, before train --resume locks it again
+      OutputDirOptions d;
+      d.kind = "run";
+      d.command = "relpos sweep";
+      d.existing = Existing::Continue;
+      OutputDir dir(j.dir, d);
+      restart_if_unsaved(j);
+    }
     RunOptions o;
     o.out = j.dir;
     o.resume = true;
@@ -624,6 +643,15 @@ size_t export_runs(const fs::path& sweep_dir, const fs::path& out) {
   if (!fs::is_directory(sweep_dir, ec))
     throw InputError(
         fmt::format("export-runs: '{}' is not a folder", brief(sweep_dir.string(), 200)));
+  // one run's folder is not a folder of runs: its records would land in --out itself, where
+  // --import-runs finds no job of any sweep
+  for (const char* f : {"summary.json", "config.toml"})
+    if (fs::is_regular_file(sweep_dir / f, ec))
+      throw InputError(fmt::format(
+          "export-runs: '{}' is one run's folder (it holds {}), not a sweep's: pass the sweep or "
+          "reproduction folder that holds it (its parent '{}', or the folder above)",
+          brief(sweep_dir.string(), 200), f,
+          brief(fs::absolute(sweep_dir, ec).lexically_normal().parent_path().string(), 200)));
   // the runs first: a bad one refuses the export before anything is written
   std::vector<fs::path> runs;
   for (auto it = fs::recursive_directory_iterator(sweep_dir, ec); !ec && it != fs::end(it);
@@ -641,6 +669,11 @@ size_t export_runs(const fs::path& sweep_dir, const fs::path& out) {
   if (ec)
     throw InputError(fmt::format("export-runs: cannot read '{}': {}",
                                  brief(sweep_dir.string(), 200), ec.message()));
+  if (runs.empty())
+    throw InputError(fmt::format(
+        "export-runs: '{}' holds no finished run (no RUN/summary.json below it): nothing to "
+        "export; pass a sweep's or reproduction's folder",
+        brief(sweep_dir.string(), 200)));
   std::sort(runs.begin(), runs.end());
   if (fs::exists(out, ec) && !fs::is_directory(out, ec))
     throw InputError(

@@ -63,9 +63,11 @@ std::string run_sweep(const std::filesystem::path& sweep_file, const std::vector
 // Run records: a sweep's finished runs carried to another machine without their checkpoints.
 // export_runs writes the config.toml, metrics.csv and summary.json of every finished run under
 // `sweep_dir` to `out` at the same relative path (with a RUN-RECORDS marker; a non-empty folder
-// without it is refused) and returns the count. A sweep given `import_from` (such a folder)
-// first copies in the records of its runs that are not finished in its own folder, each refused
-// unless it was trained with its run's configuration (finished_run_free_keys() aside).
+// without it is refused) and returns the count. A folder with no finished run below it, and one
+// run's folder (config.toml or summary.json at its top), are refused naming it. A sweep given
+// `import_from` (such a folder) first copies in the records of its runs that are not finished in
+// its own folder, each refused unless it was trained with its run's configuration
+// (finished_run_free_keys() aside).
 size_t export_runs(const std::filesystem::path& sweep_dir, const std::filesystem::path& out);
 // Whether `dir` is such a records folder (it holds the marker).
 bool is_run_records(const std::filesystem::path& dir);

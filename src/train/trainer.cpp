@@ -317,11 +317,53 @@ std::string cpu_model_name() {
   return "unknown";
 }
 
+// What OUT records of an earlier run ("metrics.csv rows up to step 3, summary.json"), or nullopt
+// when there is nothing that a start from step 0 would lose (no metrics.csv, or only its header
+// and rows of step 0).
+std::optional<std::string> recorded_history(const fs::path& out) {
+  std::error_code ec;
+  std::vector<std::string> found;
+  if (fs::is_regular_file(out / "metrics.csv", ec)) {
+    std::ifstream in(out / "metrics.csv");
+    std::string line;
+    int64_t last = 0;
+    bool garbled = false;
+    if (std::getline(in, line) && line != kCsvHeader) garbled = true;
+    while (std::getline(in, line)) {
+      if (line.empty()) continue;
+      const auto comma = line.find(',');
+      const auto step = comma == std::string::npos
+                            ? std::nullopt
+                            : parse_int64(line.substr(0, comma), 0, int64_t{1} << 62);
+      if (!step)
+        garbled = true;
+      else
+        last = std::max(last, *step);
+    }
+    if (last > 0) found.push_back(fmt::format("metrics.csv rows up to step {}", last));
+    if (garbled) found.push_back("metrics.csv lines that are not metrics rows");
+  }
+  if (fs::exists(out / "summary.json", ec)) found.push_back("summary.json of a finished run");
+  if (found.empty()) return std::nullopt;
+  return fmt::format("{}", fmt::join(found, ", "));
+}
+
 // --resume continues a run only with the configuration it was trained with (but for
-// resume_mutable_keys()): anything else would train the rest of it as another model.
+// resume_mutable_keys()), and only from a checkpoint: anything else would train the rest of it as
+// another model, or start it again over its recorded history.
 void check_resume(const TrainConfig& c, const fs::path& out) {
   std::error_code ec;
-  if (!fs::exists(out / "checkpoints" / "last.pt", ec)) return;  // nothing trained: start
+  const fs::path ckpt = out / "checkpoints" / "last.pt";
+  if (!fs::exists(ckpt, ec)) {
+    // nothing to continue from: starting at step 0 is fine only when nothing was recorded
+    if (const auto history = recorded_history(out))
+      throw InputError(fmt::format(
+          "--resume: the checkpoint '{}' is missing, but the run holds {}; starting again from "
+          "step 0 would lose that history: restore the checkpoint, or start the run again with "
+          "--overwrite",
+          ckpt.string(), *history));
+    return;  // nothing trained yet: start
+  }
   const fs::path saved = out / "config.toml";
   if (!fs::is_regular_file(saved, ec))
     throw InputError(fmt::format(
@@ -340,6 +382,25 @@ RunResult train(const TrainConfig& c, const RunOptions& o);
 
 }  // namespace
 
+void remove_checkpoints(const fs::path& run_dir) {
+  const fs::path dir = run_dir / "checkpoints";
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  // last.pt and the temp files of its atomic writes (".last.pt.tmp.PID.N", temp_path_for)
+  const std::string temp_prefix = ".last.pt.tmp.";
+  std::vector<fs::path> ours;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if ((name == "last.pt" || name.rfind(temp_prefix, 0) == 0) &&
+        !fs::is_directory(e.symlink_status(ec)))
+      ours.push_back(e.path());
+  }
+  for (const auto& p : ours) fs::remove(p, ec);
+  // the folder goes only when nothing is left in it (and never a link to it, which is not ours)
+  if (!fs::is_symlink(fs::symlink_status(dir, ec)) && fs::is_empty(dir, ec) && !ec)
+    fs::remove(dir, ec);
+}
+
 RunResult run_training(const TrainConfig& c, const RunOptions& o) {
   // ---- setup: everything that can fail on bad input fails here, before the first step
   c.validate();
@@ -355,8 +416,9 @@ RunResult run_training(const TrainConfig& c, const RunOptions& o) {
     dir.emplace(o.out, d);
     if (o.overwrite && dir->existed()) {  // the old run's results must not outlive it
       std::error_code ec;
-      for (const char* f : {"summary.json", "metrics.csv", "checkpoints"})
-        fs::remove_all(o.out / f, ec);
+      for (const char* f : {"summary.json", "metrics.csv"})  // files of ours, never a folder
+        if (!fs::is_directory(fs::symlink_status(o.out / f, ec))) fs::remove(o.out / f, ec);
+      remove_checkpoints(o.out);  // last.pt; anything else in checkpoints/ is the user's
     }
   }
   if (o.resume && o.replicas.rank != 0) check_resume(c, o.out);  // rank 0's ran under the lock

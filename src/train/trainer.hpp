@@ -34,7 +34,9 @@ struct Replicas {
 struct RunOptions {
   std::filesystem::path out;  // the run's folder (core/files.hpp OutputDir, kind "run")
   // An existing run in `out` is refused unless resume (continue it from checkpoints/last.pt; the
-  // configuration may differ only in resume_mutable_keys()) or overwrite (start it again).
+  // configuration may differ only in resume_mutable_keys(); without the checkpoint, only a run
+  // that recorded nothing past step 0 starts again) or overwrite (start it again, removing the
+  // run's own files only: remove_checkpoints).
   bool resume = false;
   bool overwrite = false;
   std::string command = "relpos train";  // named in the folder's lock file and INCOMPLETE marker
@@ -64,6 +66,12 @@ struct TrainingDiverged : std::runtime_error {
 };
 
 RunResult run_training(const TrainConfig& c, const RunOptions& o);
+
+// Removes the files relpos writes under RUN_DIR/checkpoints (last.pt and the temp files of its
+// atomic writes), then the folder itself if nothing else is left in it. Any other file or folder
+// there (a user's best_manual.pt, a subfolder) is kept: relpos never deletes what it did not make.
+// The caller holds the run folder's lock (OutputDir).
+void remove_checkpoints(const std::filesystem::path& run_dir);
 
 // Loads RUN_DIR/config.toml and RUN_DIR/checkpoints/last.pt and evaluates at `lengths` (the run's
 // eval.lengths when empty). No position rescaling: the model runs at each length as trained.

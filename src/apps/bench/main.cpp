@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "apps/bench/attention_bench.hpp"
+#include "apps/cli_checks.hpp"
 #include "core/parse.hpp"
 #include "core/types.hpp"
 
@@ -16,6 +17,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   relpos::bench::add_attention_command(app);
   relpos::bench::add_decode_command(app);
+  relpos::app::refuse_empty_values(app);  // `--json-out ""` is bad input, never "not given"
   try {
     // CLI11 would call an unknown benchmark name "A subcommand is required"
     if (argc > 1 && argv[1][0] != '-' && std::string_view(argv[1]) != "attention" &&

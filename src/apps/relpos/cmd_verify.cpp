@@ -5,6 +5,7 @@
 #include <optional>
 #include <sstream>
 
+#include "apps/cli_checks.hpp"
 #include "apps/relpos/commands.hpp"
 #include "apps/relpos/structured_report.hpp"
 #include "apps/relpos/table.hpp"
@@ -99,7 +100,8 @@ void add_verify_command(CLI::App& app) {
   cmd->add_option("--max-position-embeddings", a->max_position_embeddings,
                   "the model config's max_position_embeddings, where the rope_scaling dictionary "
                   "relies on it (dynamic without original_max_position_embeddings, longrope "
-                  "without factor)");
+                  "without factor); read only with --rope-scaling")
+      ->check(FiniteRange(1, 1e15));  // as rope_scaling.cpp bounds it
   cmd->add_flag("--structured", a->structured,
                 "check Theorem 1 of the equivariant structured rotations instead of the specs: "
                 "learned-basis (cayley, exp), axial, mixed and matrices-only (Lemma 1) families, "
@@ -112,6 +114,11 @@ void add_verify_command(CLI::App& app) {
                   "(default 1,2,3)");
   cmd->add_option("--out", a->out, "--structured-sweep: output directory");
   cmd->callback([a, cmd] {
+    // nothing else reads it: given alone it would be ignored without a word
+    if (cmd->count("--max-position-embeddings") > 0 && cmd->count("--rope-scaling") == 0)
+      throw InputError(
+          "verify: --max-position-embeddings is read only with --rope-scaling (the dictionary "
+          "that may rely on it); give both, or leave it out");
     if (a->structured || a->structured_sweep) {
       for (const char* name : {"--enc", "--rope-scaling", "--len", "--dtype", "--layout",
                                "--head-dim", "--heads", "--positions"})

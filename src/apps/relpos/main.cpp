@@ -3,6 +3,7 @@
 
 #include <iostream>
 
+#include "apps/cli_checks.hpp"
 #include "apps/relpos/commands.hpp"
 #include "core/parse.hpp"
 #include "core/types.hpp"
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   relpos::app::add_midi_text_command(app);
   relpos::app::add_linear_attention_command(app);
   relpos::app::add_torch_commands(app);
+  relpos::app::refuse_empty_values(app);  // `--out ""` is bad input, never "not given"
   // Exit codes (docs/errors.md): 0 ok, 1 a check failed, 2 bad input, anything else a bug.
   try {
     // a trained experiment (experiments/NAME.toml) is relpos-train's, with its own options (so

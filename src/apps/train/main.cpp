@@ -17,6 +17,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "apps/cli_checks.hpp"
 #include "core/files.hpp"
 #include "core/parse.hpp"
 #include "core/types.hpp"
@@ -112,10 +113,12 @@ int main(int argc, char** argv) {
   auto* resume_flag = train_cmd->add_flag(
       "--resume", ta.resume,
       "Continue the run in OUT from checkpoints/last.pt (its configuration may change only in "
-      "optim.steps, eval.*, checkpoint_every, log_every, threads, name)");
+      "optim.steps, eval.*, checkpoint_every, log_every, threads, name); without that checkpoint "
+      "only a run that recorded nothing past step 0 starts again, else it is refused");
   train_cmd
       ->add_flag("--overwrite", ta.overwrite,
-                 "Start again in OUT, replacing the relpos run there (never other files)")
+                 "Start again in OUT, replacing the relpos run there: its summary.json, "
+                 "metrics.csv and checkpoints/last.pt are removed first (never other files)")
       ->excludes(resume_flag);
   train_cmd->add_flag("--quiet", ta.quiet, "No progress on stderr");
   train_cmd->add_option("--nproc", ta.nproc, "Data-parallel local workers (c10d, Gloo)")
@@ -258,7 +261,11 @@ int main(int argc, char** argv) {
       "export-runs",
       "Write the finished runs of a sweep folder (config.toml, metrics.csv, summary.json; no "
       "checkpoints) to a records folder that --import-runs continues from on another machine");
-  export_cmd->add_option("folder", export_from, "A sweep's or reproduction's folder")->required();
+  export_cmd
+      ->add_option("folder", export_from,
+                   "A sweep's or reproduction's folder, with finished runs below it (not one "
+                   "run's folder)")
+      ->required();
   export_cmd->add_option("--out", export_to, "The records folder")->required();
   export_cmd->callback([&] {
     const size_t n = train::export_runs(export_from, export_to);
@@ -314,6 +321,8 @@ int main(int argc, char** argv) {
                                            bench_threads));
   });
 
+  // an empty value (`--out ""`, `--profiles ""`, `--target ""`) is bad input, never "not given"
+  relpos::app::refuse_empty_values(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
