@@ -118,43 +118,48 @@ check 2 "linear-attention --qk-std nan" "$relpos" linear-attention --T 64 --m 16
 out=$("$relpos" linear-attention --T 64 --m 16 --D 16 --H 1 --repeats 1 --qk-std nan 2>&1)
 echo "$out" | grep -q -- "--qk-std" || { echo "FAIL: --qk-std nan not named: $out"; fail=1; }
 # relpos bench: bad flags exit 2 before running (the benchmark's first stderr line is not printed)
-att=(bench attention --T 4 --B 1 --H 1 --D 4 --repeats 1 --warmup 1 --no-memory --no-scaling --long-T 0 --mm-n 16)
-dec=(bench decode --ctx 8 --rounds 1 --warmup 0 --D 8 --heads 2:2)
-check 2 "bench attention --max-mask-gib nan" "$relpos" "${att[@]}" --max-mask-gib nan
-for specs in bogus '' 'damped_rope(center=mid)' 'rope;bogus(m=2)' 'rope + dynamic_ntk'; do
-  check 2 "bench decode --specs '$specs'" "$relpos" "${dec[@]}" --specs "$specs"
-  out=$("$relpos" "${dec[@]}" --specs "$specs" 2>&1)
-  echo "$out" | grep -q -- "--specs" || { echo "FAIL: bench decode --specs '$specs' not named: $out"; fail=1; }
-  echo "$out" | grep -q "relpos bench decode: torch" && { echo "FAIL: bench decode --specs '$specs' ran: $out"; fail=1; }
-done
-for heads in 1:1:1 8x:2 8:3 0:0 2 ''; do
-  check 2 "bench decode --heads '$heads'" "$relpos" "${dec[@]}" --specs rope --heads "$heads"
-done
-# --json-out: never over someone else's file, a link or a folder, refused before the benchmark
-# runs; a new file or an earlier report of the same benchmark is written (atomically)
-mkdir -p "$tmp/json"
-printf 'hi\n' >"$tmp/json/x.txt"
-ln -s "$tmp/json/nowhere.json" "$tmp/json/dangling.json"
-for cmd in att dec; do
-  declare -n args=$cmd
-  for target in x.txt dangling.json . ; do
-    check 2 "bench ${args[1]} --json-out $target" "$relpos" "${args[@]}" --json-out "$tmp/json/$target"
-    out=$("$relpos" "${args[@]}" --json-out "$tmp/json/$target" 2>&1)
-    echo "$out" | grep -q -- "--json-out" || { echo "FAIL: bench ${args[1]} --json-out $target not named: $out"; fail=1; }
-    echo "$out" | grep -qE "kernel build|relpos bench decode: torch" &&
-      { echo "FAIL: bench ${args[1]} --json-out $target refused only after running: $out"; fail=1; }
+# (relpos-bench is the LibTorch build's: the core-only build, e.g. CI's sanitizer build, has none)
+if [ -x "$(dirname "$relpos")/relpos-bench" ]; then
+  att=(bench attention --T 4 --B 1 --H 1 --D 4 --repeats 1 --warmup 1 --no-memory --no-scaling --long-T 0 --mm-n 16)
+  dec=(bench decode --ctx 8 --rounds 1 --warmup 0 --D 8 --heads 2:2)
+  check 2 "bench attention --max-mask-gib nan" "$relpos" "${att[@]}" --max-mask-gib nan
+  for specs in bogus '' 'damped_rope(center=mid)' 'rope;bogus(m=2)' 'rope + dynamic_ntk'; do
+    check 2 "bench decode --specs '$specs'" "$relpos" "${dec[@]}" --specs "$specs"
+    out=$("$relpos" "${dec[@]}" --specs "$specs" 2>&1)
+    echo "$out" | grep -q -- "--specs" || { echo "FAIL: bench decode --specs '$specs' not named: $out"; fail=1; }
+    echo "$out" | grep -q "relpos bench decode: torch" && { echo "FAIL: bench decode --specs '$specs' ran: $out"; fail=1; }
   done
-  [ "$(cat "$tmp/json/x.txt")" = hi ] || { echo "FAIL: bench ${args[1]} changed a foreign file"; fail=1; }
-  [ -L "$tmp/json/dangling.json" ] && [ ! -e "$tmp/json/nowhere.json" ] ||
-    { echo "FAIL: bench ${args[1]} replaced or followed a dangling link"; fail=1; }
-  check 0 "bench ${args[1]} --json-out a new file" "$relpos" "${args[@]}" --json-out "$tmp/json/$cmd.json"
-  check 0 "bench ${args[1]} --json-out its own report again" "$relpos" "${args[@]}" --json-out "$tmp/json/$cmd.json"
-  python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$tmp/json/$cmd.json" ||
-    { echo "FAIL: bench ${args[1]} --json-out is not JSON"; fail=1; }
-  ln -s "$tmp/json/$cmd.json" "$tmp/json/$cmd-link.json"
-  check 2 "bench ${args[1]} --json-out a link to its own report" "$relpos" "${args[@]}" --json-out "$tmp/json/$cmd-link.json"
-  unset -n args
-done
-check 2 "bench decode --json-out an attention report" "$relpos" "${dec[@]}" --json-out "$tmp/json/att.json"
-ls -A "$tmp/json" | grep -q '\.tmp\.' && { echo "FAIL: bench --json-out left temp files"; fail=1; }
+  for heads in 1:1:1 8x:2 8:3 0:0 2 ''; do
+    check 2 "bench decode --heads '$heads'" "$relpos" "${dec[@]}" --specs rope --heads "$heads"
+  done
+  # --json-out: never over someone else's file, a link or a folder, refused before the benchmark
+  # runs; a new file or an earlier report of the same benchmark is written (atomically)
+  mkdir -p "$tmp/json"
+  printf 'hi\n' >"$tmp/json/x.txt"
+  ln -s "$tmp/json/nowhere.json" "$tmp/json/dangling.json"
+  for cmd in att dec; do
+    declare -n args=$cmd
+    for target in x.txt dangling.json . ; do
+      check 2 "bench ${args[1]} --json-out $target" "$relpos" "${args[@]}" --json-out "$tmp/json/$target"
+      out=$("$relpos" "${args[@]}" --json-out "$tmp/json/$target" 2>&1)
+      echo "$out" | grep -q -- "--json-out" || { echo "FAIL: bench ${args[1]} --json-out $target not named: $out"; fail=1; }
+      echo "$out" | grep -qE "kernel build|relpos bench decode: torch" &&
+        { echo "FAIL: bench ${args[1]} --json-out $target refused only after running: $out"; fail=1; }
+    done
+    [ "$(cat "$tmp/json/x.txt")" = hi ] || { echo "FAIL: bench ${args[1]} changed a foreign file"; fail=1; }
+    [ -L "$tmp/json/dangling.json" ] && [ ! -e "$tmp/json/nowhere.json" ] ||
+      { echo "FAIL: bench ${args[1]} replaced or followed a dangling link"; fail=1; }
+    check 0 "bench ${args[1]} --json-out a new file" "$relpos" "${args[@]}" --json-out "$tmp/json/$cmd.json"
+    check 0 "bench ${args[1]} --json-out its own report again" "$relpos" "${args[@]}" --json-out "$tmp/json/$cmd.json"
+    python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$tmp/json/$cmd.json" ||
+      { echo "FAIL: bench ${args[1]} --json-out is not JSON"; fail=1; }
+    ln -s "$tmp/json/$cmd.json" "$tmp/json/$cmd-link.json"
+    check 2 "bench ${args[1]} --json-out a link to its own report" "$relpos" "${args[@]}" --json-out "$tmp/json/$cmd-link.json"
+    unset -n args
+  done
+  check 2 "bench decode --json-out an attention report" "$relpos" "${dec[@]}" --json-out "$tmp/json/att.json"
+  ls -A "$tmp/json" | grep -q '\.tmp\.' && { echo "FAIL: bench --json-out left temp files"; fail=1; }
+else
+  echo "cli_smoke: relpos bench checks skipped (no relpos-bench beside $relpos: a core-only build)"
+fi
 exit $fail
