@@ -12,8 +12,8 @@ import functools
 
 import torch
 
-from .encoding import (_HALF, _LAYOUTS, _STORABLE, InputError, PositionEncoding, _all_finite, _compute_dtype,
-                       _raise_wrong_type, _tensors_or_none)
+from .encoding import (_HALF, _LAYOUTS, _STORABLE, InputError, PositionEncoding, _all_finite,
+                       _compute_dtype, _raise_wrong_type, _tensors_or_none)
 from .frames import _journey, _journey_info
 
 # the names of the kernel's bias slots, in the order of the op's ``biases`` list
