@@ -17,10 +17,13 @@ one decode step:
   sdpa_step    (--spec rope) the step a RoPE user writes in Python: HF's rotate_half RoPE from a
                cos/sin table computed once, on the new q and k, the new k and v written into a
                static cache (2 x ctx slots), SDPA on its used prefix: the module's baseline
-and for a biased mechanism (--spec alibi): sdpa_bias, SDPA with the bias row of the one query
-materialised ([1, H, 1, ctx], built outside the timed call). The module's cache also has
-2 x ctx slots, so its used prefix is a strided view as in a real cache. Prints medians, the ratio of
-medians and the median of the per-round ratios (each round runs every case once, in turn).
+and for a biased mechanism (--spec alibi, fox, grape_ap, ...): sdpa_bias, SDPA with the bias row
+of the one query materialised ([1, H, 1, ctx], built outside the timed call; ALiBi's own row, a
+random one for a bias computed from the tokens). A bias computed from the tokens (FoX, GRAPE-A,
+GRAPE-AP) makes the module take the layer's inputs ([1, T, H D], random) and has no ours_op
+case. The module's cache also has 2 x ctx slots, so its used prefix is a strided view as in a
+real cache. Prints medians, the ratio of medians and the median of the per-round ratios (each
+round runs every case once, in a fresh random order).
 """
 
 from __future__ import annotations
@@ -43,41 +46,51 @@ def cases_for(spec, ctx, hk, g, general=False):
     v = torch.randn(1, hk, ctx, D, generator=g)
     q = torch.randn(1, H, 1, D, generator=g)
     qpos = torch.tensor([ctx - 1.0], dtype=torch.float64)
-    attn = relpos.Attention(spec, D, H, hk)
+    biases = relpos.mechanism(spec, D, H)["biases"]
+    # a bias computed from the tokens (FoX, GRAPE-A, GRAPE-AP) reads the layer's inputs
+    content = any(b["shape"] in ("separable", "gated_slope", "path_integral") for b in biases)
+    model_dim = H * D if content else None
+    x = torch.randn(1, ctx, H * D, generator=g) if content else None
+    attn = relpos.Attention(spec, D, H, hk, model_dim=model_dim)
     cache = relpos.KVCache(1, hk, D, capacity=2 * ctx)
     # the module's own keys for the first ctx - 1 tokens (its transform applied by prefill)
     with torch.no_grad():
-        attn(torch.randn(1, H, ctx - 1, D, generator=g), k[:, :, :-1], v[:, :, :-1], cache=cache)
+        attn(torch.randn(1, H, ctx - 1, D, generator=g), k[:, :, :-1], v[:, :, :-1], cache=cache,
+             inputs=None if x is None else x[:, :-1])
     prefill_len = cache.lengths.clone()
     kc, vc = cache.keys.clone(), cache.values.clone()
     kn, vn = k[:, :, -1:], v[:, :, -1:]
+    xn = None if x is None else x[:, -1:]
 
     def reset():
         cache.lengths.copy_(prefill_len)
 
     if general:  # a second module and cache, same keys, every step on the general path
-        attn_g = relpos.Attention(spec, D, H, hk)
+        attn_g = relpos.Attention(spec, D, H, hk, model_dim=model_dim)
+        attn_g.load_state_dict(attn.state_dict())
         attn_g._one_call_decode = False
         cache_g = relpos.KVCache(1, hk, D, capacity=2 * ctx)
         with torch.no_grad():
             attn_g(torch.randn(1, H, ctx - 1, D, generator=g), k[:, :, :-1], v[:, :, :-1],
-                   cache=cache_g)
+                   cache=cache_g, inputs=None if x is None else x[:, :-1])
 
         def reset_g():
             cache_g.lengths.copy_(prefill_len)
 
-    s = [b["slopes"] for b in relpos.mechanism(spec, D, H)["biases"] if b["slopes"]]
+    s = [b["slopes"] for b in biases if b["slopes"]]
     slopes = torch.tensor(s[0], dtype=torch.float64) if s else None
     # the whole cache, as the op reads it; SDPA reads its own copy: every case streams its own
     # keys and values, as a decoder does (sharing them would hand one case the other's warm L3)
     kf, vf = torch.cat([kc, kn], 2), torch.cat([vc, vn], 2)
     ks_, vs_ = kf.clone(), vf.clone()
     out = {
-        "ours_op": (None, lambda: relpos.fused_attention(
+        # (the kernel alone for slope biases; a token-computed bias needs its module's tensors)
+        **({} if content else {"ours_op": (None, lambda: relpos.fused_attention(
             q, kf, vf, q_positions=qpos,
-            slopes=None if slopes is None else slopes.float())),
-        "ours_module": (reset, lambda: attn(q, kn, vn, cache=cache)),
-        **({"module_general": (reset_g, lambda: attn_g(q, kn, vn, cache=cache_g))} if general else {}),
+            slopes=None if slopes is None else slopes.float()))}),
+        "ours_module": (reset, lambda: attn(q, kn, vn, cache=cache, inputs=xn)),
+        **({"module_general": (reset_g, lambda: attn_g(q, kn, vn, cache=cache_g, inputs=xn))}
+           if general else {}),
         "sdpa": (None, lambda: F.scaled_dot_product_attention(q, ks_, vs_, enable_gqa=hk != H)),
     }
     if spec == "rope":
@@ -100,9 +113,12 @@ def cases_for(spec, ctx, hk, g, general=False):
                                                   enable_gqa=hk != H)
 
         out["sdpa_step"] = (None, sdpa_step)
-    if slopes is not None:
-        lag = (ctx - 1) - torch.arange(ctx, dtype=torch.float64)
-        bias = (-slopes[:, None] * lag[None, :]).float().view(1, H, 1, ctx)
+    if biases:
+        if slopes is not None:  # ALiBi's row itself
+            lag = (ctx - 1) - torch.arange(ctx, dtype=torch.float64)
+            bias = (-slopes[:, None] * lag[None, :]).float().view(1, H, 1, ctx)
+        else:  # a row of the same shape (SDPA's time does not depend on its values)
+            bias = 0.1 * torch.randn(1, H, 1, ctx, generator=g)
         out["sdpa_bias"] = (None, lambda: F.scaled_dot_product_attention(
             q, ks_, vs_, attn_mask=bias, enable_gqa=hk != H))
     return out

@@ -332,9 +332,9 @@ class Attention(nn.Module):
         term = info["transforms"][0] if self._rotation is not None else {}
         self._frame_values, self._frame_outputs = term.get("values", False), term.get("outputs", False)
         # a decode step in one C++ call (StepPlan.decode): one position term (or none), slope
-        # biases or none, no runtime of its own
+        # biases or none, a content bias or none, no rotation runtime
         self._one_call_decode = (
-            backend == "softmax" and self._rotation is None and self._content is None
+            backend == "softmax" and self._rotation is None
             and self._vector_dims is None and not self.encoding._lag_names
             and [kind for kind, _ in self.encoding._terms] in ([], ["position"]))
         # with a cache, keys transformed in earlier calls must stay valid
@@ -456,8 +456,10 @@ class Attention(nn.Module):
         if (isinstance(cache, KVCache) and self._one_call_decode and key_start is None
                 and segments is None and isinstance(q, torch.Tensor)
                 and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and q.is_cpu and q.dtype == cache._keys.dtype
-                and not torch.compiler.is_compiling() and not self._needs_grad(q, k, v)):
-            return self._decode(q, k, v, positions, key_len, inputs, cache, return_lse)
+                and not torch.compiler.is_compiling() and not self._needs_grad(q, k, v, inputs)):
+            done = self._decode(q, k, v, positions, key_len, inputs, cache, return_lse)
+            if done is not None:
+                return done
         self._check(q, k, v, cache, key_len, positions, inputs)
         _tensors_or_none(key_start=key_start, segments=segments)
         if segments is not None and cache is not None:
@@ -580,16 +582,19 @@ class Attention(nn.Module):
         out = out.to(stored_as)
         return (out, lse) if return_lse else out
 
-    def _needs_grad(self, q, k, v) -> bool:
+    def _needs_grad(self, q, k, v, inputs=None) -> bool:
         """Whether autograd would record this call (the one-call decode step has no backward)."""
         return torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
-            or any(p.requires_grad for p in self.encoding.parameters()))
+            or (isinstance(inputs, torch.Tensor) and inputs.requires_grad)
+            or any(p.requires_grad for p in self.parameters()))
 
     def _decode(self, q, k, v, positions, key_len, inputs, cache, return_lse):
         """A cached step in one C++ call: the checks, the cache's step and append, the new
-        tokens' transform and the kernel (the general path's calls, without the interpreter
-        between them)."""
+        tokens' transform (and content side tensors) and the kernel (the general path's calls,
+        without the interpreter between them). None when the step belongs to the general path
+        (a content bias before the cache holds its side tensors, a half cache with one, a path
+        integral over rows of different lengths)."""
         # _check's conditions for this call in a few comparisons; when one fails, _check runs
         # for the message (its Python costs several microseconds a step)
         kv = (q.shape[0], self.num_kv_heads, q.shape[2], self.head_dim) if q.dim() == 4 else None
@@ -607,6 +612,7 @@ class Attention(nn.Module):
             self._check(q, k, v, cache, key_len, positions, inputs, finite=False)
         enc = self._modules["encoding"]  # (nn.Module.__getattr__ is the slow path)
         plan = enc._step_plan()
+        content = self._content_params() if self._content is not None else []
         # one call checks the inputs, compares the parameters' schema with the values the plan's
         # parameters came from, and the cache's room; a second only after the parameters changed
         # (or the dtype) or the storage grew
@@ -615,9 +621,11 @@ class Attention(nn.Module):
                 plan.decode, q, k, v, cache._keys, cache._values, cache._positions, cache.lengths,
                 positions, key_len, enc._schema_tensors(), self.num_heads, enc.layout, self.causal,
                 self.window, 0.0 if self.scale is None else float(self.scale), self.check_finite,
-                enc._warned)
+                enc._warned, content, inputs, cache._content)
             if status == 0:
                 break
+            if status == 3:
+                return None
             if status == 1:
                 enc._refresh_step_plan(torch.float32 if q.dtype in _HALF else q.dtype)
             else:

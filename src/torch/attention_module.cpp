@@ -83,10 +83,10 @@ std::optional<std::string> step_transform_refusal(const Mechanism& m) {
 }
 
 std::optional<std::string> one_call_decode_refusal(const Mechanism& m) {
-  if (step_transform_refusal(m) || m.content_bias() || m.learned_lag_bias())
+  if (step_transform_refusal(m) || m.learned_lag_bias())
     return fmt::format(
-        "'{}': a one-call decode step takes one position term and slope biases, no per-call "
-        "centre or dynamic rule",
+        "'{}': a one-call decode step takes one position term, slope and content biases, no "
+        "learned lag table, per-call centre or dynamic rule",
         m.spec);
   return std::nullopt;
 }
@@ -186,7 +186,8 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
                                        const torch::Tensor& q, const torch::Tensor& k,
                                        const torch::Tensor& v, const CacheStorage& cache,
                                        const torch::Tensor& positions, const torch::Tensor& key_len,
-                                       const DecodeStep& step, EncodingWarnings& warned) {
+                                       const DecodeStep& step, EncodingWarnings& warned,
+                                       const StepContent& content) {
   const torch::NoGradGuard no_grad;
   // the new tokens are transformed in q's compute dtype (half: float32); a half cache is read in
   // place, with the queries rounded to its dtype as its keys are
@@ -196,11 +197,25 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
   const auto& pos = s.positions;  // [B, T], contiguous
   const auto [qt, kt] =
       step_transformed(m, kernel_params, q, k, pos, step.layout, st, warned, positions);
-  cache_append(cache.keys, cache.values, cache.positions, cache.lengths, {}, kt, v.to(st), pos,
-               s.counts, {});
   const int64_t* L = cache.lengths.data_ptr<int64_t>();
-  const int64_t len = *std::max_element(L, L + cache.lengths.numel());
+  const auto used = [&] { return *std::max_element(L, L + cache.lengths.numel()); };
+  const auto prefix = [&](int64_t n) {
+    std::vector<torch::Tensor> out;
+    for (const auto& c : cache.content) out.push_back(c.narrow(2, 0, n));
+    return out;
+  };
   AttentionArgs a;
+  std::vector<torch::Tensor> side;  // the new keys' side tensors of a content bias
+  if (content.term) {
+    if (cache.content.empty())
+      throw std::logic_error("decode_step: a content bias needs the cache's side tensors");
+    side = content_side(*content.term, content.params,
+                        {content.inputs, qt, kt, pos, prefix(used()), cache.lengths}, a);
+  }
+  cache_append(cache.keys, cache.values, cache.positions, cache.lengths, cache.content, kt,
+               v.to(st), pos, s.counts, side);
+  const int64_t len = used();
+  if (content.term) content_runtime(*content.term).attach(prefix(len), a);
   a.q_positions = pos;
   a.k_positions = cache.positions.narrow(1, 0, len);
   a.key_len = cache.lengths;  // (read by this call only: no gradient is recorded)
@@ -346,7 +361,7 @@ CacheStorage DecodeCache::reserve(int64_t n) {
     positions_ = grown(positions_, 1, grow);
     for (auto& c : content_) c = grown(c, 2, grow);
   }
-  return {keys_, values_, positions_, lengths_};
+  return {keys_, values_, positions_, lengths_, content_};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -677,17 +692,22 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
                                        std::optional<c10::ScalarType> storage) {
   DecodeCache* cache = call.cache;
   if (cache && one_call_decode_ && !call.key_start.defined() && q.is_cpu() &&
-      !needs_grad(q, k, v)) {
-    // a cached step without autograd: the one decode_step the Python module runs too
-    const auto dt = q.scalar_type();
-    const KernelParams kp = encoding->kernel_params();
-    std::vector<torch::Tensor> params;
-    for (const auto* t : {&kp.gamma, &kp.eta, &kp.gates, &kp.alpha0})
-      params.push_back(t->defined() ? t->to(dt).contiguous() : torch::Tensor());
-    return decode_step(
-        mechanism(), params, q, k, v, cache->reserve(q.size(2)), call.positions, call.key_len,
-        {options_.layout, num_heads_, options_.causal, options_.window, options_.scale},
-        encoding->warnings_issued())[0];
+      !needs_grad(q, k, v) &&
+      !(torch::GradMode::is_enabled() && call.inputs.defined() && call.inputs.requires_grad())) {
+    // a cached step without autograd: the one decode_step the Python module runs too (a content
+    // bias's side tensors made by the general path's first append, in a float32 or float64 cache)
+    const CacheStorage storage = cache->reserve(q.size(2));
+    if (!content_ || (!storage.content.empty() && !op_util::is_half(storage.keys.scalar_type()))) {
+      const auto dt = q.scalar_type();
+      const KernelParams kp = encoding->kernel_params();
+      std::vector<torch::Tensor> params;
+      for (const auto* t : {&kp.gamma, &kp.eta, &kp.gates, &kp.alpha0})
+        params.push_back(t->defined() ? t->to(dt).contiguous() : torch::Tensor());
+      return decode_step(
+          mechanism(), params, q, k, v, storage, call.positions, call.key_len,
+          {options_.layout, num_heads_, options_.causal, options_.window, options_.scale},
+          encoding->warnings_issued(), {content_, content_params_, call.inputs})[0];
+    }
   }
   const Mechanism& m = mechanism();
   const int64_t B = q.size(0), T = q.size(2), D = q.size(3), g = num_heads_ / num_kv_heads_;
@@ -755,11 +775,17 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
     content = content_side(*content_, content_params_, c, a);
   }
   a.q_positions = pos;
+  // a cached step that records no gradient calls the kernel directly, as decode_step does (the
+  // dispatcher's autograd layer would record nothing; its cost shows at a decode step)
+  const bool direct =
+      cache && q.is_cpu() && !storage && !needs_grad(q, k, v) &&
+      !(torch::GradMode::is_enabled() && call.inputs.defined() && call.inputs.requires_grad());
   if (cache) {
     cache->append(kt, vt, pos, counts, content);
     if (phase_end.defined()) cache->set_phase(phase_end);
     a.k_positions = cache->positions();
-    a.key_len = cache->lengths().clone();
+    // (a copy where autograd saves it: the cache's lengths move on with the next step)
+    a.key_len = direct ? cache->lengths() : cache->lengths().clone();
     // a half cache is read in place: the queries rounded to its dtype, as its keys were
     kt = cache->keys();
     vt = cache->values();
@@ -783,7 +809,9 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
     a.lag_table = encoding->lag_table(kernels::lag_table_length(m, span))
                       .to(op_util::compute_type(q.scalar_type()));
   }
-  auto out = fused_attention(qt, kt, vt, a)[0].to(q.scalar_type());
+  auto out =
+      (direct ? fused_attention_cpu_forward(qt, kt, vt, a) : fused_attention(qt, kt, vt, a))[0].to(
+          q.scalar_type());
   if (frames.defined() && rotation_->roles.outputs)
     out = rotate_pairs(out, frames, true, options_.layout);
   return out;

@@ -45,11 +45,22 @@ void cache_append(const torch::Tensor& keys, const torch::Tensor& values,
 // [B, capacity] float64 and lengths int64 [B], written in place.
 struct CacheStorage {
   torch::Tensor keys, values, positions, lengths;
+  // a content-dependent bias's side tensors [B, H, capacity, ...] (empty: none, or not made yet)
+  std::vector<torch::Tensor> content = {};
+};
+
+// A content-dependent bias's share of a decode step: its term (of the mechanism built for the
+// query heads), its parameters and the call's inputs [B, T, model_dim] (undefined where unread).
+struct StepContent {
+  const BiasTerm* term = nullptr;
+  std::vector<torch::Tensor> params = {};
+  torch::Tensor inputs = {};
 };
 
 // Why a cached step of this mechanism cannot run as one decode_step (empty: it can): it takes at
 // most one transform, driven by positions alone (no runtime, frames, learned frequencies or
-// basis), slope biases only, a fixed centre and a static context-extension rule.
+// basis), slope biases and a content-dependent bias (no learned lag table), a fixed centre and a
+// static context-extension rule.
 std::optional<std::string> one_call_decode_refusal(const Mechanism& m);
 // The transform part of that: at most one transform, driven by positions alone, a fixed centre
 // and a static context-extension rule (biases are not its concern).
@@ -81,14 +92,18 @@ struct DecodeStep {
 // (kernel_params: gamma, eta, gates, alpha0 in q's dtype, contiguous), the append into storage
 // with room for them, and the fused kernel over the used prefix. q [B, Hq, T, D], k and v
 // [B, Hk, T, D] in the storage's float32 or float64 (checked for finiteness by the caller).
-// Issues the clamp warning into `warned`. Returns {out, lse}. The Python Attention's step (the
-// decode method of StepPlan, torch/cache_ops.cpp) and AttentionImpl's both run it.
+// Issues the clamp warning into `warned`. A content-dependent bias (`content.term`) computes its
+// new keys' side tensors into cache.content, which must exist (the general path's first append
+// makes it), in a float32 or float64 cache; a path integral's rows are of one length (checked by
+// the caller). Returns {out, lse}. The Python Attention's step (the decode method of StepPlan,
+// torch/cache_ops.cpp) and AttentionImpl's both run it.
 std::vector<torch::Tensor> decode_step(const Mechanism& m,
                                        const std::vector<torch::Tensor>& kernel_params,
                                        const torch::Tensor& q, const torch::Tensor& k,
                                        const torch::Tensor& v, const CacheStorage& cache,
                                        const torch::Tensor& positions, const torch::Tensor& key_len,
-                                       const DecodeStep& step, EncodingWarnings& warned);
+                                       const DecodeStep& step, EncodingWarnings& warned,
+                                       const StepContent& content = {});
 
 // Transformed keys, values (in their frames for journey mechanisms) and float64 positions per
 // sequence; row b holds lengths()[b] tokens (rows may differ). Storage doubles as needed; stored

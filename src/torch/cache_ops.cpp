@@ -17,14 +17,15 @@
 //       call; each does nothing and says so when the parameters are not of the schema's present
 //       values in q's compute dtype (the caller hands new ones with set_params and calls again):
 //   plan.decode(q, k, v, keys!, values!, positions!, lengths!, new_positions?, key_len?,
-//               schema[], num_heads, layout, causal, window, scale, check_finite, warned)
-//               -> (out, lse, warned, status)
-//       the Python Attention's cached step, for a mechanism of one position term (or none) and
-//       slope or no biases, without autograd: the checks, the cache's step, the new tokens'
-//       transform, the append and the kernel over the used prefix. The same steps as
-//       AttentionImpl::assembled with a cache (the interpreter's share of a decode step was
-//       about as large as the kernel's at 1k keys). status 0: the step ran; 1: stale
-//       parameters; 2: a row has no room for the step's tokens (the caller grows the storage)
+//               schema[], num_heads, layout, causal, window, scale, check_finite, warned,
+//               content_params[], inputs?, content_store![]) -> (out, lse, warned, status)
+//       the Python Attention's cached step, for a mechanism of one position term (or none),
+//       slope or no biases and a content bias or none, without autograd: the checks, the cache's
+//       step, the new tokens' transform (and content side tensors), the append and the kernel
+//       over the used prefix. The same steps as AttentionImpl::assembled with a cache (the
+//       interpreter's share of a decode step was about as large as the kernel's at 1k keys).
+//       status 0: the step ran; 1: stale parameters; 2: a row has no room for the step's tokens
+//       (the caller grows the storage); 3: the caller runs the step on its general path
 //   plan.transform(q, k, positions, schema[], layout, check_finite, warned)
 //                  -> (q', k', warned, stale)
 //       a step's few new tokens transformed without autograd (the switched Hugging Face layer's
@@ -41,6 +42,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "core/registry.hpp"
 #include "torch/attention_module.hpp"
@@ -112,6 +114,8 @@ struct StepPlan : torch::CustomClassHolder {
   int64_t head_dim, kv_heads;
   Mechanism mechanism;
   std::vector<torch::Tensor> schema, params;  // params computed from these schema values
+  // a content bias's term is built for the query heads: that mechanism, made on first use
+  std::optional<Mechanism> query_heads;
 
   StepPlan(std::string spec_in, int64_t head_dim_in, int64_t kv_heads_in)
       : spec(std::move(spec_in)),
@@ -137,8 +141,10 @@ struct StepPlan : torch::CustomClassHolder {
 
 // decode's status: the step ran, or nothing was done (empty outputs: a method returns no
 // undefined tensor) and the caller calls again after handing the plan new kernel parameters or
-// growing the cache's storage
-enum DecodeStatus : int64_t { kDecoded = 0, kStaleParams = 1, kNoRoom = 2 };
+// growing the cache's storage, or runs the step on its general path (a content bias before its
+// side tensors exist, in a half cache, or a path integral over rows of different lengths, whose
+// refusal the general path words)
+enum DecodeStatus : int64_t { kDecoded = 0, kStaleParams = 1, kNoRoom = 2, kGeneralPath = 3 };
 
 std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> decode_method(
     const c10::intrusive_ptr<StepPlan>& plan, const torch::Tensor& q_in, const torch::Tensor& k_in,
@@ -146,7 +152,9 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> decode_method(
     const torch::Tensor& positions, const torch::Tensor& lengths,
     const c10::optional<torch::Tensor>& new_positions, const c10::optional<torch::Tensor>& key_len,
     const std::vector<torch::Tensor>& schema, int64_t num_heads, int64_t layout, bool causal,
-    double window, double scale, bool check_finite, int64_t warned) {
+    double window, double scale, bool check_finite, int64_t warned,
+    const std::vector<torch::Tensor>& content_params, const c10::optional<torch::Tensor>& inputs,
+    const std::vector<torch::Tensor>& content_store) {
   return op_util::value_errors([&] {
     const auto undone = [&](DecodeStatus why) {
       return std::make_tuple(torch::empty({0}), torch::empty({0}), warned, int64_t{why});
@@ -173,12 +181,30 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> decode_method(
       if (*std::max_element(L, L + lengths.numel()) + q_in.size(2) > keys.size(2))
         return undone(kNoRoom);
     }
+    StepContent content;
+    if (plan->mechanism.content_bias()) {
+      if (content_store.empty() || op_util::is_half(keys.scalar_type()))
+        return undone(kGeneralPath);
+      if (!plan->query_heads || plan->query_heads->heads != num_heads)
+        plan->query_heads = step_mechanism(plan->spec, head_dim, num_heads);
+      content = {plan->query_heads->content_bias(), content_params,
+                 inputs.value_or(torch::Tensor())};
+      if (content.term->shape == BiasShape::PathIntegral) {
+        // the kernel's path runs over key slots: every row ends where the new tokens begin
+        const int64_t* L = lengths.data_ptr<int64_t>();
+        const int64_t n = lengths.numel(), T = q_in.size(2);
+        if (std::any_of(L, L + n, [&](int64_t l) { return l != L[0]; }) ||
+            (key_len && !(*key_len == T).all().item<bool>()))
+          return undone(kGeneralPath);
+      }
+    }
     EncodingWarnings w{(warned & 1) != 0, (warned & 2) != 0, (warned & 4) != 0};
     const DecodeStep step{layout ? Layout::HalfSplit : Layout::Interleaved, num_heads, causal,
                           window, scale};
-    const auto o = decode_step(
-        plan->mechanism, plan->params, q_in, k_in, v, {keys, values, positions, lengths},
-        new_positions.value_or(torch::Tensor()), key_len.value_or(torch::Tensor()), step, w);
+    const auto o = decode_step(plan->mechanism, plan->params, q_in, k_in, v,
+                               {keys, values, positions, lengths, content_store},
+                               new_positions.value_or(torch::Tensor()),
+                               key_len.value_or(torch::Tensor()), step, w, content);
     warned = (w.clamp ? 1 : 0) | (w.resolution ? 2 : 0) | (w.center ? 4 : 0);
     return std::make_tuple(o[0], o[1], warned, int64_t{kDecoded});
   });

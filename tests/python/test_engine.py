@@ -143,14 +143,37 @@ def test_forward_is_the_plain_torch_composition(spec):
     torch.testing.assert_close(a(q, k, v), want, rtol=0, atol=0)
 
 
+CONTENT_SHAPES = ("separable", "gated_slope", "path_integral")  # FoX, GRAPE-A, GRAPE-AP
+
+
 def one_call(info):
     """Whether a cached step runs as one C++ call (StepPlan.decode): at most one transform, driven
-    by positions alone, biases of slope form only."""
+    by positions alone, biases of slope form or computed from the tokens (no learned lag table)."""
     return (len(info["transforms"]) <= 1
             and all(t["kind"] not in ("fixed_linear", "vector_rotation") and t["time"] == "position"
                     and not t["learned_frequencies"] and t["basis"] == "none"
                     and not t.get("values") and not t.get("outputs") for t in info["transforms"])
-            and all(b["shape"] == "lag_table" and b["slopes"] for b in info["biases"]))
+            and all((b["shape"] == "lag_table" and b["slopes"]) or b["shape"] in CONTENT_SHAPES
+                    for b in info["biases"]))
+
+
+def has_content(info):
+    return any(b["shape"] in CONTENT_SHAPES for b in info["biases"])
+
+
+def counting_one_call_steps(a):
+    """Replaces a._decode by a wrapper; returns the list it appends to for every step that ran
+    as one call (None: the step went to the general path)."""
+    calls, decode = [], a._decode
+
+    def counted(*args):
+        out = decode(*args)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    a._decode = counted
+    return calls
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
@@ -190,9 +213,7 @@ def test_selecting_cache_rows_commutes_with_decoding(spec):
 def test_the_one_call_decode_step_is_the_general_path(spec):
     a = module(spec, torch.float32).requires_grad_(False)
     q, k, v = qkv(spec, dtype=torch.float32)
-    calls = []
-    decode = a._decode
-    a._decode = lambda *args: calls.append(1) or decode(*args)
+    calls = counting_one_call_steps(a)
     caches = [relpos.KVCache(2, HK, DIMS[spec], capacity=2) for _ in range(2)]
     for t in range(6):
         got = []
@@ -206,7 +227,60 @@ def test_the_one_call_decode_step_is_the_general_path(spec):
             torch.testing.assert_close(one, general.detach(), rtol=0, atol=0)
     torch.testing.assert_close(caches[0].keys, caches[1].keys, rtol=0, atol=0)
     assert torch.equal(caches[0].positions, caches[1].positions)
-    assert len(calls) == (6 if one_call(INFO[spec]) else 0)
+    # (a content bias's first step makes the cache's side tensors on the general path)
+    assert len(calls) == (0 if not one_call(INFO[spec]) else 5 if has_content(INFO[spec]) else 6)
+
+
+CONTENT = [s for s in SPECS if has_content(INFO[s])] + [
+    "rope + fox", "alibi + grape_a", "rope + grape_ap(form=paper)", "grape_m + fox"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("heads", [HK, 2 * HK], ids=["mha", "gqa"])
+@pytest.mark.parametrize("spec", CONTENT)
+def test_the_one_call_decode_step_takes_content_biases(spec, heads, dtype):
+    """A content bias (gates or probes from the layer's inputs, or from q and k) decodes in one
+    C++ call once the cache holds its side tensors: bit for bit the general path's outputs,
+    log-sum-exps, keys and side tensors, over a prompt and chunks of 1 and 2 tokens. A step it
+    cannot take is refused by name and appends nothing (no inputs; a path integral over rows of
+    different lengths)."""
+    D = head_dim_for(spec, HK)
+    torch.manual_seed(3)
+    a = jittered(relpos.Attention(spec, D, heads, HK, model_dim=8), 0.2).to(dtype)
+    a.requires_grad_(False)
+    info = relpos.mechanism(spec, D, heads)
+    g = torch.Generator().manual_seed(1)
+    B, T = 2, 7
+    q, k, v = (t.to(dtype) for t in grouped_qkv(g, B, T, D, heads, HK))
+    x = torch.randn(B, T, 8, generator=g, dtype=dtype)
+    calls = counting_one_call_steps(a)
+    caches = [relpos.KVCache(B, HK, D, dtype=dtype, capacity=2) for _ in range(2)]
+    for t0, t1 in ((0, 3), (3, 4), (4, 6), (6, 7)):
+        got = []
+        for cache, grad in zip(caches, (False, True)):
+            y = [z[:, :, t0:t1] for z in (q, k, v)]
+            if grad:  # the general path: autograd records the step
+                y[0] = y[0].clone().requires_grad_(True)
+            with torch.set_grad_enabled(grad):
+                got.append(a(*y, inputs=x[:, t0:t1], cache=cache, return_lse=True))
+        for one, general in zip(*got):
+            torch.testing.assert_close(one, general.detach(), rtol=0, atol=0)
+    assert len(calls) == (3 if one_call(info) else 0)
+    one, general = caches
+    assert torch.equal(one.keys, general.keys) and torch.equal(one.lengths, general.lengths)
+    assert len(one._content) == len(general._content) > 0
+    for c1, c2 in zip(one._content, general._content):
+        assert torch.equal(c1[:, :, :T], c2[:, :, :T])
+    step = [z[:, :, :1] for z in (q, k, v)]
+    reads_inputs = a._content["reads_inputs"]
+    with torch.no_grad():
+        if reads_inputs:
+            with pytest.raises(relpos.InputError, match="inputs"):
+                a(*step, cache=one)
+        if any(b["shape"] == "path_integral" for b in info["biases"]):
+            with pytest.raises(relpos.InputError, match="one length"):
+                a(*step, inputs=x[:, :1], cache=one, key_len=torch.tensor([1, 0]))
+    assert one.length == T and torch.equal(one.lengths, general.lengths)
 
 
 def cacheable(spec):
