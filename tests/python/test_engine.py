@@ -2,6 +2,7 @@
 forward against a float64 composition from plain torch ops, decoding through the cache against the
 full forward, causality, gradients, and the refusals (decided from the mechanism JSON)."""
 
+import copy
 import math
 import pickle
 
@@ -241,32 +242,37 @@ CONTENT = [s for s in SPECS if has_content(INFO[s])] + [
 def test_the_one_call_decode_step_takes_content_biases(spec, heads, dtype):
     """A content bias (gates or probes from the layer's inputs, or from q and k) decodes in one
     C++ call once the cache holds its side tensors: bit for bit the general path's outputs,
-    log-sum-exps, keys and side tensors, over a prompt and chunks of 1 and 2 tokens. A step it
-    cannot take is refused by name and appends nothing (no inputs; a path integral over rows of
-    different lengths)."""
+    log-sum-exps, keys and side tensors without autograd, and within rounding of the general path
+    with q recording gradients (GRAPE-A's gates of q then come from the ATen ops, not the host
+    loops), over a prompt and chunks of 1 and 2 tokens. A step it cannot take is refused by name
+    and appends nothing (no inputs; a path integral over rows of different lengths)."""
     D = head_dim_for(spec, HK)
     torch.manual_seed(3)
     a = jittered(relpos.Attention(spec, D, heads, HK, model_dim=8), 0.2).to(dtype)
     a.requires_grad_(False)
+    general_path = copy.deepcopy(a)
+    general_path._one_call_decode = False
     info = relpos.mechanism(spec, D, heads)
     g = torch.Generator().manual_seed(1)
     B, T = 2, 7
     q, k, v = (t.to(dtype) for t in grouped_qkv(g, B, T, D, heads, HK))
     x = torch.randn(B, T, 8, generator=g, dtype=dtype)
     calls = counting_one_call_steps(a)
-    caches = [relpos.KVCache(B, HK, D, dtype=dtype, capacity=2) for _ in range(2)]
+    caches = [relpos.KVCache(B, HK, D, dtype=dtype, capacity=2) for _ in range(3)]
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-13}
     for t0, t1 in ((0, 3), (3, 4), (4, 6), (6, 7)):
         got = []
-        for cache, grad in zip(caches, (False, True)):
+        for cache, module, grad in zip(caches, (a, general_path, a), (False, False, True)):
             y = [z[:, :, t0:t1] for z in (q, k, v)]
-            if grad:  # the general path: autograd records the step
+            if grad:  # the general path of the same module: autograd records the step
                 y[0] = y[0].clone().requires_grad_(True)
             with torch.set_grad_enabled(grad):
-                got.append(a(*y, inputs=x[:, t0:t1], cache=cache, return_lse=True))
-        for one, general in zip(*got):
-            torch.testing.assert_close(one, general.detach(), rtol=0, atol=0)
+                got.append(module(*y, inputs=x[:, t0:t1], cache=cache, return_lse=True))
+        for one, general, recorded in zip(*got):
+            torch.testing.assert_close(one, general, rtol=0, atol=0)
+            torch.testing.assert_close(one, recorded.detach(), **tol)
     assert len(calls) == (3 if one_call(info) else 0)
-    one, general = caches
+    one, general, _ = caches
     assert torch.equal(one.keys, general.keys) and torch.equal(one.lengths, general.lengths)
     assert len(one._content) == len(general._content) > 0
     for c1, c2 in zip(one._content, general._content):

@@ -20,6 +20,7 @@
 #include <cfloat>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "core/types.hpp"
 #include "kernels/rotate.hpp"
@@ -113,8 +114,70 @@ std::vector<torch::Tensor> gated_create(const BiasTerm& t, torch::nn::Module& ow
   return p;
 }
 
+// A cached step's gates in plain loops (the query gates and the new keys' gates), where nothing
+// records their gradients: the same numbers as the ATen forms below to rounding.
+bool gated_host_step(const ContentCall& c, const std::vector<torch::Tensor>& p) {
+  if (!c.past_lengths.defined() || !c.q.is_cpu() || !c.k.is_cpu() ||
+      (c.q.scalar_type() != torch::kFloat && c.q.scalar_type() != torch::kDouble) ||
+      c.k.scalar_type() != c.q.scalar_type())
+    return false;
+  if (!torch::GradMode::is_enabled()) return true;
+  if (c.q.requires_grad() || c.k.requires_grad()) return false;
+  return std::none_of(p.begin(), p.end(), [](const torch::Tensor& t) { return t.requires_grad(); });
+}
+
+std::vector<torch::Tensor> gated_host(const BiasTerm& t, const std::vector<torch::Tensor>& p,
+                                      const ContentCall& c, AttentionArgs& a) {
+  const auto dt = c.q.scalar_type();
+  const int64_t B = c.q.size(0), H = c.q.size(1), T = c.q.size(2), D = c.q.size(3);
+  const auto q = c.q.contiguous(), k = c.k.contiguous();
+  const auto rho = p.back().to(dt).contiguous(), m = slopes(t, dt).contiguous();
+  std::vector<torch::Tensor> side;
+  AT_DISPATCH_FLOATING_TYPES(dt, "relpos_gated_host_step", [&] {
+    using S = scalar_t;
+    const auto softplus = [](S x) { return x > S(20) ? x : S(std::log1p(std::exp(x))); };
+    const S* r = rho.data_ptr<S>();
+    const S* ms = m.data_ptr<S>();
+    const S root = S(std::sqrt(double(D)));
+    // gates [B, H, T] of rows y ([B, Hy, T, D], query head h reading row head h / (H / Hy))
+    const auto gates = [&](const torch::Tensor& dir, const torch::Tensor& y) {
+      const auto d = dir.to(dt).contiguous();
+      auto out = torch::empty({B, H, T}, q.options());
+      const S* dp = d.data_ptr<S>();
+      const S* yp = y.data_ptr<S>();
+      S* o = out.data_ptr<S>();
+      const int64_t Hy = y.size(1), per = H / Hy;
+      std::vector<S> unit(static_cast<size_t>(D));
+      for (int64_t h = 0; h < H; ++h) {
+        S norm = 1;
+        if (!t.paper_form) {
+          S ss = 0;
+          for (int64_t e = 0; e < D; ++e) ss += dp[h * D + e] * dp[h * D + e];
+          norm = std::max(S(std::sqrt(ss)), S(1e-6));
+        }
+        for (int64_t e = 0; e < D; ++e)
+          unit[e] = t.paper_form ? dp[h * D + e] : dp[h * D + e] / norm;
+        const S omega = t.paper_form ? softplus(r[h]) : softplus(r[h]) * ms[h];
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t i = 0; i < T; ++i) {
+            const S* row = yp + ((b * Hy + h / per) * T + i) * D;
+            S z = 0;
+            for (int64_t e = 0; e < D; ++e) z += row[e] * unit[e];
+            o[(b * H + h) * T + i] = softplus(z / root) * omega;
+          }
+      }
+      return out;
+    };
+    size_t i = 0;
+    if (t.gate != "q") side.push_back(gates(p[i++], k));
+    if (t.gate != "k") a.gq = gates(p[i++], q);
+  });
+  return side;
+}
+
 std::vector<torch::Tensor> gated_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
                                          const ContentCall& c, AttentionArgs& a) {
+  if (gated_host_step(c, p)) return gated_host(t, p, c, a);
   const auto dt = c.q.scalar_type();
   const int64_t H = c.q.size(1), D = c.q.size(3);
   const auto rho = p.back().to(dt);
