@@ -289,6 +289,46 @@ def test_the_one_call_decode_step_takes_content_biases(spec, heads, dtype):
     assert one.length == T and torch.equal(one.lengths, general.lengths)
 
 
+@pytest.mark.parametrize("spec", ["fox", "grape_a", "grape_ap", "rope + fox"])
+def test_a_non_finite_token_in_a_one_call_content_step_stays_in_its_row(spec):
+    """A NaN or Inf in one row's new token (its hidden state, or its q and k for GRAPE-A's gates,
+    the finiteness check off) makes that row's output non-finite and leaves the other row's
+    output and cached side tensors bit for bit as without it."""
+    D = head_dim_for(spec, HK)
+    torch.manual_seed(3)
+    a = jittered(relpos.Attention(spec, D, 2 * HK, HK, model_dim=8, check_finite=False), 0.2)
+    a = a.double().requires_grad_(False)
+    reads_inputs = a._content["reads_inputs"]
+    g = torch.Generator().manual_seed(2)
+    B, T = 2, 5
+    q, k, v = grouped_qkv(g, B, T, D, 2 * HK, HK)
+    x = torch.randn(B, T, 8, generator=g, dtype=torch.float64)
+    outs = []
+    for bad in (None, float("nan"), float("inf")):
+        calls = counting_one_call_steps(a)
+        cache = relpos.KVCache(B, HK, D, dtype=torch.float64)
+        qq, kk, xx = q.clone(), k.clone(), x.clone()
+        if bad is not None:  # row 1, token 3 (a one-call step)
+            if reads_inputs:
+                xx[1, 3, 0] = bad
+            else:
+                qq[1, :, 3, 0] = bad
+                kk[1, :, 3, 0] = bad
+        with torch.no_grad():
+            out = torch.cat([a(qq[:, :, t0:t1], kk[:, :, t0:t1], v[:, :, t0:t1],
+                               inputs=xx[:, t0:t1], cache=cache)
+                             for t0, t1 in ((0, 3), (3, 4), (4, 5))], 2)
+        assert len(calls) == 2
+        outs.append((out, [c[:, :, :T].clone() for c in cache._content]))
+    (clean, side), rest = outs[0], outs[1:]
+    for out, dirty_side in rest:
+        torch.testing.assert_close(out[0], clean[0], rtol=0, atol=0)
+        torch.testing.assert_close(out[1, :, :3], clean[1, :, :3], rtol=0, atol=0)
+        assert not torch.isfinite(out[1, :, 3:]).all()
+        for c, d in zip(side, dirty_side):
+            torch.testing.assert_close(d[0], c[0], rtol=0, atol=0)
+
+
 def cacheable(spec):
     """Every spec a cache decodes (with a model width for the runtimes that read inputs)."""
     D = head_dim_for(spec, HK)
