@@ -626,9 +626,10 @@ void AttentionImpl::check(const torch::Tensor& q, const torch::Tensor& k, const 
 }
 
 bool AttentionImpl::needs_grad(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v) const {
+                               const torch::Tensor& v, const torch::Tensor& inputs) const {
   if (!torch::GradMode::is_enabled()) return false;
   if (q.requires_grad() || k.requires_grad() || v.requires_grad()) return true;
+  if (inputs.defined() && inputs.requires_grad()) return true;
   return trains_parameters();
 }
 
@@ -691,9 +692,8 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
                                        const torch::Tensor& v, const AttentionCall& call,
                                        std::optional<c10::ScalarType> storage) {
   DecodeCache* cache = call.cache;
-  if (cache && one_call_decode_ && !call.key_start.defined() && q.is_cpu() &&
-      !needs_grad(q, k, v) &&
-      !(torch::GradMode::is_enabled() && call.inputs.defined() && call.inputs.requires_grad())) {
+  const bool records = needs_grad(q, k, v, call.inputs);
+  if (cache && one_call_decode_ && !call.key_start.defined() && q.is_cpu() && !records) {
     // a cached step without autograd: the one decode_step the Python module runs too (a content
     // bias's side tensors made by the general path's first append, in a float32 or float64 cache)
     const CacheStorage storage = cache->reserve(q.size(2));
@@ -777,9 +777,7 @@ torch::Tensor AttentionImpl::assembled(const torch::Tensor& q, const torch::Tens
   a.q_positions = pos;
   // a cached step that records no gradient calls the kernel directly, as decode_step does (the
   // dispatcher's autograd layer would record nothing; its cost shows at a decode step)
-  const bool direct =
-      cache && q.is_cpu() && !storage && !needs_grad(q, k, v) &&
-      !(torch::GradMode::is_enabled() && call.inputs.defined() && call.inputs.requires_grad());
+  const bool direct = cache && q.is_cpu() && !storage && !records;
   if (cache) {
     cache->append(kt, vt, pos, counts, content);
     if (phase_end.defined()) cache->set_phase(phase_end);

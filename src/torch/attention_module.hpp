@@ -204,8 +204,10 @@ class AttentionImpl : public torch::nn::Module {
   // content bias
   torch::Tensor assembled(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const AttentionCall& call, std::optional<c10::ScalarType> storage);
-  // whether autograd records this call (decode_step has no backward)
-  bool needs_grad(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
+  // whether autograd records this call (decode_step has no backward); `inputs` the layer's
+  // hidden states, when given
+  bool needs_grad(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                  const torch::Tensor& inputs = {}) const;
   // whether it records gradients of the module's parameters
   bool trains_parameters() const;
   int64_t num_heads_, num_kv_heads_;
