@@ -29,6 +29,7 @@ round runs every case once, in a fresh random order).
 from __future__ import annotations
 
 import argparse
+import glob
 import statistics
 
 import torch
@@ -119,9 +120,35 @@ def cases_for(spec, ctx, hk, g, general=False):
             bias = (-slopes[:, None] * lag[None, :]).float().view(1, H, 1, ctx)
         else:  # a row of the same shape (SDPA's time does not depend on its values)
             bias = 0.1 * torch.randn(1, H, 1, ctx, generator=g)
+        kb, vb = kf.clone(), vf.clone()  # its own copy too (not sdpa's, warm in the L3)
         out["sdpa_bias"] = (None, lambda: F.scaled_dot_product_attention(
-            q, ks_, vs_, attn_mask=bias, enable_gqa=hk != H))
+            q, kb, vb, attn_mask=bias, enable_gqa=hk != H))
     return out
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = open(f).read().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def prepared(setup, call, state, flush):
+    """What runs untimed before a call: its setup, after a pass over the flush buffer (cold) or
+    with the call itself run once more before it (warm)."""
+    def before():
+        if state == "cold":
+            flush.add_(1.0)  # (read and written: the last-level cache holds the buffer afterwards)
+        elif state == "warm":
+            if setup:
+                setup()
+            call()
+        if setup:
+            setup()
+    return before if (setup or state != "mixed") else None
 
 
 def main():
@@ -132,16 +159,22 @@ def main():
     ap.add_argument("--spec", default="rope")
     ap.add_argument("--general", action="store_true",
                     help="also time the module with the one-call step switched off")
+    ap.add_argument("--state", choices=("mixed", "cold", "warm"), default="mixed",
+                    help="mixed: whatever the case before left in the caches; cold: a pass over "
+                         "twice the last-level cache before every call (a layer's cache in a "
+                         "many-layer decoder); warm: the same call run untimed just before")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, spec {a.spec!r}, "
-          f"B 1, Hq {H}, D {D}, float32, {a.rounds} rounds (medians; per-round ratio in brackets)")
+          f"B 1, Hq {H}, D {D}, float32, {a.rounds} rounds (medians; per-round ratio in brackets), "
+          f"caches {a.state}")
     print()
     step = a.spec == "rope"
     print("| ctx | heads | case | ms | / sdpa | / sdpa (per round) |"
           + (" / sdpa_step (per round) |" if step else ""))
     print("|---|---|---|---|---|---|" + ("---|" if step else ""))
+    flush = torch.ones(2 * last_level_cache_bytes() // 4) if a.state == "cold" else None
     for ctx in (int(x) for x in a.ctx.split(",")):
         for hk in (H, 2):
             cases = cases_for(a.spec, ctx, hk, g, a.general)
@@ -153,7 +186,8 @@ def main():
                             setup()
                         call()
                 times = timed_rounds({n: call for n, (_, call) in cases.items()}, a.rounds,
-                                     setup={n: setup for n, (setup, _) in cases.items()})
+                                     setup={n: prepared(setup, call, a.state, flush)
+                                            for n, (setup, call) in cases.items()})
             base = "sdpa_bias" if "sdpa_bias" in cases else "sdpa"
             for n, ts in times.items():
                 med = statistics.median(ts)

@@ -12,10 +12,39 @@ case the same chance of every predecessor.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import random
 import statistics
+import sys
 import time
 from typing import Callable, Hashable, Mapping
+
+
+def stale_install_warning() -> str | None:
+    """A warning when the relpos these scripts import is older than this checkout's sources or
+    build (`.venv/bin/python bench/...` imports the installed package: after a change, rerun
+    scripts/install-python.sh, or run with PYTHONPATH=python RELPOS_OPS_LIBRARY=build/...)."""
+    import relpos  # (the script's own import; the operator library it loaded is relpos._LIB)
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    loaded = pathlib.Path(relpos.__file__).resolve().parent
+    if loaded == root / "python" / "relpos":
+        newer = [root / "build" / "_relpos_ops.so"]  # (the sources are the ones imported)
+    else:
+        newer = [*sorted((root / "python" / "relpos").glob("*.py")), root / "build" / "_relpos_ops.so"]
+    lib_time = pathlib.Path(relpos._LIB).stat().st_mtime
+    py_time = min(f.stat().st_mtime for f in loaded.glob("*.py"))
+    stale = [f for f in newer if f.exists() and f.stat().st_mtime >
+             (lib_time if f.suffix == ".so" else py_time)]
+    if not stale:
+        return None
+    return (f"warning: relpos imported from {loaded} (library {relpos._LIB}) is older than "
+            f"{', '.join(str(f.relative_to(root)) for f in stale[:3])}: the timings are of an "
+            "old build (rerun scripts/install-python.sh)")
+
+
+if (_warning := stale_install_warning()) is not None:
+    print(_warning, file=sys.stderr)
 
 
 def timed_rounds(cases: Mapping[Hashable, Callable[[], object]], rounds: int, *,

@@ -73,6 +73,41 @@ torch::Tensor project(const BiasTerm& t, const torch::Tensor& x, const torch::Te
                                        b.defined() ? b.to(x.scalar_type()) : b);
 }
 
+// project's product for a host step of a few tokens, in plain loops: x [B, T, M] by w [N, M]
+// (and + b [N]) into [B, T, N] of x's dtype. For a decode step ATen's linear and its BLAS call
+// cost several times the product, most of all on cold caches (a layer's step in a many-layer
+// decoder); a longer call (a prefill) goes to BLAS.
+torch::Tensor project_host(const BiasTerm& t, const torch::Tensor& x, const torch::Tensor& w,
+                           const torch::Tensor& b = {}) {
+  constexpr int64_t kMaxRows = 16;
+  if (x.size(2) != w.size(1) || x.size(0) * x.size(1) > kMaxRows)
+    return project(t, x, w, b).contiguous();  // (and its error)
+  const auto xs = x.contiguous();
+  const auto ws = w.to(x.scalar_type()).contiguous();
+  const auto bs = b.defined() ? b.to(x.scalar_type()).contiguous() : b;
+  const int64_t rows = x.size(0) * x.size(1), M = x.size(2), N = w.size(0);
+  auto out = torch::empty({x.size(0), x.size(1), N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "relpos_project_host", [&] {
+    const scalar_t *X = xs.data_ptr<scalar_t>(), *W = ws.data_ptr<scalar_t>();
+    const scalar_t* B = bs.defined() ? bs.data_ptr<scalar_t>() : nullptr;
+    scalar_t* Y = out.data_ptr<scalar_t>();
+    constexpr int64_t U = 8;  // independent partial sums: a loop that vectorises
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        const scalar_t *xr = X + r * M, *wn = W + n * M;
+        scalar_t acc[U] = {};
+        int64_t j = 0;
+        for (; j + U <= M; j += U)
+          for (int64_t u = 0; u < U; ++u) acc[u] += xr[j + u] * wn[j + u];
+        scalar_t sum = 0;
+        for (int64_t u = 0; u < U; ++u) sum += acc[u];
+        for (; j < M; ++j) sum += xr[j] * wn[j];
+        Y[r * N + n] = B ? sum + B[n] : sum;
+      }
+  });
+  return out;
+}
+
 // A cached step on the host without autograd (a decode step): the side tensors are then computed
 // in one pass of plain loops, as the ATen forms below would compute them. A decode step's dozen
 // small ops cost more than its attention at a few thousand keys (docs/performance.md).
@@ -218,7 +253,7 @@ std::vector<torch::Tensor> fox_create(const BiasTerm&, torch::nn::Module& owner,
 // log-sigmoids in z's dtype and the sums in float64 (as below)
 torch::Tensor fox_host_step(const BiasTerm& t, const std::vector<torch::Tensor>& p,
                             const ContentCall& c) {
-  const auto z = project(t, c.inputs, p[0], p[1]).contiguous();  // [B, T, H]
+  const auto z = project_host(t, c.inputs, p[0], p[1]);  // [B, T, H]
   const int64_t B = z.size(0), T = z.size(1), H = z.size(2);
   auto cq = torch::empty({B, H, T}, z.options().dtype(torch::kDouble));
   const auto L = c.past_lengths.to(torch::kLong).contiguous();
@@ -288,7 +323,7 @@ std::vector<torch::Tensor> path_create(const BiasTerm& t, torch::nn::Module& own
 std::vector<torch::Tensor> path_host_step(const BiasTerm& t, const std::vector<torch::Tensor>& p,
                                           const ContentCall& c, AttentionArgs& a) {
   const int64_t B = c.q.size(0), H = c.q.size(1), T = c.q.size(2), P = t.probe_dim;
-  const auto probes = project(t, c.inputs, p[0]).contiguous();  // [B, T, H P]
+  const auto probes = project_host(t, c.inputs, p[0]);  // [B, T, H P]
   const auto opts = probes.options();
   auto path_k = torch::empty({B, H, T, P}, opts), path_q = torch::empty({B, H, T, P}, opts);
   auto beta = torch::empty({H}, opts);
