@@ -611,14 +611,14 @@ class Attention(nn.Module):
                 and cache.head_dim == kv[3] and k.device == cache._keys.device):
             self._check(q, k, v, cache, key_len, positions, inputs, finite=False)
         enc = self._modules["encoding"]  # (nn.Module.__getattr__ is the slow path)
-        plan = enc._step_plan()
+        decode = enc._step_decode()
         content = self._content_params() if self._content is not None else []
         # one call checks the inputs, compares the parameters' schema with the values the plan's
         # parameters came from, and the cache's room; a second only after the parameters changed
         # (or the dtype) or the storage grew
         for _ in range(3):
             out, lse, warned, status = _op(
-                plan.decode, q, k, v, cache._keys, cache._values, cache._positions, cache.lengths,
+                decode, q, k, v, cache._keys, cache._values, cache._positions, cache.lengths,
                 positions, key_len, enc._schema_tensors(), self.num_heads, enc.layout, self.causal,
                 self.window, 0.0 if self.scale is None else float(self.scale), self.check_finite,
                 enc._warned, content, inputs, cache._content)
