@@ -440,12 +440,16 @@ class Attention(nn.Module):
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
 
     def _content_params(self) -> list[torch.Tensor]:
+        # read from the registries directly (nn.Module.__getattr__ is the slow path: a fifth of
+        # a decode step's Python on cold caches, bench/bench_step_parts.py)
         out = []
         for name in self._content["names"]:
-            t = self
-            for part in name.split("."):
-                t = getattr(t, part)
-            out.append(t)
+            *path, leaf = name.split(".")
+            m = self
+            for part in path:
+                m = m._modules[part]
+            t = m._parameters.get(leaf)
+            out.append(getattr(m, leaf) if t is None else t)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
