@@ -2,6 +2,7 @@
 random order (bench/rounds.py).
 
     .venv/bin/python bench/bench_decode.py [--ctx 4096,16384,32768] [--rounds 21] [--threads 2] [--general]
+                                           [--spec rope] [--state mixed|cold|warm]
 
 Per context length and head layout (MHA 8:8 and GQA 8:2, D 64, batch 1, float32), the time of
 one decode step:
@@ -19,11 +20,17 @@ one decode step:
                static cache (2 x ctx slots), SDPA on its used prefix: the module's baseline
 and for a biased mechanism (--spec alibi, fox, grape_ap, ...): sdpa_bias, SDPA with the bias row
 of the one query materialised ([1, H, 1, ctx], built outside the timed call; ALiBi's own row, a
-random one for a bias computed from the tokens). A bias computed from the tokens (FoX, GRAPE-A,
+random one for a bias computed from the tokens), on its own copy of the keys and values. A bias computed from the tokens (FoX, GRAPE-A,
 GRAPE-AP) makes the module take the layer's inputs ([1, T, H D], random) and has no ours_op
 case. The module's cache also has 2 x ctx slots, so its used prefix is a strided view as in a
 real cache. Prints medians, the ratio of medians and the median of the per-round ratios (each
 round runs every case once, in a fresh random order).
+
+--state sets what the caches hold when a call starts: mixed (the default) whatever the case before
+left there (at 4k MHA the 16 MB of one case's keys and values are half of a 32 MB L3, so a case
+finds part of its own still there); cold, a pass over twice the last-level cache first (the
+step's code and data evicted, as for one layer's step in a decoder of many layers); warm, the
+same call run untimed just before (its keys and values in the L3 when they fit).
 """
 
 from __future__ import annotations
