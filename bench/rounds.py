@@ -21,26 +21,38 @@ from typing import Callable, Hashable, Mapping
 
 
 def stale_install_warning() -> str | None:
-    """A warning when the relpos these scripts import is older than this checkout's sources or
-    build (`.venv/bin/python bench/...` imports the installed package: after a change, rerun
-    scripts/install-python.sh, or run with PYTHONPATH=python RELPOS_OPS_LIBRARY=build/...)."""
-    import relpos  # (the script's own import; the operator library it loaded is relpos._LIB)
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    loaded = pathlib.Path(relpos.__file__).resolve().parent
-    if loaded == root / "python" / "relpos":
-        newer = [root / "build" / "_relpos_ops.so"]  # (the sources are the ones imported)
-    else:
-        newer = [*sorted((root / "python" / "relpos").glob("*.py")), root / "build" / "_relpos_ops.so"]
-    lib_time = pathlib.Path(relpos._LIB).stat().st_mtime
-    py_time = min(f.stat().st_mtime for f in loaded.glob("*.py"))
-    stale = [f for f in newer if f.exists() and f.stat().st_mtime >
-             (lib_time if f.suffix == ".so" else py_time)]
-    if not stale:
+    """A warning when the relpos a script imported is older than this checkout: its operator
+    library older than the C++ sources or the checkout's build, or an installed package older than
+    the checkout's python/relpos (`.venv/bin/python bench/...` imports the installed package:
+    after a change, rerun scripts/build.sh and scripts/install-python.sh, or run with
+    PYTHONPATH=python RELPOS_OPS_LIBRARY=build/_relpos_ops.so). None when relpos is not imported
+    yet (scripts that import it late, after their arguments) or the files cannot be read."""
+    relpos = sys.modules.get("relpos")
+    if relpos is None:
         return None
-    return (f"warning: relpos imported from {loaded} (library {relpos._LIB}) is older than "
-            f"{', '.join(str(f.relative_to(root)) for f in stale[:3])}: the timings are of an "
-            "old build (rerun scripts/install-python.sh)")
+    try:
+        root = pathlib.Path(__file__).resolve().parent.parent
+        lib = pathlib.Path(relpos._LIB).resolve()
+        lib_time = lib.stat().st_mtime
+        newer = [f for f in sorted((root / "src").rglob("*"))
+                 if f.suffix in (".cpp", ".hpp", ".inc") and f.stat().st_mtime > lib_time]
+        build = root / "build" / "_relpos_ops.so"
+        if build.exists() and build.resolve() != lib and build.stat().st_mtime > lib_time:
+            newer.append(build)
+        loaded = pathlib.Path(relpos.__file__).resolve().parent
+        checkout = root / "python" / "relpos"
+        installed = list(loaded.rglob("*.py"))
+        if loaded != checkout and installed:
+            py_time = min(f.stat().st_mtime for f in installed)
+            newer += [f for f in sorted(checkout.rglob("*.py")) if f.stat().st_mtime > py_time]
+    except (OSError, AttributeError, ValueError):
+        return None
+    if not newer:
+        return None
+    names = ", ".join(str(f.relative_to(root)) for f in newer[:3])
+    return (f"warning: relpos imported from {loaded} (library {lib}) is older than {names}"
+            f"{f' and {len(newer) - 3} more' if len(newer) > 3 else ''}: these timings are of an "
+            "old build (rerun scripts/build.sh and scripts/install-python.sh)")
 
 
 if (_warning := stale_install_warning()) is not None:

@@ -217,3 +217,29 @@ def test_bad_calls_raise_input_errors():
     with pytest.raises(relpos.InputError, match="one length"):
         ap(q, k, v, inputs=x, cache=cache, key_len=torch.tensor([7, 5]))
     assert cache.length == 0
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_parameter_of_another_shape_is_refused(spec):
+    """A content parameter a user replaced with one of another shape is an InputError naming it,
+    in a forward recording gradients and in a cached step without autograd (whose host loops
+    would read past its end), and the cache is left as it was."""
+    q, k, v, x = tensors()
+    names = module(spec)._content["names"]
+    for name in names:
+        for dim in range(module(spec).get_parameter(name).dim()):
+            a = module(spec)
+            *path, leaf = name.split(".")
+            owner = a.get_submodule(".".join(path))
+            shape = list(getattr(owner, leaf).shape)
+            shape[dim] += 1
+            cache = relpos.KVCache(2, H, D, dtype=torch.float64)
+            with torch.no_grad():
+                a(q[:, :, :3], k[:, :, :3], v[:, :, :3], inputs=x[:, :3], cache=cache)
+            setattr(owner, leaf, torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)))
+            want = rf"{leaf}|model_dim" if dim > 0 else leaf
+            with pytest.raises(relpos.InputError, match=want):
+                a(q, k, v, inputs=x)
+            with torch.no_grad(), pytest.raises(relpos.InputError, match=want):
+                a(q[:, :, 3:4], k[:, :, 3:4], v[:, :, 3:4], inputs=x[:, 3:4], cache=cache)
+            assert cache.length == 3

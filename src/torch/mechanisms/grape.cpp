@@ -15,10 +15,12 @@
 // The parameters are created in the reference module's order and with its initialisation, so a
 // seeded model draws the same numbers as before this runtime existed.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -76,12 +78,16 @@ torch::Tensor project(const BiasTerm& t, const torch::Tensor& x, const torch::Te
 // project's product for a host step of a few tokens, in plain loops: x [B, T, M] by w [N, M]
 // (and + b [N]) into [B, T, N] of x's dtype. For a decode step ATen's linear and its BLAS call
 // cost several times the product, most of all on cold caches (a layer's step in a many-layer
-// decoder); a longer call (a prefill) goes to BLAS.
+// decoder). A larger product (a prefill, a wide batch) goes to BLAS, and so does anything linear
+// would refuse (a weight or bias of another shape or device: its error).
 torch::Tensor project_host(const BiasTerm& t, const torch::Tensor& x, const torch::Tensor& w,
                            const torch::Tensor& b = {}) {
-  constexpr int64_t kMaxRows = 16;
-  if (x.size(2) != w.size(1) || x.size(0) * x.size(1) > kMaxRows)
-    return project(t, x, w, b).contiguous();  // (and its error)
+  constexpr int64_t kMaxProducts = int64_t{1} << 20;  // (16 tokens of 512 x 64)
+  const bool loops = x.dim() == 3 && w.dim() == 2 && x.size(2) == w.size(1) && x.is_cpu() &&
+                     w.is_cpu() &&
+                     (!b.defined() || (b.dim() == 1 && b.size(0) == w.size(0) && b.is_cpu())) &&
+                     x.size(0) * x.size(1) * w.size(0) * w.size(1) <= kMaxProducts;
+  if (!loops) return project(t, x, w, b).contiguous();
   const auto xs = x.contiguous();
   const auto ws = w.to(x.scalar_type()).contiguous();
   const auto bs = b.defined() ? b.to(x.scalar_type()).contiguous() : b;
@@ -106,6 +112,28 @@ torch::Tensor project_host(const BiasTerm& t, const torch::Tensor& x, const torc
       }
   });
   return out;
+}
+
+// Refuses a parameter of another shape than its term makes for the call's query heads (one a
+// user assigned: the host loops would read past its end, the ATen forms fail with a shape
+// error). want[i]: the shape of names(t)[i], -1 for a size checked elsewhere (a projection's
+// model_dim: project's error).
+void check_param_shapes(const BiasTerm& t, const std::vector<torch::Tensor>& p,
+                        const std::vector<std::string>& names,
+                        const std::vector<std::vector<int64_t>>& want) {
+  for (size_t i = 0; i < p.size() && i < want.size(); ++i) {
+    const auto& x = p[i];
+    if (!x.defined()) continue;  // (an absent bias: linear's)
+    bool ok = x.dim() == static_cast<int64_t>(want[i].size());
+    for (size_t d = 0; ok && d < want[i].size(); ++d)
+      ok = want[i][d] < 0 || x.size(static_cast<int64_t>(d)) == want[i][d];
+    if (!ok) {
+      std::vector<std::string> shape;
+      for (const int64_t n : want[i]) shape.push_back(n < 0 ? "model_dim" : std::to_string(n));
+      throw InputError(fmt::format("{}: parameter {} is [{}]; the module's term needs [{}]", t.name,
+                                   names[i], fmt::join(x.sizes(), ", "), fmt::join(shape, ", ")));
+    }
+  }
 }
 
 // A cached step on the host without autograd (a decode step): the side tensors are then computed
@@ -212,6 +240,12 @@ std::vector<torch::Tensor> gated_host(const BiasTerm& t, const std::vector<torch
 
 std::vector<torch::Tensor> gated_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
                                          const ContentCall& c, AttentionArgs& a) {
+  {
+    const int64_t H = c.q.size(1), D = c.q.size(3);
+    std::vector<std::vector<int64_t>> want(p.size(), {H, D});  // gate_u, gate_v
+    if (!want.empty()) want.back() = {H};                      // gate_rho
+    check_param_shapes(t, p, gated_names(t), want);
+  }
   if (gated_host_step(c, p)) return gated_host(t, p, c, a);
   const auto dt = c.q.scalar_type();
   const int64_t H = c.q.size(1), D = c.q.size(3);
@@ -279,6 +313,7 @@ torch::Tensor fox_host_step(const BiasTerm& t, const std::vector<torch::Tensor>&
 
 std::vector<torch::Tensor> fox_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
                                        const ContentCall& c, AttentionArgs& a) {
+  check_param_shapes(t, p, fox_names(t), {{c.q.size(1), -1}, {c.q.size(1)}});
   if (host_step(c, p)) {
     a.cq = fox_host_step(t, p, c);
     return {a.cq};
@@ -378,6 +413,7 @@ std::vector<torch::Tensor> path_host_step(const BiasTerm& t, const std::vector<t
 
 std::vector<torch::Tensor> path_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
                                         const ContentCall& c, AttentionArgs& a) {
+  check_param_shapes(t, p, path_names(t), {{c.q.size(1) * t.probe_dim, -1}, {c.q.size(1)}});
   if (host_step(c, p)) return path_host_step(t, p, c, a);
   const auto dt = c.q.scalar_type();
   const int64_t B = c.q.size(0), H = c.q.size(1), T = c.q.size(2), P = t.probe_dim;
