@@ -20,9 +20,9 @@ one decode step:
                static cache (2 x ctx slots), SDPA on its used prefix: the module's baseline
 and for a biased mechanism (--spec alibi, fox, grape_ap, ...): sdpa_bias, SDPA with the bias row
 of the one query materialised ([1, H, 1, ctx], built outside the timed call; ALiBi's own row, a
-random one for a bias computed from the tokens), on its own copy of the keys and values. A bias computed from the tokens (FoX, GRAPE-A,
-GRAPE-AP) makes the module take the layer's inputs ([1, T, H D], random) and has no ours_op
-case. The module's cache also has 2 x ctx slots, so its used prefix is a strided view as in a
+random one for a bias computed from the tokens), on its own copy of the keys and values. A bias
+computed from the tokens (FoX, GRAPE-A, GRAPE-AP) makes the module take the layer's inputs
+([1, T, H D], random) and has no ours_op case. The module's cache also has 2 x ctx slots, so its used prefix is a strided view as in a
 real cache. Prints medians, the ratio of medians and the median of the per-round ratios (each
 round runs every case once, in a fresh random order).
 

@@ -240,15 +240,12 @@ std::vector<torch::Tensor> gated_host(const BiasTerm& t, const std::vector<torch
 
 std::vector<torch::Tensor> gated_prepare(const BiasTerm& t, const std::vector<torch::Tensor>& p,
                                          const ContentCall& c, AttentionArgs& a) {
-  {
-    const int64_t H = c.q.size(1), D = c.q.size(3);
-    std::vector<std::vector<int64_t>> want(p.size(), {H, D});  // gate_u, gate_v
-    if (!want.empty()) want.back() = {H};                      // gate_rho
-    check_param_shapes(t, p, gated_names(t), want);
-  }
+  const int64_t H = c.q.size(1), D = c.q.size(3);
+  std::vector<std::vector<int64_t>> want(p.size(), {H, D});  // gate_u, gate_v
+  if (!want.empty()) want.back() = {H};                      // gate_rho
+  check_param_shapes(t, p, gated_names(t), want);
   if (gated_host_step(c, p)) return gated_host(t, p, c, a);
   const auto dt = c.q.scalar_type();
-  const int64_t H = c.q.size(1), D = c.q.size(3);
   const auto rho = p.back().to(dt);
   const auto omega =
       t.paper_form ? torch::softplus(rho) : torch::softplus(rho) * slopes(t, dt).to(rho.device());
