@@ -7,11 +7,14 @@ of one cached step of relpos.Attention, each timed alone, in one process, round 
 Cases (B 1, Hq 8, D 64, float32, no autograd; the cache reset to ctx - 1 keys before each call):
   module         attn(q, k, v, cache=cache, inputs=x): the step as users call it
   _decode        the module's one-call step (Attention._decode) without forward's preamble
-  plan_decode    the StepPlan.decode method (bound once, as the module keeps it) with the
+  plan_decode    the module's call of the C++ step (the operator library's step_decode, or the
+                 StepPlan.decode method when the library is no Python module) with the
                  arguments _decode builds: the C++ step with its argument conversion
-  plan_refused   the same method handed a schema whose values differ from the plan's, so that it
-                 returns at once: the method call's own cost (lookup, argument conversion, the
-                 first checks, the returned tuple)
+  plan_refused   the same call handed a schema whose values differ from the plan's, so that it
+                 returns at once: the call's own cost (argument conversion, the first checks, the
+                 returned tuple)
+  method_refused plan_refused through the StepPlan.decode method (bound once): TorchScript's
+                 method call, which the module makes when the library is no Python module
   sdpa_bias      SDPA on its own copy of ctx keys and values with a bias row (the baseline of
                  bench_decode.py)
 The differences between neighbours are what each layer adds: module - _decode is forward's
@@ -52,10 +55,9 @@ def cases_for(spec, ctx, hk, g):
     kn, vn = torch.randn(1, hk, 1, D, generator=g), torch.randn(1, hk, 1, D, generator=g)
     xn = None if x is None else x[:, -1:]
     enc = attn._modules["encoding"]
-    decode = enc._step_decode()  # (the bound method the module calls)
     content_params = attn._content_params() if attn._content is not None else []
 
-    def method(schema):
+    def method(schema, decode=enc._step_call("decode")):  # (the call the module makes)
         return lambda: decode(
             q, kn, vn, cache._keys, cache._values, cache._positions, cache.lengths, None, None,
             schema, attn.num_heads, enc.layout, attn.causal, attn.window,
@@ -71,6 +73,7 @@ def cases_for(spec, ctx, hk, g):
         "_decode": lambda: attn._decode(q, kn, vn, None, None, xn, cache, False),
         "plan_decode": method(schema),
         "plan_refused": method(other),
+        "method_refused": method(other, enc._step_plan().decode),
         "sdpa_bias": lambda: F.scaled_dot_product_attention(q, kb, vb, attn_mask=bias,
                                                             enable_gqa=hk != H),
     }
@@ -91,9 +94,11 @@ def main():
     g = torch.Generator().manual_seed(0)
     flush = torch.ones(2 * last_level_cache_bytes() // 4)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, spec {a.spec!r}, B 1, "
-          f"Hq {H}, D {D}, float32, {a.rounds} rounds, medians in us")
+          f"Hq {H}, D {D}, float32, {a.rounds} rounds, medians in us; the module's step call: "
+          + ("TorchScript's method (no Python module in the library)"
+             if relpos._library.STEPS is None else "the library's step_decode"))
     print()
-    names = ["module", "_decode", "plan_decode", "plan_refused", "sdpa_bias"]
+    names = ["module", "_decode", "plan_decode", "plan_refused", "method_refused", "sdpa_bias"]
     print("| ctx | heads | caches | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
     for ctx in (int(x) for x in a.ctx.split(",")):

@@ -13,7 +13,8 @@ if [[ " $* " != *" -DRELPOS_CORE_ONLY=ON "* ]]; then
     exit 1
   fi
   prefix=$("$root/.venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
-  torch_args=(-DCMAKE_PREFIX_PATH="$prefix")
+  # (the venv's Python: the operator library is also its Python module, CMakeLists.txt)
+  torch_args=(-DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$root/.venv/bin/python")
 fi
 cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${torch_args[@]}" "$@" >/dev/null
 ninja -C "$dir" -j "$(nproc)"

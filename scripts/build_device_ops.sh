@@ -18,8 +18,9 @@
 # .device/. On the other machine (torch imported first, as the package does):
 #   RELPOS_OPS_LIBRARY=$PWD/.device/_relpos_ops.so LD_LIBRARY_PATH=$PWD/.device/lib \
 #     PYTHONPATH=$PWD/python python3 -c 'import relpos'
-# The library links only libtorch_cpu / libc10 (no libpython, no CUDA), so the Python version
-# of the venv here need not be the other machine's.
+# The library links only libtorch_cpu / libc10 (no libpython, no CUDA, and no Python module:
+# the package calls its steps through TorchScript), so the Python version of the venv here need
+# not be the other machine's.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 TORCH_VERSION=${TORCH_VERSION:-2.11.0}
@@ -62,7 +63,8 @@ torch_lib=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch
 # RELPOS_PROGRAMS must stay on with LibTorch (CMakeLists.txt), so CLI11 / GoogleTest are looked
 # for, but nothing of theirs is built; no benchmarks, no install rules.
 nice -n 15 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$prefix" -DRELPOS_PYTHON=ON -DRELPOS_BENCH=OFF -DRELPOS_INSTALL=OFF >/dev/null
+  -DCMAKE_PREFIX_PATH="$prefix" -DRELPOS_PYTHON=ON -DRELPOS_BENCH=OFF -DRELPOS_INSTALL=OFF \
+  -DCMAKE_DISABLE_FIND_PACKAGE_Python3=ON >/dev/null
 nice -n 15 ninja -C "$build" -j "$JOBS" relpos_ops
 lib=$build/_relpos_ops.so
 

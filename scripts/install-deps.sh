@@ -9,7 +9,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 pkgs=(cmake ninja-build g++ pkg-config libeigen3-dev libgtest-dev libbenchmark-dev
       libcli11-dev nlohmann-json3-dev libtomlplusplus-dev libfmt-dev libgloo-dev libopenblas0-pthread
       gnuplot-nox
-      python3 python3-venv)
+      python3 python3-venv python3-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -18,17 +18,10 @@ the same ops.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 
 import torch
 
-# RELPOS_OPS_LIBRARY: another build of the operator library (a source checkout run in place).
-_LIB = pathlib.Path(os.environ.get("RELPOS_OPS_LIBRARY") or pathlib.Path(__file__).with_name("_relpos_ops.so"))
-if not _LIB.exists():  # pragma: no cover - a broken install
-    raise ImportError(f"relpos: the operator library {_LIB} is missing; reinstall the package")
-torch.ops.load_library(str(_LIB))
-
+from ._library import LIB as _LIB  # noqa: F401  (loads the operators)
 from .attention import attention, fused_attention  # noqa: E402
 from .encoding import (  # noqa: E402
     InputError, PositionEncoding, _integer, _spec_text, attention_factor, frequencies,

@@ -8,6 +8,7 @@ lag table's parameters under their kernel's names), so state dicts carry over.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
@@ -15,6 +16,8 @@ import operator
 
 import torch
 from torch import nn
+
+from . import _library
 
 
 class InputError(ValueError):
@@ -336,13 +339,20 @@ class PositionEncoding(nn.Module):
             self._plan = plan
         return plan
 
-    def _step_decode(self):
-        """The step plan's ``decode`` method, bound once: looking a script method up costs about
-        a fifth of its call on cold caches (bench/bench_step_parts.py)."""
-        decode = self.__dict__.get("_plan_decode")
-        if decode is None:
-            decode = self._plan_decode = self._step_plan().decode
-        return decode
+    def _step_call(self, name: str):
+        """The step plan's ``decode`` or ``transform`` as a callable of the method's arguments,
+        made once: the operator library's direct call when it is a Python module (TorchScript's
+        method call cost several times as much on cold caches: bench/bench_step_parts.py), else
+        the method, bound once (looking it up costs about a fifth of its call)."""
+        calls = self.__dict__.get("_plan_calls")
+        if calls is None:
+            calls = self._plan_calls = {}
+        call = calls.get(name)
+        if call is None:
+            plan, steps = self._step_plan(), _library.STEPS
+            call = calls[name] = (getattr(plan, name) if steps is None else
+                                  functools.partial(getattr(steps, "step_" + name), plan))
+        return call
 
     def _refresh_step_plan(self, dtype) -> None:
         """Hands the step plan the kernel parameters of the schema's present values in dtype
@@ -353,7 +363,7 @@ class PositionEncoding(nn.Module):
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        for name in ("_plan", "_plan_decode"):  # (TorchScript objects: made again when needed)
+        for name in ("_plan", "_plan_calls"):  # (TorchScript objects: made again when needed)
             state.pop(name, None)
         return state
 

@@ -615,7 +615,7 @@ class Attention(nn.Module):
                 and cache.head_dim == kv[3] and k.device == cache._keys.device):
             self._check(q, k, v, cache, key_len, positions, inputs, finite=False)
         enc = self._modules["encoding"]  # (nn.Module.__getattr__ is the slow path)
-        decode = enc._step_decode()
+        decode = enc._step_call("decode")
         content = self._content_params() if self._content is not None else []
         # one call checks the inputs, compares the parameters' schema with the values the plan's
         # parameters came from, and the cache's room; a second only after the parameters changed

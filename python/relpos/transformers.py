@@ -327,9 +327,9 @@ class RelposAttention(nn.Module):
         """The transform of a step's few tokens in one C++ call (StepPlan.transform; a second
         only after the parameters changed)."""
         enc = self._modules["encoding"]
-        plan = enc._step_plan()
+        transform = enc._step_call("transform")
         for _ in range(2):
-            qt, kt, warned, stale = _op(plan.transform, q, k, positions, enc._schema_tensors(),
+            qt, kt, warned, stale = _op(transform, q, k, positions, enc._schema_tensors(),
                                         enc.layout, enc.check_finite, enc._warned)
             if not stale:
                 break

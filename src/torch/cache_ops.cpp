@@ -48,6 +48,7 @@
 #include "torch/attention_module.hpp"
 #include "torch/finite.hpp"
 #include "torch/op_util.hpp"
+#include "torch/step_plan.hpp"
 
 namespace relpos::nn {
 
@@ -104,40 +105,20 @@ Mechanism step_mechanism(const std::string& spec, int64_t head_dim, int64_t kv_h
   return build_mechanism(spec, static_cast<int>(head_dim), static_cast<int>(kv_heads));
 }
 
-// A Python module's state for its cached steps: its mechanism parsed once (the parse cost about
-// a tenth of a decode step at a hundred keys) and the kernel parameters with the copy of the
-// schema's values they were computed from. Held by the encoding (PositionEncoding._step_plan;
-// dropped when it is pickled; itself pickled as the spec and dims, the parameters then handed
-// again).
-struct StepPlan : torch::CustomClassHolder {
-  std::string spec;
-  int64_t head_dim, kv_heads;
-  Mechanism mechanism;
-  std::vector<torch::Tensor> schema, params;  // params computed from these schema values
-  // a content bias's term is built for the query heads: that mechanism, made on first use
-  std::optional<Mechanism> query_heads;
+}  // namespace
 
-  StepPlan(std::string spec_in, int64_t head_dim_in, int64_t kv_heads_in)
-      : spec(std::move(spec_in)),
-        head_dim(head_dim_in),
-        kv_heads(kv_heads_in),
-        mechanism(op_util::value_errors([&] { return step_mechanism(spec, head_dim, kv_heads); })) {
-  }
+StepPlan::StepPlan(std::string spec_in, int64_t head_dim_in, int64_t kv_heads_in)
+    : spec(std::move(spec_in)),
+      head_dim(head_dim_in),
+      kv_heads(kv_heads_in),
+      mechanism(op_util::value_errors([&] { return step_mechanism(spec, head_dim, kv_heads); })) {}
 
-  void set_params(std::vector<torch::Tensor> schema_values, std::vector<torch::Tensor> kernel) {
-    schema = std::move(schema_values);
-    params = std::move(kernel);
-  }
-
-  // whether params are of the schema's present values, in the compute dtype of `stored`
-  bool current(const std::vector<torch::Tensor>& now, c10::ScalarType stored) const {
-    if (params.size() != 4 || !same_values_op(now, schema)) return false;
-    const auto ct = op_util::compute_type(stored);
-    return std::all_of(params.begin(), params.end(), [&](const torch::Tensor& t) {
-      return !t.defined() || t.scalar_type() == ct;
-    });
-  }
-};
+bool StepPlan::current(const std::vector<torch::Tensor>& now, c10::ScalarType stored) const {
+  if (params.size() != 4 || !same_values_op(now, schema)) return false;
+  const auto ct = op_util::compute_type(stored);
+  return std::all_of(params.begin(), params.end(),
+                     [&](const torch::Tensor& t) { return !t.defined() || t.scalar_type() == ct; });
+}
 
 // decode's status: the step ran, or nothing was done (empty outputs: a method returns no
 // undefined tensor) and the caller calls again after handing the plan new kernel parameters or
@@ -248,6 +229,8 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, bool> transform_method(
     return std::make_tuple(qt.contiguous(), kt.contiguous(), warned, false);
   });
 }
+
+namespace {
 
 std::string transform_step_refusal_op(const std::string& spec, int64_t head_dim, int64_t kv_heads) {
   return op_util::value_errors([&] {

@@ -232,6 +232,55 @@ def test_the_one_call_decode_step_is_the_general_path(spec):
     assert len(calls) == (0 if not one_call(INFO[spec]) else 5 if has_content(INFO[spec]) else 6)
 
 
+def test_the_operator_library_is_its_python_module():
+    """The library the package loaded is also the Python module relpos._relpos_ops (built with
+    Python's headers, as scripts/build.sh and the wheel build it), whose direct step calls the
+    modules make."""
+    steps = relpos._library.STEPS
+    assert steps is not None and steps.__file__ == str(relpos._library.LIB)
+    assert callable(steps.step_decode) and callable(steps.step_transform)
+
+
+@pytest.mark.parametrize("spec", [s for s in DECODED if one_call(INFO[s])])
+def test_the_direct_step_call_is_the_torchscript_method(spec, monkeypatch):
+    """The operator library's direct call of a cached step (relpos._relpos_ops.step_decode) and
+    the StepPlan.decode method it replaces give the same outputs, log-sum-exps and cache bit for
+    bit (over a prompt, single tokens and a chunk, the storage grown inside the step, a content
+    bias's inputs), and the same refusal of a non-finite token, appending nothing."""
+    D = DIMS[spec]
+    content = has_content(INFO[spec])
+    a = module(spec, torch.float32, model_dim=8 if content else None).requires_grad_(False)
+    g = torch.Generator().manual_seed(4)
+    B, T = 2, 7
+    q, k, v = (t.float() for t in grouped_qkv(g, B, T, D, HQ, HK))
+    x = torch.randn(B, T, 8, generator=g) if content else None
+    runs = []
+    for steps in (relpos._library.STEPS, None):
+        monkeypatch.setattr(relpos._library, "STEPS", steps)
+        b = copy.deepcopy(a)  # (a new plan, its calls made with this STEPS)
+        cache = relpos.KVCache(B, HK, D, capacity=1)
+        outs = []
+        with torch.no_grad():
+            for t0, t1 in ((0, 3), (3, 4), (4, 6), (6, 7)):
+                y = [z[:, :, t0:t1] for z in (q, k, v)]
+                outs += b(*y, cache=cache, inputs=None if x is None else x[:, t0:t1],
+                          return_lse=True)
+            bad = [z[:, :, :1].clone() for z in (q, k, v)]
+            bad[1][0, 0, 0, 0] = float("nan")
+            with pytest.raises(relpos.InputError) as refused:
+                b(*bad, cache=cache, inputs=None if x is None else x[:, :1])
+        assert cache.length == T
+        call = b.encoding._plan_calls["decode"]  # (the call each run made)
+        assert (getattr(call, "func", None) is getattr(steps, "step_decode", 0)) == (steps is not None)
+        runs.append((outs, cache, str(refused.value)))
+    (direct, c1, e1), (method, c2, e2) = runs
+    assert all(torch.equal(o1, o2) for o1, o2 in zip(direct, method))
+    assert torch.equal(c1.keys, c2.keys) and torch.equal(c1.values, c2.values)
+    assert torch.equal(c1.positions, c2.positions) and torch.equal(c1.lengths, c2.lengths)
+    assert all(torch.equal(s1, s2) for s1, s2 in zip(c1._content, c2._content))
+    assert e1 == e2 and "NaN" in e1
+
+
 CONTENT = [s for s in SPECS if has_content(INFO[s])] + [
     "rope + fox", "alibi + grape_a", "rope + grape_ap(form=paper)", "grape_m + fox"]
 

@@ -1031,7 +1031,18 @@ def _step_layer(spec, hq, hk):
     return layer
 
 
-def test_step_transform_gives_the_encodings_bits(monkeypatch):
+@pytest.fixture(params=["direct", "method"])
+def step_call(request, monkeypatch):
+    """The step op called as the operator library's Python function (the package's default) or
+    as TorchScript's StepPlan.transform method (its fallback without one)."""
+    if request.param == "method":
+        monkeypatch.setattr(relpos._library, "STEPS", None)
+    elif relpos._library.STEPS is None:
+        pytest.fail("the operator library is no Python module (built without Python's headers)")
+    return request.param
+
+
+def test_step_transform_gives_the_encodings_bits(monkeypatch, step_call):
     """A switched layer's step of at most 8 tokens without autograd runs one StepPlan.transform
     call (the checks, the query grouping and the kernels in C++); with autograd on it runs the
     encoding. Across the catalog, for every mechanism the op takes (at least RoPE, its scaled
@@ -1084,7 +1095,7 @@ def test_step_transform_gives_the_encodings_bits(monkeypatch):
     assert len(calls) == 16 * len(taken)
 
 
-def test_step_transform_follows_parameter_writes():
+def test_step_transform_follows_parameter_writes(step_call):
     """The step's op computes with kernel parameters cached from the schema's values; a write
     to a parameter (through ``.data``, which bumps no version counter, as EMA swaps do) is seen
     at the next step: the op finds the cached values stale and the layer recomputes them."""
@@ -1103,7 +1114,7 @@ def test_step_transform_follows_parameter_writes():
         assert torch.equal(a, b.detach())
 
 
-def test_step_transform_refuses_bad_input_by_name():
+def test_step_transform_refuses_bad_input_by_name(step_call):
     """The step's op names NaN in q or k, and a shape the layer was not built for, as InputError
     (and changes nothing: the inputs are not written)."""
     layer = rt.RelposAttention("rope", 16, 4, 2, scale=0.25)
@@ -1126,7 +1137,7 @@ def test_step_transform_refuses_bad_input_by_name():
             layer.transform(q, k, torch.tensor([float("nan")], dtype=torch.float64))
 
 
-def test_step_transform_warns_as_the_encoding():
+def test_step_transform_warns_as_the_encoding(step_call):
     """Positions in float32 far out lose resolution: the step's op warns as the encoding does
     (once per layer), from the positions the caller gave, not from their float64 copy."""
     import warnings
