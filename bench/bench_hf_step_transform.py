@@ -10,15 +10,17 @@ the caches cold, as in `generate`).
 Per layout (8 query heads of D 64, `--kv-heads` key/value heads), q [1, 8, T, 64] and k
 [1, Hk, T, 64] float32, T = --tokens at position ctx:
   relpos_step      `RelposAttention.transform` without autograd, as the layer's forward calls it
-                   in `generate`: one StepPlan.transform call (checks, grouping, kernels) on HF's int64
-                   position_ids [1, T]
+                   in `generate`: one call of the C++ step (checks, grouping, kernels) on HF's
+                   int64 position_ids [1, T], the operator library's `step_transform`
+  relpos_method    the same through the StepPlan.transform TorchScript method, as the package
+                   calls it when the library is no Python module (and did before it was one)
   relpos_encoding  the same layer's encoding path (the PositionEncoding module; grouped queries
                    concatenated with the keys), which such calls ran before the one-call step, on
                    the float64 positions [T] the forward then made of position_ids (converted in
                    the timed call, as the forward did)
   hf_rope          HF's `apply_rotary_pos_emb(q, k, cos, sin)` with the step's cos and sin made
                    beforehand (HF makes them once per step for all layers; not timed here)
-Prints medians (us) and the ratios of the medians; the first two give the same bits (checked).
+Prints medians (us) and the ratios of the medians; the relpos cases give the same bits (checked).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 
 import torch
 
+import relpos
 from rounds import warm_and_cold
 
 
@@ -60,9 +63,9 @@ def main():
           f"{torch.get_num_threads()} threads, {T} token(s) at position {a.ctx}, 8 query heads of "
           f"{D}, float32, {a.rounds} rounds in random order (medians, us)")
     print()
-    print("| heads q:kv | state | relpos_step | relpos_encoding | hf_rope | step / encoding | "
-          "step / hf_rope |")
-    print("|---|---|---|---|---|---|---|")
+    print("| heads q:kv | state | relpos_step | relpos_method | relpos_encoding | hf_rope | "
+          "step / method | step / encoding | step / hf_rope |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for hk in layouts:
         cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
                                        num_attention_heads=8, num_key_value_heads=hk,
@@ -75,12 +78,22 @@ def main():
         step = rt.RelposAttention("rope", D, 8, hk, scale=D ** -0.5)
         encoding = rt.RelposAttention("rope", D, 8, hk, scale=D ** -0.5)
         encoding._step_transform = False  # the encoding path, as before the one-call step
+        method = rt.RelposAttention("rope", D, 8, hk, scale=D ** -0.5)
         past = torch.randn(1, hk, a.ctx, D)
 
         with torch.no_grad():
             got, want = step.transform(q, k, pos_ids), encoding.transform(q, k, pos)
-        if not all(torch.equal(g, w) for g, w in zip(got, want)):
-            raise SystemExit("the one-call step and the encoding path gave different bits")
+            steps, relpos._library.STEPS = relpos._library.STEPS, None
+            try:  # (the layer's step call is made on its first step: here the method)
+                by_method = method.transform(q, k, pos_ids)
+            finally:
+                relpos._library.STEPS = steps
+        if steps is None:
+            print("(the operator library is no Python module: relpos_step is the method too)\n")
+        if not all(torch.equal(g, w) and torch.equal(g, m)
+                   for g, w, m in zip(got, want, by_method)):
+            raise SystemExit("the one-call step, the method and the encoding path gave different "
+                             "bits")
 
         def layer_work():  # a decoder layer's other work at this step
             with torch.no_grad():
@@ -95,6 +108,10 @@ def main():
             with torch.no_grad():
                 step.transform(q, k, pos_ids)
 
+        def relpos_method():
+            with torch.no_grad():
+                method.transform(q, k, pos_ids)
+
         def relpos_encoding():
             with torch.no_grad():
                 encoding.transform(q, k, pos_ids.to(torch.float64)[0])
@@ -103,13 +120,14 @@ def main():
             with torch.no_grad():
                 modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
 
-        calls = {"relpos_step": relpos_step, "relpos_encoding": relpos_encoding,
-                 "hf_rope": hf_rope}
+        calls = {"relpos_step": relpos_step, "relpos_method": relpos_method,
+                 "relpos_encoding": relpos_encoding, "hf_rope": hf_rope}
         med = {key: ms * 1e3
                for key, ms in warm_and_cold(calls, layer_work, rounds=a.rounds, warmup=5).items()}
         for state in ("warm", "cold"):
-            s, e, h = (med[(n, state)] for n in calls)
-            print(f"| 8:{hk} | {state} | {s:.1f} | {e:.1f} | {h:.1f} | {s / e:.2f} | {s / h:.2f} |")
+            s, m, e, h = (med[(n, state)] for n in calls)
+            print(f"| 8:{hk} | {state} | {s:.1f} | {m:.1f} | {e:.1f} | {h:.1f} | {s / m:.2f} | "
+                  f"{s / e:.2f} | {s / h:.2f} |")
 
 
 if __name__ == "__main__":

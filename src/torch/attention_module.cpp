@@ -152,7 +152,9 @@ std::pair<torch::Tensor, torch::Tensor> step_transformed(
       throw InputError(
           "step transform: kernel_params must be contiguous CPU tensors of q's compute dtype (or "
           "undefined: none)");
-  torch::Tensor qt = q.to(ct), kt = k.to(ct);
+  // (stored: Tensor::to dispatches even when the dtype is already right, a share of a warm
+  // decode step)
+  torch::Tensor qt = op_util::stored(q, ct), kt = op_util::stored(k, ct);
   if (m.has_transform() && q.size(2) > 0) {
     check_exponent_range(m, ct);
     const double center = m.resolve_center(0, 0);  // (center=mid is refused)
@@ -170,8 +172,8 @@ std::pair<torch::Tensor, torch::Tensor> step_transformed(
       kt = kt * af;
     }
   }
-  qt = qt.to(stored_as);
-  kt = kt.to(stored_as);
+  qt = op_util::stored(qt, stored_as);
+  kt = op_util::stored(kt, stored_as);
   if (stored_as == torch::kHalf)
     for (const auto* t : {&qt, &kt})
       if (!all_finite(*t) && all_finite(t == &qt ? q : k))
@@ -213,7 +215,7 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
                         {content.inputs, qt, kt, pos, prefix(used()), cache.lengths}, a);
   }
   cache_append(cache.keys, cache.values, cache.positions, cache.lengths, cache.content, kt,
-               v.to(st), pos, s.counts, side);
+               op_util::stored(v, st), pos, s.counts, side);
   const int64_t len = used();
   if (content.term) content_runtime(*content.term).attach(prefix(len), a);
   a.q_positions = pos;
@@ -234,7 +236,7 @@ std::vector<torch::Tensor> decode_step(const Mechanism& m,
   // nothing here) cost about a tenth of the step at a hundred keys (docs/performance.md)
   auto r = fused_attention_cpu_forward(qt, cache.keys.narrow(2, 0, len),
                                        cache.values.narrow(2, 0, len), a);
-  r[0] = r[0].to(dt);
+  r[0] = op_util::stored(r[0], dt);
   return r;
 }
 

@@ -89,8 +89,8 @@ torch::Tensor project_host(const BiasTerm& t, const torch::Tensor& x, const torc
                      x.size(0) * x.size(1) * w.size(0) * w.size(1) <= kMaxProducts;
   if (!loops) return project(t, x, w, b).contiguous();
   const auto xs = x.contiguous();
-  const auto ws = w.to(x.scalar_type()).contiguous();
-  const auto bs = b.defined() ? b.to(x.scalar_type()).contiguous() : b;
+  const auto ws = op_util::stored(w, x.scalar_type()).contiguous();
+  const auto bs = b.defined() ? op_util::stored(b, x.scalar_type()).contiguous() : b;
   const int64_t rows = x.size(0) * x.size(1), M = x.size(2), N = w.size(0);
   auto out = torch::empty({x.size(0), x.size(1), N}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "relpos_project_host", [&] {
@@ -194,7 +194,7 @@ std::vector<torch::Tensor> gated_host(const BiasTerm& t, const std::vector<torch
   const auto dt = c.q.scalar_type();
   const int64_t B = c.q.size(0), H = c.q.size(1), T = c.q.size(2), D = c.q.size(3);
   const auto q = c.q.contiguous(), k = c.k.contiguous();
-  const auto rho = p.back().to(dt).contiguous(), m = slopes(t, dt).contiguous();
+  const auto rho = op_util::stored(p.back(), dt).contiguous(), m = slopes(t, dt).contiguous();
   std::vector<torch::Tensor> side;
   AT_DISPATCH_FLOATING_TYPES(dt, "relpos_gated_host_step", [&] {
     using S = scalar_t;
@@ -204,7 +204,7 @@ std::vector<torch::Tensor> gated_host(const BiasTerm& t, const std::vector<torch
     const S root = S(std::sqrt(double(D)));
     // gates [B, H, T] of rows y ([B, Hy, T, D], query head h reading row head h / (H / Hy))
     const auto gates = [&](const torch::Tensor& dir, const torch::Tensor& y) {
-      const auto d = dir.to(dt).contiguous();
+      const auto d = op_util::stored(dir, dt).contiguous();
       auto out = torch::empty({B, H, T}, q.options());
       const S* dp = d.data_ptr<S>();
       const S* yp = y.data_ptr<S>();
@@ -359,8 +359,9 @@ std::vector<torch::Tensor> path_host_step(const BiasTerm& t, const std::vector<t
   const auto opts = probes.options();
   auto path_k = torch::empty({B, H, T, P}, opts), path_q = torch::empty({B, H, T, P}, opts);
   auto beta = torch::empty({H}, opts);
-  const auto pos = c.positions.to(torch::kDouble).contiguous();  // [T] or [B, T]
-  const auto rho = t.paper_form ? p[1].to(probes.scalar_type()).contiguous() : torch::Tensor();
+  const auto pos = op_util::stored(c.positions, torch::kDouble).contiguous();  // [T] or [B, T]
+  const auto rho =
+      t.paper_form ? op_util::stored(p[1], probes.scalar_type()).contiguous() : torch::Tensor();
   const int64_t pos_rows = pos.dim() == 1 ? 1 : B;
   AT_DISPATCH_FLOATING_TYPES(probes.scalar_type(), "relpos_path_host_step", [&] {
     using S = scalar_t;
