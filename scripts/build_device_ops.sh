@@ -64,7 +64,7 @@ torch_lib=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch
 # for, but nothing of theirs is built; no benchmarks, no install rules.
 nice -n 15 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$prefix" -DRELPOS_PYTHON=ON -DRELPOS_BENCH=OFF -DRELPOS_INSTALL=OFF \
-  -DCMAKE_DISABLE_FIND_PACKAGE_Python3=ON >/dev/null
+  -DRELPOS_PYTHON_MODULE=OFF >/dev/null
 nice -n 15 ninja -C "$build" -j "$JOBS" relpos_ops
 lib=$build/_relpos_ops.so
 

@@ -101,6 +101,11 @@ def _op(op, *args):
     except RuntimeError as e:
         _raise_wrong_type(e)
         raise
+    except TypeError as e:  # the operator library's direct step calls (pybind11) refuse a type so
+        if "incompatible function arguments" not in str(e):
+            raise
+        raise InputError(f"relpos: an argument of the wrong type (a module attribute set to "
+                         f"another type?): {e}") from None
 
 
 # The dispatcher's words when an operator argument has the wrong type (a RuntimeError)

@@ -4,8 +4,9 @@
 // Python module relpos._relpos_ops, whose functions call a StepPlan's steps directly:
 //   step_decode(plan, <plan.decode's arguments>), step_transform(plan, <plan.transform's>)
 // On caches a decoder's other layers left cold, TorchScript's method call (the method's lookup,
-// each argument converted against its schema, the boxed call) cost 37-81 us a step against
-// about 19 for these (docs/performance.md); the package falls back to the methods without them.
+// each argument converted against its schema, the boxed call) cost 70-129 us a step against 13-26
+// for these (bench/bench_step_parts.py, docs/performance.md); the package falls back to the
+// methods without them.
 #ifdef RELPOS_PYTHON_MODULE
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/api/object.h>
@@ -26,8 +27,8 @@ c10::intrusive_ptr<StepPlan> plan_of(const torch::jit::Object& plan) {
 }  // namespace
 
 // Each call as TorchScript's: errors and warnings as Python's (ValueError for bad input, the
-// package's InputError), the GIL released while the step runs (it touches no Python object; the
-// plan is unwrapped with the arguments, before).
+// package's InputError), the GIL released while the step runs (the plan converted with the
+// arguments, under the GIL; neither its C++ object nor the step touches a Python object).
 PYBIND11_MODULE(_relpos_ops, m) {
   namespace py = pybind11;
   m.doc() = "relpos's operator library: StepPlan's steps without TorchScript's method call";

@@ -241,6 +241,27 @@ def test_the_operator_library_is_its_python_module():
     assert callable(steps.step_decode) and callable(steps.step_transform)
 
 
+def test_a_library_of_any_file_name_is_its_module_once(tmp_path):
+    """RELPOS_OPS_LIBRARY may name the library by any file name (the operators load, and the
+    module with them); importing relpos._relpos_ops by name then finds that loaded module, not a
+    second copy of the library (whose operators would register twice)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    lib = tmp_path / "ops.so.old"
+    shutil.copy(relpos._library.LIB, lib)
+    code = ("import relpos, relpos._relpos_ops as m; "
+            "print(m is relpos._library.STEPS, m.__file__, len(relpos.mechanisms()) > 0)")
+    env = dict(os.environ, RELPOS_OPS_LIBRARY=str(lib),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", str(lib), "True"], r.stdout
+
+
 @pytest.mark.parametrize("spec", [s for s in DECODED if one_call(INFO[s])])
 def test_the_direct_step_call_is_the_torchscript_method(spec, monkeypatch):
     """The operator library's direct call of a cached step (relpos._relpos_ops.step_decode) and
@@ -279,6 +300,25 @@ def test_the_direct_step_call_is_the_torchscript_method(spec, monkeypatch):
     assert torch.equal(c1.positions, c2.positions) and torch.equal(c1.lengths, c2.lengths)
     assert all(torch.equal(s1, s2) for s1, s2 in zip(c1._content, c2._content))
     assert e1 == e2 and "NaN" in e1
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "method"])
+def test_a_step_attribute_of_another_type_is_refused(direct, monkeypatch):
+    """A module attribute set after construction to another type (window, causal) reaches the
+    C++ step as an argument it cannot take: InputError through either call, the cache
+    unchanged."""
+    if not direct:
+        monkeypatch.setattr(relpos._library, "STEPS", None)
+    for name, value in (("window", "wide"), ("causal", "yes")):
+        a = relpos.Attention("alibi", 16, 4, 2)
+        cache = relpos.KVCache(1, 2, 16)
+        step = [torch.randn(1, h, 1, 16) for h in (4, 2, 2)]
+        with torch.no_grad():
+            a(*step, cache=cache)
+            setattr(a, name, value)
+            with pytest.raises(relpos.InputError):
+                a(*step, cache=cache)
+        assert cache.length == 1
 
 
 CONTENT = [s for s in SPECS if has_content(INFO[s])] + [
