@@ -152,8 +152,7 @@ std::pair<torch::Tensor, torch::Tensor> step_transformed(
       throw InputError(
           "step transform: kernel_params must be contiguous CPU tensors of q's compute dtype (or "
           "undefined: none)");
-  // (stored: Tensor::to dispatches even when the dtype is already right, a share of a warm
-  // decode step)
+  // (stored: Tensor::to goes through the dispatcher even when the dtype is already right)
   torch::Tensor qt = op_util::stored(q, ct), kt = op_util::stored(k, ct);
   if (m.has_transform() && q.size(2) > 0) {
     check_exponent_range(m, ct);

@@ -125,7 +125,9 @@ bool StepPlan::current(const std::vector<torch::Tensor>& now, c10::ScalarType st
 // growing the cache's storage, or runs the step on its general path (a content bias before its
 // side tensors exist, in a half cache, or a path integral over rows of different lengths, whose
 // refusal the general path words)
+namespace {
 enum DecodeStatus : int64_t { kDecoded = 0, kStaleParams = 1, kNoRoom = 2, kGeneralPath = 3 };
+}  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> decode_method(
     const c10::intrusive_ptr<StepPlan>& plan, const torch::Tensor& q_in, const torch::Tensor& k_in,
